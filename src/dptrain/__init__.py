@@ -1,0 +1,24 @@
+"""dptrain: differentially private training for any PyTorch loop, exact and fast."""
+from .algorithms import CLIPPING_MODES, RECIPES
+from .clipping import CLIPPING_FNS, CLIPPING_STYLES
+from .engine import PrivacyEngine
+from .layers import LayerDims, LayerRule, find_rule, register_layer
+from .planning import LayerDecision
+from .validation import find_problems, validate
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PrivacyEngine",
+    "register_layer",
+    "find_rule",
+    "LayerRule",
+    "LayerDims",
+    "LayerDecision",
+    "validate",
+    "find_problems",
+    "CLIPPING_MODES",
+    "CLIPPING_FNS",
+    "CLIPPING_STYLES",
+    "RECIPES",
+]

@@ -1,0 +1,122 @@
+"""Forward/backward hooks that record, per layer call, the activation and the output gradient.
+
+Ghost differentiation (book-keeping paper, section 2.1): in single-backward modes the
+layer's parameters are switched to ``requires_grad=False`` for the duration of its own
+forward call only, so autograd records no parameter-gradient work (module 2b of the
+non-private gradient is never computed) while output gradients still flow. A layer whose
+input does not require grad (the first trainable layer) then gets its output attached to
+an engine-owned "origin" leaf, so back-propagation still reaches it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .layers.base import LayerDims, LayerRule
+
+
+@dataclass
+class Call:
+    """One forward call of a covered module, and later its output gradient."""
+
+    activation: Any
+    dims: LayerDims
+    batch_size: int
+    edge: Any  # the output's gradient edge, for two-pass modes' first backward
+    grad: torch.Tensor | None = None
+
+
+@dataclass
+class LayerState:
+    name: str
+    module: nn.Module
+    rule: LayerRule
+    params: dict[str, nn.Parameter]
+    calls: list[Call] = field(default_factory=list)
+
+
+class _Origin(torch.autograd.Function):
+    """Identity on ``x`` that makes it require grad through ``anchor`` (no gradient flows back)."""
+
+    @staticmethod
+    def forward(ctx, anchor, x):
+        if x._is_view():  # marking a view dirty would detach it from its base's history
+            return x.clone()
+        ctx.mark_dirty(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+def _gradient_edge(t: torch.Tensor):
+    get_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    return get_edge(t) if get_edge is not None else t
+
+
+class Capture:
+    """Installs and removes the hooks on the covered modules; the engine reacts to gradients."""
+
+    def __init__(self, layers: list[LayerState], on_grad: Callable[[LayerState, Call, torch.Tensor], None],
+                 ghost_differentiation: bool):
+        self.layers = layers
+        self.on_grad = on_grad
+        self.ghost_differentiation = ghost_differentiation
+        self._handles: list[Any] = []
+        self._anchors: dict[torch.device, torch.Tensor] = {}
+
+    def install(self, extra_checks: list[tuple[nn.Module, Callable]] = ()) -> None:
+        for state in self.layers:
+            if self.ghost_differentiation:
+                self._handles.append(state.module.register_forward_pre_hook(self._make_pre_hook(state)))
+            self._handles.append(
+                state.module.register_forward_hook(self._make_post_hook(state), always_call=True)
+            )
+        for module, check in extra_checks:
+            self._handles.append(module.register_forward_pre_hook(check))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        for state in self.layers:
+            state.calls.clear()
+
+    def _anchor(self, device: torch.device) -> torch.Tensor:
+        anchor = self._anchors.get(device)
+        if anchor is None:
+            anchor = torch.zeros((), device=device, requires_grad=True)
+            self._anchors[device] = anchor
+        return anchor
+
+    def _make_pre_hook(self, state: LayerState):
+        def pre_hook(module, inputs):
+            if torch.is_grad_enabled():
+                for p in state.params.values():
+                    p.requires_grad_(False)
+
+        return pre_hook
+
+    def _make_post_hook(self, state: LayerState):
+        def post_hook(module, inputs, output):
+            if self.ghost_differentiation:
+                for p in state.params.values():
+                    p.requires_grad_(True)
+            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+                return None
+            activation = state.rule.capture(module, inputs, output)
+            if not output.requires_grad:
+                if not self.ghost_differentiation:
+                    return None  # nothing trainable upstream of a frozen use: no gradient
+                output = _Origin.apply(self._anchor(output.device), output)
+            dims = state.rule.dims(module, activation, output)
+            call = Call(activation, dims, output.shape[0] if output.dim() else 0, _gradient_edge(output))
+            state.calls.append(call)
+            output.register_hook(lambda g: self.on_grad(state, call, g))
+            return output
+
+        return post_hook

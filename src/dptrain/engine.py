@@ -1,0 +1,434 @@
+"""PrivacyEngine: validated configuration, attach/detach, backward, and the private step."""
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import accounting
+from .algorithms import RECIPES, GradVia, NormVia
+from .capture import Call, Capture, LayerState
+from .clipping import CLIPPING_FNS, build_groups, clipping_factors, group_threshold
+from .layers import find_rule, trainable_params
+from .noise import GaussianNoise
+from .planning import DECISION_RULES, LayerDecision, prefers_ghost
+from .validation import validate
+
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
+@dataclass
+class _LayerWork:
+    """The norm stage of one layer in one backward, and what its gradient stage needs."""
+
+    state: LayerState
+    batch_size: int
+    sq_norms: dict[str, torch.Tensor]
+    per_sample: dict[str, torch.Tensor]   # kept instantiated gradients (module 5)
+    operands: tuple | None                # kept (a, g) operands (module 2b(C))
+    decision: LayerDecision
+
+
+class PrivacyEngine:
+    """Makes an ordinary PyTorch training loop differentially private.
+
+    After ``attach(optimizer)``, each ``optimizer.step()`` applies the private gradient
+    ``(sum_i C_i g_i + sigma * R * N(0, I)) / batch_size`` where ``g_i`` are the per-sample
+    gradients of the (micro-)batches back-propagated since the last step.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        batch_size: int,
+        sample_size: int,
+        max_grad_norm: float = 1.0,
+        noise_multiplier: float | None = None,
+        target_epsilon: float | None = None,
+        target_delta: float | None = None,
+        epochs: float | None = None,
+        steps: int | None = None,
+        clipping_mode: str = "bk-mixopt",
+        clipping_fn: str = "abadi",
+        clipping_style: str | Sequence[Sequence[str]] = "all-layer",
+        loss_reduction: str = "mean",
+        decision_rule: str = "space",
+        clipping_gamma: float = 0.01,
+        accountant: str = "pld",
+        secure_rng: bool = False,
+        seed: int | None = None,
+    ):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        _check_choice("clipping_mode", clipping_mode, tuple(RECIPES))
+        _check_choice("clipping_fn", clipping_fn, CLIPPING_FNS)
+        _check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
+        _check_choice("decision_rule", decision_rule, DECISION_RULES)
+        _check_choice("accountant", accountant, accounting.ACCOUNTANTS)
+        if not (isinstance(batch_size, int) and batch_size > 0):
+            raise ValueError(f"batch_size must be a positive int (the expected logical batch size), got {batch_size!r}")
+        if not (isinstance(sample_size, int) and sample_size > 0):
+            raise ValueError(f"sample_size must be a positive int (the dataset size), got {sample_size!r}")
+        if batch_size > sample_size:
+            raise ValueError(f"batch_size={batch_size} is larger than sample_size={sample_size}")
+        if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
+            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
+        if not clipping_gamma > 0:
+            raise ValueError(f"clipping_gamma must be positive, got {clipping_gamma!r}")
+
+        self.model = model
+        self.batch_size = batch_size
+        self.sample_size = sample_size
+        self.sample_rate = batch_size / sample_size
+        self.max_grad_norm = float(max_grad_norm)
+        self.clipping_mode = clipping_mode
+        self.recipe = RECIPES[clipping_mode]
+        self.clipping_fn = clipping_fn
+        self.clipping_gamma = float(clipping_gamma)
+        self.loss_reduction = loss_reduction
+        self.decision_rule = decision_rule
+        self.target_delta = target_delta if target_delta is not None else accounting.default_delta(sample_size)
+        self.noise_multiplier = self._resolve_noise_multiplier(
+            noise_multiplier, target_epsilon, target_delta, epochs, steps, accountant
+        )
+        self.target_epsilon = target_epsilon
+        self.accountant = accounting.create_accountant(accountant)
+        self._noise = GaussianNoise(seed=seed, secure=secure_rng)
+
+        validate(model)
+        self._layers = [
+            LayerState(name, module, find_rule(module), trainable_params(module))
+            for name, module in model.named_modules()
+            if trainable_params(module)
+        ]
+        if not self._layers:
+            raise ValueError("the model has no trainable parameters: nothing to train privately")
+        params = [(s.name, n) for s in self._layers for n in s.params]
+        groups = build_groups(clipping_style, [s.name for s in self._layers], params)
+        if self.recipe.two_pass and len(groups) > 1:
+            warnings.warn(
+                f"clipping_mode={clipping_mode!r} with {len(groups)} clipping groups re-weights the loss once per "
+                "group (Lee & Kifer's second backward applies one factor per sample), so each step runs "
+                f"{len(groups)} extra backward passes; the book-keeping modes clip groups at no extra cost",
+                stacklevel=2,
+            )
+        self.clipping_style = clipping_style
+        self._group_of = {key: k for k, group in enumerate(groups) for key in group}
+        by_name = {s.name: s for s in self._layers}
+        self._group_params = [[by_name[m].params[n] for m, n in group] for group in groups]
+        self._num_groups = len(groups)
+        self._threshold = group_threshold(self.max_grad_norm, len(groups))
+
+        self._capture: Capture | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._step_handle = None
+        self._phase = "idle"  # idle | single | first-pass | second-pass
+        self._callback_queued = False
+        self._works: dict[int, _LayerWork] = {}
+        self._summed: dict[nn.Parameter, torch.Tensor] = {}
+        self._last_decisions: list[LayerDecision] = []
+        self.steps_taken = 0
+
+    # ------------------------------------------------------------------ configuration
+    def _resolve_noise_multiplier(self, sigma, target_epsilon, target_delta, epochs, steps, accountant_name):
+        if (sigma is None) == (target_epsilon is None):
+            raise ValueError("give exactly one of noise_multiplier or target_epsilon (with epochs or steps)")
+        if sigma is not None:
+            if epochs is not None or steps is not None or target_delta is not None:
+                warnings.warn("epochs/steps/target_delta only matter with target_epsilon; they are ignored for calibration")
+            if not (sigma >= 0 and math.isfinite(sigma)):
+                raise ValueError(f"noise_multiplier must be a finite number >= 0, got {sigma!r}")
+            return float(sigma)
+        if (epochs is None) == (steps is None):
+            raise ValueError("target_epsilon needs the planned length of training: give exactly one of epochs or steps")
+        planned = steps if steps is not None else int(math.ceil(epochs / self.sample_rate))
+        self.planned_steps = planned
+        return accounting.calibrate_noise_multiplier(
+            target_epsilon, self.target_delta, self.sample_rate, planned, accountant=accountant_name
+        )
+
+    # ------------------------------------------------------------------ attach / detach
+    def attach(self, optimizer: torch.optim.Optimizer) -> PrivacyEngine:
+        """Install the hooks; ``optimizer.step()`` then applies the private gradient."""
+        if self._optimizer is not None:
+            raise RuntimeError("this engine is already attached; call detach() first")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        ours = {p for s in self._layers for p in s.params.values()}
+        model_params = {p for p in self.model.parameters()}
+        self._step_params = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p not in model_params:
+                    raise ValueError("the optimizer holds a parameter that is not in the model given to the engine")
+                if p in ours:
+                    self._step_params.append(p)
+        if not self._step_params:
+            raise ValueError("the optimizer holds none of the model's trainable parameters")
+        self._capture = Capture(self._layers, self._on_output_grad, ghost_differentiation=not self.recipe.two_pass)
+        self._capture.install(extra_checks=_frozen_batchnorm_checks(self.model))
+        self._step_handle = optimizer.register_step_pre_hook(self._before_step)
+        self._optimizer = optimizer
+        return self
+
+    def detach(self) -> None:
+        """Remove every hook; the model and optimizer behave exactly as before ``attach``."""
+        if self._capture is not None:
+            self._capture.remove()
+        if self._step_handle is not None:
+            self._step_handle.remove()
+        self._capture, self._step_handle, self._optimizer = None, None, None
+        self._works.clear()
+        self._summed.clear()
+        self._phase = "idle"
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, losses: torch.Tensor) -> None:
+        """Back-propagate per-sample losses ``[B]`` (or ``[B, ...]``, summed per sample).
+
+        Valid in every clipping mode; micro-batches accumulate until ``optimizer.step()``.
+        """
+        if self._capture is None:
+            raise RuntimeError("call engine.attach(optimizer) before engine.backward(losses)")
+        if not isinstance(losses, torch.Tensor) or losses.dim() == 0:
+            raise ValueError(
+                "engine.backward needs per-sample losses of shape [B], e.g. "
+                "F.cross_entropy(logits, y, reduction='none'); got a scalar. For a scalar loss use loss.backward() "
+                "in a single-backward mode"
+            )
+        if losses.dim() > 1:
+            losses = losses.reshape(losses.shape[0], -1).sum(1)
+        if not torch.isfinite(losses).all():
+            bad = (~torch.isfinite(losses)).nonzero().flatten().tolist()
+            raise ValueError(f"non-finite per-sample losses at batch positions {bad[:10]}: nothing was accumulated")
+        B = losses.shape[0]
+        if B == 0 or not losses.requires_grad:
+            self._forget_calls()
+            if B > 0:
+                raise ValueError("the losses do not depend on any trainable parameter (did the forward run under no_grad?)")
+            return  # an empty batch contributes nothing; the step still adds noise and counts
+        if self.recipe.two_pass:
+            self._two_pass_backward(losses)
+        else:
+            self._phase = "single"
+            try:
+                torch.autograd.backward(losses.sum())
+                self._finish_backward(expected_batch=B, scale=1.0)
+            finally:
+                self._phase = "idle"
+
+    def _two_pass_backward(self, losses: torch.Tensor) -> None:
+        calls = [(s, c) for s in self._layers for c in s.calls]
+        if not calls:
+            raise ValueError("no trainable layer was called in the forward that produced these losses")
+        self._phase = "first-pass"
+        try:
+            grads = torch.autograd.grad(
+                losses.sum(), [c.edge for _, c in calls], retain_graph=True, allow_unused=True
+            )
+            for (state, call), g in zip(calls, grads):
+                call.grad = g
+            factors = self._finish_backward(expected_batch=losses.shape[0], scale=1.0)
+            self._phase = "second-pass"
+            for k, params in enumerate(self._group_params):
+                reweighted = (losses * factors[k].to(losses.dtype)).sum()
+                last = k == len(self._group_params) - 1
+                grads = torch.autograd.grad(reweighted, params, allow_unused=True, retain_graph=not last)
+                for p, g in zip(params, grads):
+                    if g is not None:
+                        self._accumulate(p, g)
+        finally:
+            self._phase = "idle"
+
+    def _on_output_grad(self, state: LayerState, call: Call, grad: torch.Tensor) -> None:
+        if self._phase in ("first-pass", "second-pass"):
+            return
+        if self._phase == "idle":
+            if self.recipe.two_pass:
+                raise RuntimeError(
+                    f"clipping_mode={self.clipping_mode!r} needs two backward passes: call "
+                    "engine.backward(per_sample_losses) instead of loss.backward()"
+                )
+            if not self._callback_queued:
+                self._callback_queued = True
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_plain_backward)
+        call.grad = grad.detach()
+        if len(state.calls) == 1:  # a single call can be reduced now, freeing its tensors early
+            self._norm_stage(state)
+
+    def _finish_plain_backward(self) -> None:
+        self._callback_queued = False
+        batch = self._batch_size_of_backward(expected=None)
+        scale = float(batch) if self.loss_reduction == "mean" else 1.0
+        self._finish_backward(expected_batch=batch, scale=scale)
+
+    # ------------------------------------------------------------------ the recipe
+    def _norm_stage(self, state: LayerState) -> None:
+        """Per-sample squared norms of one layer (modules 3/4), keeping what the gradient stage needs."""
+        calls = [c for c in state.calls if c.grad is not None]
+        state.calls.clear()
+        if not calls:
+            return
+        sizes = {c.batch_size for c in calls}
+        if len(sizes) > 1:
+            raise ValueError(f"module {state.name!r} was called with different batch sizes {sorted(sizes)} in one forward")
+        rule, module = state.rule, state.module
+        parts = [rule.operands(module, c.activation, c.grad) for c in calls]
+        ops = parts[0] if len(parts) == 1 else rule.concat_calls(parts)
+        dims = calls[0].dims
+        if len(calls) > 1:
+            dims = type(dims)(T=sum(c.dims.T for c in calls), p=dims.p, d=dims.d, blocks=dims.blocks,
+                              ghost_supported=dims.ghost_supported)
+
+        recipe = self.recipe
+        ghost = "weight" in state.params and dims.ghost_supported and (
+            recipe.norm is NormVia.GHOST
+            or (recipe.norm is NormVia.MIXED and prefers_ghost(dims, self.decision_rule))
+        )
+        if recipe.grad is GradVia.SECOND_PASS:
+            grad_via = "second-pass"
+        elif recipe.grad is GradVia.WEIGHTED_SUM or (recipe.grad is GradVia.FOLLOW_NORM and not ghost):
+            grad_via = "weighted-sum"
+        else:
+            grad_via = "book-keeping"
+
+        instantiate = set(state.params) - ({"weight"} if ghost else set())
+        per_sample = rule.per_sample_grads(module, ops, instantiate) if instantiate else {}
+        sq_norms = {n: _float32(g).flatten(1).square().sum(1) for n, g in per_sample.items()}
+        if ghost:
+            sq_norms["weight"] = rule.ghost_sq_norm(module, ops)
+        if grad_via != "weighted-sum":
+            per_sample = {}
+        decision = LayerDecision(
+            state.name, type(module).__name__, dims.T, dims.p, dims.d * dims.blocks,
+            dims.ghost_cost, dims.instantiate_cost, "ghost" if ghost else "instantiate", grad_via,
+        )
+        self._works[id(state)] = _LayerWork(
+            state, calls[0].batch_size, sq_norms, per_sample,
+            ops if grad_via == "book-keeping" else None, decision,
+        )
+
+    def _batch_size_of_backward(self, expected: int | None) -> int:
+        for state in self._layers:
+            if state.calls:
+                self._norm_stage(state)
+        sizes = {w.state.name: w.batch_size for w in self._works.values()}
+        distinct = set(sizes.values())
+        if expected is not None:
+            distinct.add(expected)
+        if len(distinct) > 1:
+            detail = ", ".join(f"{n}: {b}" for n, b in sizes.items())
+            raise ValueError(
+                f"layers saw different batch sizes ({detail}"
+                + (f"; losses: {expected}" if expected is not None else "")
+                + "). Every trainable layer must get the batch as its first dimension: an input broadcast over "
+                "the batch (e.g. position ids of shape [1, T]) must be expanded to [B, T] first"
+            )
+        return distinct.pop() if distinct else 0
+
+    def _finish_backward(self, expected_batch: int | None, scale: float) -> list[torch.Tensor]:
+        """Clipping factors per group from all layers' norms; single-pass modes then form the clipped sum."""
+        try:
+            batch = self._batch_size_of_backward(expected_batch)
+            works = list(self._works.values())
+            group_sq: list[torch.Tensor | None] = [None] * self._num_groups
+            for w in works:
+                for name, sq in w.sq_norms.items():
+                    k = self._group_of[(w.state.name, name)]
+                    group_sq[k] = sq if group_sq[k] is None else group_sq[k] + sq
+            like = next((sq for sq in group_sq if sq is not None), None)
+            group_sq = [
+                sq if sq is not None else (like.new_zeros(batch) if like is not None else torch.zeros(batch))
+                for sq in group_sq
+            ]
+            norms = [torch.sqrt(sq) * scale for sq in group_sq]
+            if batch and not all(bool(torch.isfinite(n).all()) for n in norms):
+                raise FloatingPointError(
+                    "a per-sample gradient norm is inf or NaN (overflow or a NaN in the model): nothing was "
+                    "accumulated for this batch; check the inputs, the learning rate, or use float32"
+                )
+            factors = [clipping_factors(n, self._threshold, self.clipping_fn, self.clipping_gamma) for n in norms]
+            order = {id(s): k for k, s in enumerate(self._layers)}
+            self._last_decisions = [w.decision for w in sorted(works, key=lambda w: order[id(w.state)])]
+            if not self.recipe.two_pass:
+                for w in works:
+                    self._gradient_stage(w, factors, scale)
+            return factors
+        finally:
+            self._works.clear()
+
+    def _gradient_stage(self, work: _LayerWork, factors: list[torch.Tensor], scale: float) -> None:
+        state = work.state
+        per_param = {n: factors[self._group_of[(state.name, n)]] * scale for n in state.params}
+        for name, ps in work.per_sample.items():
+            self._accumulate(state.params[name], torch.tensordot(per_param[name].to(ps.dtype), ps, dims=1))
+        rest = {n: c for n, c in per_param.items() if n not in work.per_sample}
+        if rest:
+            for name, g in state.rule.clipped_grads(state.module, work.operands, rest).items():
+                self._accumulate(state.params[name], g)
+
+    def _accumulate(self, p: nn.Parameter, g: torch.Tensor) -> None:
+        g = g.to(p.dtype)
+        if p in self._summed:
+            self._summed[p].add_(g)
+        else:
+            self._summed[p] = g  # always a fresh tensor from the rules or autograd.grad
+
+    def _forget_calls(self) -> None:
+        for s in self._layers:
+            s.calls.clear()
+        self._works.clear()
+
+    # ------------------------------------------------------------------ the private step
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        std = self.noise_multiplier * self.max_grad_norm
+        for p in self._step_params:
+            summed = self._summed.pop(p, None)
+            if summed is None:
+                summed = torch.zeros_like(p)
+            if std > 0:
+                summed = summed + self._noise.sample(summed, std)
+            p.grad = (summed / self.batch_size).to(p.dtype)
+        self._summed.clear()
+        self._forget_calls()
+        self.accountant.step(self.noise_multiplier, self.sample_rate)
+        self.steps_taken += 1
+
+    # ------------------------------------------------------------------ reports
+    def last_decisions(self) -> list[LayerDecision]:
+        """What each layer did in the last backward: T, p, d, costs, and the chosen primitives."""
+        return list(self._last_decisions)
+
+    def get_epsilon(self, delta: float | None = None) -> float:
+        return self.accountant.get_epsilon(self.target_delta if delta is None else delta)
+
+
+def _check_choice(name: str, value: Any, valid: Sequence[str]) -> None:
+    if value not in valid:
+        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+
+
+def _float32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def _frozen_batchnorm_checks(model: nn.Module):
+    """A frozen BatchNorm is fine in eval mode, but in train mode it mixes samples in the forward."""
+    checks = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            def check(mod, inputs, _name=name or "<root>"):
+                if mod.training and torch.is_grad_enabled():
+                    raise RuntimeError(
+                        f"{_name} ({type(mod).__name__}) is in training mode: it normalises with statistics of the "
+                        "whole batch, which mixes samples. Call .eval() on it (frozen statistics) or replace it "
+                        "with nn.GroupNorm"
+                    )
+            checks.append((module, check))
+    return checks

@@ -1,0 +1,58 @@
+"""nn.Linear with inputs [B, ..., d]: every middle dim is a token axis."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .base import LayerDims, LayerRule, flatten_tokens, float32_at_least, register_layer
+
+
+def gram_inner(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """sum_{t,s} (a_t . a_s)(g_t . g_s) per sample, for a [B, T, d] and g [B, T, p].
+
+    This is ||a^T g||_F^2 computed from two T x T Gram matrices (the ghost norm). With T = 1
+    the Grams are scalars and the product of squared norms is all that is needed.
+    """
+    a, g = float32_at_least(a), float32_at_least(g)
+    if a.shape[1] == 1:
+        return a.square().sum((1, 2)) * g.square().sum((1, 2))
+    gram_a = torch.bmm(a, a.transpose(1, 2))
+    gram_g = torch.bmm(g, g.transpose(1, 2))
+    return (gram_a * gram_g).sum((1, 2))
+
+
+@register_layer
+class LinearRule(LayerRule):
+    module_types = (nn.Linear,)
+
+    def dims(self, module, activation, output):
+        T = math.prod(activation.shape[1:-1])
+        return LayerDims(T=T, p=module.out_features, d=module.in_features)
+
+    def operands(self, module, activation, grad_output):
+        return flatten_tokens(activation), flatten_tokens(grad_output)
+
+    def ghost_sq_norm(self, module, ops):
+        a, g = ops
+        return gram_inner(a, g)
+
+    def per_sample_grads(self, module, ops, names):
+        a, g = ops
+        out = {}
+        if "weight" in names:
+            out["weight"] = torch.einsum("btp,btd->bpd", g, a.to(g.dtype))
+        if "bias" in names:
+            out["bias"] = g.sum(1)
+        return out
+
+    def clipped_grads(self, module, ops, factors):
+        a, g = ops
+        out = {}
+        if "weight" in factors:
+            weighted = g * factors["weight"].to(g.dtype)[:, None, None]
+            out["weight"] = weighted.reshape(-1, g.shape[-1]).t() @ a.reshape(-1, a.shape[-1]).to(g.dtype)
+        if "bias" in factors:
+            out["bias"] = factors["bias"].to(g.dtype) @ g.sum(1)
+        return out

@@ -1,0 +1,57 @@
+"""Checks that a model can be trained privately, exactly: every trainable parameter is covered."""
+from __future__ import annotations
+
+from torch import nn
+
+from .layers import find_rule, trainable_params
+
+
+def find_problems(model: nn.Module) -> list[str]:
+    """Every reason the engine would refuse ``model``, as readable sentences (empty if none)."""
+    problems: list[str] = []
+    owner: dict[int, str] = {}
+    for name, module in model.named_modules():
+        label = name or "<root>"
+        params = trainable_params(module)
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and params:
+            problems.append(
+                f"{label} ({type(module).__name__}) normalises with statistics of the whole batch, which mixes "
+                "samples and breaks per-sample clipping: replace it with nn.GroupNorm"
+            )
+            continue
+        for pname, p in params.items():
+            if id(p) in owner:
+                problems.append(
+                    f"parameter {label}.{pname} is shared with {owner[id(p)]} (tied weights); per-sample norms "
+                    "of shared parameters across modules are not supported yet: untie or freeze it"
+                )
+            owner[id(p)] = f"{label}.{pname}"
+        if not params:
+            continue
+        rule = find_rule(module)
+        if rule is None:
+            problems.append(
+                f"{label} ({type(module).__name__}) has trainable parameters {sorted(params)} but no layer rule "
+                "computes its per-sample gradients: freeze them (requires_grad_(False)) or register a rule "
+                "with dptrain.register_layer"
+            )
+            continue
+        unknown = sorted(set(params) - set(rule.param_names))
+        if unknown:
+            problems.append(
+                f"{label} ({type(module).__name__}) has trainable parameters {unknown} that its rule "
+                f"{type(rule).__name__} does not cover: freeze them or register a rule for this class"
+            )
+            continue
+        try:
+            rule.validate(module)
+        except ValueError as err:
+            problems.append(f"{label}: {err}")
+    return problems
+
+
+def validate(model: nn.Module) -> None:
+    """Raise ``ValueError`` listing every problem that stops private training of ``model``."""
+    problems = find_problems(model)
+    if problems:
+        raise ValueError("this model cannot be trained privately as it is:\n- " + "\n- ".join(problems))

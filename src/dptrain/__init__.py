@@ -3,7 +3,7 @@ from .algorithms import CLIPPING_MODES, RECIPES
 from .clipping import CLIPPING_FNS, CLIPPING_STYLES
 from .engine import PrivacyEngine
 from .layers import LayerDims, LayerRule, find_rule, register_layer
-from .planning import LayerDecision
+from .planning import LayerDecision, plan
 from .validation import find_problems, validate
 
 __version__ = "0.1.0"
@@ -15,6 +15,7 @@ __all__ = [
     "LayerRule",
     "LayerDims",
     "LayerDecision",
+    "plan",
     "validate",
     "find_problems",
     "CLIPPING_MODES",

@@ -11,12 +11,12 @@ import torch
 from torch import nn
 
 from . import accounting
-from .algorithms import RECIPES, GradVia, NormVia
+from .algorithms import RECIPES
 from .capture import Call, Capture, LayerState
 from .clipping import CLIPPING_FNS, build_groups, clipping_factors, group_threshold
 from .layers import find_rule, trainable_params
 from .noise import GaussianNoise
-from .planning import DECISION_RULES, LayerDecision, prefers_ghost
+from .planning import DECISION_RULES, LayerDecision, decide
 from .validation import validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -286,18 +286,8 @@ class PrivacyEngine:
             dims = type(dims)(T=sum(c.dims.T for c in calls), p=dims.p, d=dims.d, blocks=dims.blocks,
                               ghost_supported=dims.ghost_supported)
 
-        recipe = self.recipe
-        ghost = "weight" in state.params and dims.ghost_supported and (
-            recipe.norm is NormVia.GHOST
-            or (recipe.norm is NormVia.MIXED and prefers_ghost(dims, self.decision_rule))
-        )
-        if recipe.grad is GradVia.SECOND_PASS:
-            grad_via = "second-pass"
-        elif recipe.grad is GradVia.WEIGHTED_SUM or (recipe.grad is GradVia.FOLLOW_NORM and not ghost):
-            grad_via = "weighted-sum"
-        else:
-            grad_via = "book-keeping"
-
+        norm_via, grad_via = decide(self.recipe, dims, self.decision_rule, "weight" in state.params)
+        ghost = norm_via == "ghost"
         instantiate = set(state.params) - ({"weight"} if ghost else set())
         per_sample = rule.per_sample_grads(module, ops, instantiate) if instantiate else {}
         sq_norms = {n: _float32(g).flatten(1).square().sum(1) for n, g in per_sample.items()}
@@ -307,7 +297,7 @@ class PrivacyEngine:
             per_sample = {}
         decision = LayerDecision(
             state.name, type(module).__name__, dims.T, dims.p, dims.d * dims.blocks,
-            dims.ghost_cost, dims.instantiate_cost, "ghost" if ghost else "instantiate", grad_via,
+            dims.ghost_cost, dims.instantiate_cost, norm_via, grad_via,
         )
         self._works[id(state)] = _LayerWork(
             state, calls[0].batch_size, sq_norms, per_sample,

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from .layers.base import LayerDims
+import torch
+from torch import nn
+
+from .algorithms import RECIPES, GradVia, NormVia, Recipe
+from .layers.base import LayerDims, find_rule, trainable_params
 
 DECISION_RULES = ("space", "time")
 
@@ -49,3 +53,55 @@ class LayerDecision:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def decide(recipe: Recipe, dims: LayerDims, decision_rule: str, weight_trainable: bool) -> tuple[str, str]:
+    """(norm primitive, gradient primitive) a recipe uses for one layer call.
+
+    The ghost norm applies to the weight; biases and norm layers are always instantiated
+    (their per-sample gradients are as small as the norm computation itself).
+    """
+    ghost = weight_trainable and dims.ghost_supported and (
+        recipe.norm is NormVia.GHOST or (recipe.norm is NormVia.MIXED and prefers_ghost(dims, decision_rule))
+    )
+    if recipe.grad is GradVia.SECOND_PASS:
+        grad = "second-pass"
+    elif recipe.grad is GradVia.WEIGHTED_SUM or (recipe.grad is GradVia.FOLLOW_NORM and not ghost):
+        grad = "weighted-sum"
+    else:
+        grad = "book-keeping"
+    return ("ghost" if ghost else "instantiate"), grad
+
+
+def plan(model: nn.Module, *example_args, clipping_mode: str = "bk-mixopt", decision_rule: str = "space",
+         **example_kwargs) -> list[LayerDecision]:
+    """What ``clipping_mode`` would do per trainable layer for inputs shaped like the example.
+
+    Runs one forward pass without gradients; a module called several times is reported
+    once per call. Nothing on the model is changed.
+    """
+    if clipping_mode not in RECIPES:
+        raise ValueError(f"unknown clipping_mode {clipping_mode!r}; valid: {', '.join(RECIPES)}")
+    recipe = RECIPES[clipping_mode]
+    decisions: list[LayerDecision] = []
+    handles = []
+    for name, module in model.named_modules():
+        params = trainable_params(module)
+        rule = find_rule(module) if params else None
+        if rule is None:
+            continue
+
+        def hook(mod, inputs, output, _name=name, _rule=rule, _params=params):
+            dims = _rule.dims(mod, _rule.capture(mod, inputs, output), output)
+            norm, grad = decide(recipe, dims, decision_rule, "weight" in _params)
+            decisions.append(LayerDecision(_name, type(mod).__name__, dims.T, dims.p, dims.d * dims.blocks,
+                                           dims.ghost_cost, dims.instantiate_cost, norm, grad))
+
+        handles.append(module.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            model(*example_args, **example_kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return decisions

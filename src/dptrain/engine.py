@@ -396,7 +396,41 @@ class PrivacyEngine:
         return list(self._last_decisions)
 
     def get_epsilon(self, delta: float | None = None) -> float:
+        """Epsilon spent by the steps taken so far, at ``delta`` (default: ``target_delta``)."""
         return self.accountant.get_epsilon(self.target_delta if delta is None else delta)
+
+    def privacy_report(self, delta: float | None = None) -> dict:
+        delta = self.target_delta if delta is None else delta
+        return {
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "steps": self.steps_taken,
+            "epsilon": self.get_epsilon(delta),
+            "delta": delta,
+            "accountant": self.accountant.name,
+            "max_grad_norm": self.max_grad_norm,
+            "clipping_mode": self.clipping_mode,
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """Everything needed to resume: step counter, accountant history and noise generator state."""
+        return {
+            "steps_taken": self.steps_taken,
+            "noise_multiplier": self.noise_multiplier,
+            "sample_rate": self.sample_rate,
+            "accountant": self.accountant.state_dict(),
+            "noise": self._noise.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore a checkpoint written by ``state_dict()``; epsilon continues from its history."""
+        missing = {"steps_taken", "accountant", "noise"} - set(state)
+        if missing:
+            raise ValueError(f"not a dptrain engine state: missing {sorted(missing)}")
+        self.accountant.load_state_dict(state["accountant"])
+        self._noise.load_state_dict(state["noise"])
+        self.steps_taken = int(state["steps_taken"])
 
 
 def _check_choice(name: str, value: Any, valid: Sequence[str]) -> None:

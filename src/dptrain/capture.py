@@ -61,15 +61,19 @@ def _gradient_edge(t: torch.Tensor):
 class Capture:
     """Installs and removes the hooks on the covered modules; the engine reacts to gradients."""
 
-    def __init__(self, layers: list[LayerState], on_grad: Callable[[LayerState, Call, torch.Tensor], None],
-                 ghost_differentiation: bool):
+    def __init__(self, model: nn.Module, layers: list[LayerState],
+                 on_grad: Callable[[LayerState, Call, torch.Tensor], None], ghost_differentiation: bool):
+        self.model = model
         self.layers = layers
         self.on_grad = on_grad
         self.ghost_differentiation = ghost_differentiation
         self._handles: list[Any] = []
         self._anchors: dict[torch.device, torch.Tensor] = {}
+        #: batch size of the model's current forward call, read from its first tensor argument
+        self.forward_batch: int | None = None
 
     def install(self, extra_checks: list[tuple[nn.Module, Callable]] = ()) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._record_batch, with_kwargs=True))
         for state in self.layers:
             if self.ghost_differentiation:
                 self._handles.append(state.module.register_forward_pre_hook(self._make_pre_hook(state)))
@@ -85,6 +89,10 @@ class Capture:
         self._handles.clear()
         for state in self.layers:
             state.calls.clear()
+
+    def _record_batch(self, module, args, kwargs):
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+        self.forward_batch = first.shape[0] if first is not None else None
 
     def _anchor(self, device: torch.device) -> torch.Tensor:
         anchor = self._anchors.get(device)
@@ -113,6 +121,10 @@ class Capture:
                 if not self.ghost_differentiation:
                     return None  # nothing trainable upstream of a frozen use: no gradient
                 output = _Origin.apply(self._anchor(output.device), output)
+            if output.dim() and output.shape[0] == 1 and (self.forward_batch or 1) > 1:
+                expanded = state.rule.expand_batch(module, activation, output, self.forward_batch)
+                if expanded is not None:
+                    activation, output = expanded
             dims = state.rule.dims(module, activation, output)
             call = Call(activation, dims, output.shape[0] if output.dim() else 0, _gradient_edge(output))
             state.calls.append(call)

@@ -41,8 +41,8 @@ def build_groups(
     if isinstance(style, str):
         if style == "all-layer":
             return [list(params)]
-        if style == "layer-wise":
-            return [[p for p in params if p[0] == m] for m in modules]
+        if style == "layer-wise":  # a layer whose only parameters are tied to an earlier one has no group
+            return [g for g in ([p for p in params if p[0] == m] for m in modules) if g]
         if style == "param-wise":
             return [[p] for p in params]
         raise ValueError(
@@ -66,7 +66,7 @@ def build_groups(
     missing = [m for m in modules if m not in seen]
     if missing:
         raise ValueError(f"modules {missing} are in no clipping group; every trainable module must be in one")
-    return [[p for p in params if p[0] in set(g)] for g in groups]
+    return [g for g in ([p for p in params if p[0] in set(group)] for group in groups) if g]
 
 
 def group_threshold(max_grad_norm: float, num_groups: int) -> float:

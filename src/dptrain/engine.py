@@ -15,6 +15,7 @@ from .algorithms import RECIPES
 from .capture import Call, Capture, LayerState
 from .clipping import CLIPPING_FNS, build_groups, clipping_factors, group_threshold
 from .layers import find_rule, trainable_params
+from .layers.base import LayerDims, shared_sq_norm
 from .noise import GaussianNoise
 from .planning import DECISION_RULES, LayerDecision, decide
 from .validation import validate
@@ -23,15 +24,24 @@ LOSS_REDUCTIONS = ("mean", "sum")
 
 
 @dataclass
-class _LayerWork:
-    """The norm stage of one layer in one backward, and what its gradient stage needs."""
+class _ReadyLayer:
+    """A layer's operands for this backward, all its calls concatenated along the token axis."""
 
     state: LayerState
+    ops: tuple
+    dims: LayerDims
     batch_size: int
-    sq_norms: dict[str, torch.Tensor]
-    per_sample: dict[str, torch.Tensor]   # kept instantiated gradients (module 5)
-    operands: tuple | None                # kept (a, g) operands (module 2b(C))
-    decision: LayerDecision
+
+
+@dataclass
+class _ParamWork:
+    """The norm stage of one parameter in one backward, and what its gradient stage needs."""
+
+    group: int
+    batch_size: int
+    sq_norm: torch.Tensor
+    per_sample: torch.Tensor | None                     # kept for module 5
+    book: list[tuple[LayerState, str, tuple]]            # kept (layer, name, operands) for module 2b(C)
 
 
 class PrivacyEngine:
@@ -109,7 +119,14 @@ class PrivacyEngine:
         ]
         if not self._layers:
             raise ValueError("the model has no trainable parameters: nothing to train privately")
-        params = [(s.name, n) for s in self._layers for n in s.params]
+        # A parameter shared by several layers (tied weights) is clipped once, its per-sample
+        # gradient being the sum of every layer's; its first user names it in clipping groups.
+        self._users: dict[nn.Parameter, list[tuple[LayerState, str]]] = {}
+        for state in self._layers:
+            for name, p in state.params.items():
+                self._users.setdefault(p, []).append((state, name))
+        param_of = {(users[0][0].name, users[0][1]): p for p, users in self._users.items()}
+        params = list(param_of)
         groups = build_groups(clipping_style, [s.name for s in self._layers], params)
         if self.recipe.two_pass and len(groups) > 1:
             warnings.warn(
@@ -119,9 +136,8 @@ class PrivacyEngine:
                 stacklevel=2,
             )
         self.clipping_style = clipping_style
-        self._group_of = {key: k for k, group in enumerate(groups) for key in group}
-        by_name = {s.name: s for s in self._layers}
-        self._group_params = [[by_name[m].params[n] for m, n in group] for group in groups]
+        self._group_of = {param_of[key]: k for k, group in enumerate(groups) for key in group}
+        self._group_params = [[param_of[key] for key in group] for group in groups]
         self._num_groups = len(groups)
         self._threshold = group_threshold(self.max_grad_norm, len(groups))
 
@@ -130,7 +146,9 @@ class PrivacyEngine:
         self._step_handle = None
         self._phase = "idle"  # idle | single | first-pass | second-pass
         self._callback_queued = False
-        self._works: dict[int, _LayerWork] = {}
+        self._ready: dict[int, _ReadyLayer] = {}
+        self._param_works: dict[nn.Parameter, _ParamWork] = {}
+        self._decisions: dict[int, LayerDecision] = {}
         self._summed: dict[nn.Parameter, torch.Tensor] = {}
         self._last_decisions: list[LayerDecision] = []
         self.steps_taken = 0
@@ -171,7 +189,7 @@ class PrivacyEngine:
                     self._step_params.append(p)
         if not self._step_params:
             raise ValueError("the optimizer holds none of the model's trainable parameters")
-        self._capture = Capture(self._layers, self._on_output_grad, ghost_differentiation=not self.recipe.two_pass)
+        self._capture = Capture(self.model, self._layers, self._on_output_grad, ghost_differentiation=not self.recipe.two_pass)
         self._capture.install(extra_checks=_frozen_batchnorm_checks(self.model))
         self._step_handle = optimizer.register_step_pre_hook(self._before_step)
         self._optimizer = optimizer
@@ -184,7 +202,7 @@ class PrivacyEngine:
         if self._step_handle is not None:
             self._step_handle.remove()
         self._capture, self._step_handle, self._optimizer = None, None, None
-        self._works.clear()
+        self._forget_calls()
         self._summed.clear()
         self._phase = "idle"
 
@@ -259,8 +277,13 @@ class PrivacyEngine:
                 self._callback_queued = True
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_plain_backward)
         call.grad = grad.detach()
-        if len(state.calls) == 1:  # a single call can be reduced now, freeing its tensors early
-            self._norm_stage(state)
+        # A layer called once, whose parameters no other layer shares, is reduced right away,
+        # freeing its activation and output gradient during the backward pass.
+        if len(state.calls) == 1 and not any(len(self._users[p]) > 1 for p in state.params.values()):
+            self._prepare_layer(state)
+            for name, p in state.params.items():
+                self._norm_stage(p)
+            self._release_layer(state)
 
     def _finish_plain_backward(self) -> None:
         self._callback_queued = False
@@ -269,8 +292,8 @@ class PrivacyEngine:
         self._finish_backward(expected_batch=batch, scale=scale)
 
     # ------------------------------------------------------------------ the recipe
-    def _norm_stage(self, state: LayerState) -> None:
-        """Per-sample squared norms of one layer (modules 3/4), keeping what the gradient stage needs."""
+    def _prepare_layer(self, state: LayerState) -> None:
+        """Operands of all of a layer's calls that received an output gradient, as one call."""
         calls = [c for c in state.calls if c.grad is not None]
         state.calls.clear()
         if not calls:
@@ -283,32 +306,74 @@ class PrivacyEngine:
         ops = parts[0] if len(parts) == 1 else rule.concat_calls(parts)
         dims = calls[0].dims
         if len(calls) > 1:
-            dims = type(dims)(T=sum(c.dims.T for c in calls), p=dims.p, d=dims.d, blocks=dims.blocks,
-                              ghost_supported=dims.ghost_supported)
+            dims = LayerDims(T=sum(c.dims.T for c in calls), p=dims.p, d=dims.d, blocks=dims.blocks,
+                             ghost_supported=dims.ghost_supported)
+        self._ready[id(state)] = _ReadyLayer(state, ops, dims, calls[0].batch_size)
 
-        norm_via, grad_via = decide(self.recipe, dims, self.decision_rule, "weight" in state.params)
-        ghost = norm_via == "ghost"
-        instantiate = set(state.params) - ({"weight"} if ghost else set())
-        per_sample = rule.per_sample_grads(module, ops, instantiate) if instantiate else {}
-        sq_norms = {n: _float32(g).flatten(1).square().sum(1) for n, g in per_sample.items()}
-        if ghost:
-            sq_norms["weight"] = rule.ghost_sq_norm(module, ops)
-        if grad_via != "weighted-sum":
-            per_sample = {}
-        decision = LayerDecision(
-            state.name, type(module).__name__, dims.T, dims.p, dims.d * dims.blocks,
-            dims.ghost_cost, dims.instantiate_cost, norm_via, grad_via,
+    def _norm_stage(self, p: nn.Parameter) -> None:
+        """Per-sample squared norms of one parameter (modules 3/4), keeping what its gradient stage needs.
+
+        A parameter used by several layers (tied weights) sums their per-sample gradients, so
+        its norm includes the cross terms: instantiated, or as a ghost norm from the Grams of
+        the layers' weight factors.
+        """
+        parts = [(self._ready[id(s)], name) for s, name in self._users[p] if id(s) in self._ready]
+        if not parts or p in self._param_works:
+            return
+        sizes = {ready.batch_size for ready, _ in parts}
+        if len(sizes) > 1:
+            raise ValueError(f"layers sharing a parameter saw different batch sizes {sorted(sizes)}")
+        first, name = parts[0]
+        if len(parts) == 1:
+            dims = first.dims
+            ghost_ok = name == "weight" and dims.ghost_supported
+        else:
+            factors = [r.state.rule.weight_factors(r.state.module, r.ops) for r, _ in parts]
+            dims = LayerDims(T=sum(r.dims.T for r, _ in parts), p=p.shape[0], d=p[0].numel())
+            ghost_ok = all(n == "weight" for _, n in parts) and all(f is not None for f in factors)
+        norm_via, grad_via = decide(self.recipe, dims, self.decision_rule, ghost_ok)
+
+        per_sample = None
+        if norm_via == "ghost":
+            if len(parts) == 1:
+                sq_norm = first.state.rule.ghost_sq_norm(first.state.module, first.ops)
+            else:
+                sq_norm = shared_sq_norm(factors)
+        else:
+            for ready, n in parts:
+                g = ready.state.rule.per_sample_grads(ready.state.module, ready.ops, {n})[n]
+                per_sample = g if per_sample is None else per_sample + g
+            sq_norm = _float32(per_sample).flatten(1).square().sum(1)
+        self._param_works[p] = _ParamWork(
+            group=self._group_of[p],
+            batch_size=first.batch_size,
+            sq_norm=sq_norm,
+            per_sample=per_sample if grad_via == "weighted-sum" else None,
+            book=[(r.state, n, r.ops) for r, n in parts] if grad_via == "book-keeping" else [],
         )
-        self._works[id(state)] = _LayerWork(
-            state, calls[0].batch_size, sq_norms, per_sample,
-            ops if grad_via == "book-keeping" else None, decision,
-        )
+        for ready, n in parts:
+            if n == "weight" or "weight" not in ready.state.params:
+                d = ready.dims
+                self._decisions[id(ready.state)] = LayerDecision(
+                    ready.state.name, type(ready.state.module).__name__, d.T, d.p, d.d * d.blocks,
+                    d.ghost_cost, d.instantiate_cost, norm_via, grad_via,
+                )
+
+    def _release_layer(self, state: LayerState) -> None:
+        """Drop a layer's operands once every parameter it holds is reduced (book-keeping keeps its own)."""
+        if all(p in self._param_works for p in state.params.values()):
+            self._ready.pop(id(state), None)
 
     def _batch_size_of_backward(self, expected: int | None) -> int:
         for state in self._layers:
             if state.calls:
-                self._norm_stage(state)
-        sizes = {w.state.name: w.batch_size for w in self._works.values()}
+                self._prepare_layer(state)
+        for p in self._users:
+            self._norm_stage(p)
+        self._ready.clear()
+        sizes = {}
+        for p, work in self._param_works.items():
+            sizes.setdefault(self._users[p][0][0].name, work.batch_size)
         distinct = set(sizes.values())
         if expected is not None:
             distinct.add(expected)
@@ -318,20 +383,18 @@ class PrivacyEngine:
                 f"layers saw different batch sizes ({detail}"
                 + (f"; losses: {expected}" if expected is not None else "")
                 + "). Every trainable layer must get the batch as its first dimension: an input broadcast over "
-                "the batch (e.g. position ids of shape [1, T]) must be expanded to [B, T] first"
+                "the batch must be expanded to the batch first (x.expand(B, ...))"
             )
         return distinct.pop() if distinct else 0
 
     def _finish_backward(self, expected_batch: int | None, scale: float) -> list[torch.Tensor]:
-        """Clipping factors per group from all layers' norms; single-pass modes then form the clipped sum."""
+        """Clipping factors per group from all parameters' norms; single-pass modes then form the clipped sum."""
         try:
             batch = self._batch_size_of_backward(expected_batch)
-            works = list(self._works.values())
             group_sq: list[torch.Tensor | None] = [None] * self._num_groups
-            for w in works:
-                for name, sq in w.sq_norms.items():
-                    k = self._group_of[(w.state.name, name)]
-                    group_sq[k] = sq if group_sq[k] is None else group_sq[k] + sq
+            for work in self._param_works.values():
+                k = work.group
+                group_sq[k] = work.sq_norm if group_sq[k] is None else group_sq[k] + work.sq_norm
             like = next((sq for sq in group_sq if sq is not None), None)
             group_sq = [
                 sq if sq is not None else (like.new_zeros(batch) if like is not None else torch.zeros(batch))
@@ -344,24 +407,22 @@ class PrivacyEngine:
                     "accumulated for this batch; check the inputs, the learning rate, or use float32"
                 )
             factors = [clipping_factors(n, self._threshold, self.clipping_fn, self.clipping_gamma) for n in norms]
-            order = {id(s): k for k, s in enumerate(self._layers)}
-            self._last_decisions = [w.decision for w in sorted(works, key=lambda w: order[id(w.state)])]
+            self._last_decisions = [self._decisions[id(s)] for s in self._layers if id(s) in self._decisions]
             if not self.recipe.two_pass:
-                for w in works:
-                    self._gradient_stage(w, factors, scale)
+                for p, work in self._param_works.items():
+                    self._gradient_stage(p, work, factors[work.group] * scale)
             return factors
         finally:
-            self._works.clear()
+            self._param_works.clear()
+            self._decisions.clear()
+            self._ready.clear()
 
-    def _gradient_stage(self, work: _LayerWork, factors: list[torch.Tensor], scale: float) -> None:
-        state = work.state
-        per_param = {n: factors[self._group_of[(state.name, n)]] * scale for n in state.params}
-        for name, ps in work.per_sample.items():
-            self._accumulate(state.params[name], torch.tensordot(per_param[name].to(ps.dtype), ps, dims=1))
-        rest = {n: c for n, c in per_param.items() if n not in work.per_sample}
-        if rest:
-            for name, g in state.rule.clipped_grads(state.module, work.operands, rest).items():
-                self._accumulate(state.params[name], g)
+    def _gradient_stage(self, p: nn.Parameter, work: _ParamWork, factor: torch.Tensor) -> None:
+        """Module 5 (weighted sum of kept per-sample gradients) or 2b(C) (book-keeping) for one parameter."""
+        if work.per_sample is not None:
+            self._accumulate(p, torch.tensordot(factor.to(work.per_sample.dtype), work.per_sample, dims=1))
+        for state, name, ops in work.book:
+            self._accumulate(p, state.rule.clipped_grads(state.module, ops, {name: factor})[name])
 
     def _accumulate(self, p: nn.Parameter, g: torch.Tensor) -> None:
         g = g.to(p.dtype)
@@ -373,7 +434,9 @@ class PrivacyEngine:
     def _forget_calls(self) -> None:
         for s in self._layers:
             s.calls.clear()
-        self._works.clear()
+        self._ready.clear()
+        self._param_works.clear()
+        self._decisions.clear()
 
     # ------------------------------------------------------------------ the private step
     def _before_step(self, optimizer, args, kwargs) -> None:

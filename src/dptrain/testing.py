@@ -35,11 +35,15 @@ def _batch_len(batch) -> int:
 
 
 def trainable_named_parameters(model: nn.Module) -> dict[str, tuple[str, nn.Parameter]]:
-    """{full name: (owning module name, parameter)} for every trainable parameter, in model order."""
-    out = {}
+    """{full name: (owning module name, parameter)} for every trainable parameter, in model order.
+
+    A parameter shared by several modules (tied weights) appears once, under its first owner.
+    """
+    out, seen = {}, set()
     for mname, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
-            if p.requires_grad:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
                 out[f"{mname}.{pname}" if mname else pname] = (mname, p)
     return out
 

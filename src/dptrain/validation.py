@@ -9,7 +9,6 @@ from .layers import find_rule, trainable_params
 def find_problems(model: nn.Module) -> list[str]:
     """Every reason the engine would refuse ``model``, as readable sentences (empty if none)."""
     problems: list[str] = []
-    owner: dict[int, str] = {}
     for name, module in model.named_modules():
         label = name or "<root>"
         params = trainable_params(module)
@@ -19,13 +18,6 @@ def find_problems(model: nn.Module) -> list[str]:
                 "samples and breaks per-sample clipping: replace it with nn.GroupNorm"
             )
             continue
-        for pname, p in params.items():
-            if id(p) in owner:
-                problems.append(
-                    f"parameter {label}.{pname} is shared with {owner[id(p)]} (tied weights); per-sample norms "
-                    "of shared parameters across modules are not supported yet: untie or freeze it"
-                )
-            owner[id(p)] = f"{label}.{pname}"
         if not params:
             continue
         rule = find_rule(module)

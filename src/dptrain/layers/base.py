@@ -52,7 +52,7 @@ class LayerDims:
 class LayerRule:
     """Per-layer primitives. Subclasses set ``module_types`` and implement the methods."""
 
-    module_types: tuple[type[nn.Module], ...] = ()
+    module_types: tuple[type[nn.Module] | str, ...] = ()
     #: names of the parameters this rule knows how to handle, in the module
     param_names: tuple[str, ...] = ("weight", "bias")
 
@@ -91,6 +91,58 @@ class LayerRule:
         """{name: sum_i factors[name][i] * dL_i/d(name)} without per-sample gradients."""
         raise NotImplementedError
 
+    def weight_factors(self, module: nn.Module, ops: tuple) -> tuple | None:
+        """(U [B, T, rows], V [B, T, cols]) with dL_i/dW = U_i^T V_i, W seen as [dim 0, rest].
+
+        Used for the exact ghost norm of a weight shared by several modules (tied
+        embeddings): the cross terms between modules come from Gram matrices of the
+        factors. ``U`` may be a :class:`OneHot`. ``None``: the weight is instantiated instead.
+        """
+        return None
+
+    def expand_batch(self, module: nn.Module, activation: Any, output: torch.Tensor, batch: int):
+        """(activation, output) repeated over a batch that a size-1 call is broadcast to, or None.
+
+        A layer fed an input of batch size 1 that broadcasts over the batch (a position
+        embedding fed ids of shape [1, T]) loses the per-sample gradients in its summed
+        output gradient; expanding the output to the batch keeps them, at no copy.
+        """
+        return None
+
+
+@dataclass(frozen=True)
+class OneHot:
+    """The one-hot matrix [B, T, size] of token ids [B, T], never formed."""
+
+    ids: torch.Tensor
+    size: int
+
+
+def factor_gram(x, y) -> torch.Tensor:
+    """[B, Tx, Ty] inner products between the rows of two factors (dense or one-hot)."""
+    if isinstance(x, OneHot) and isinstance(y, OneHot):
+        return (x.ids.unsqueeze(2) == y.ids.unsqueeze(1)).float()
+    if isinstance(x, OneHot):
+        y = float32_at_least(y)
+        index = x.ids.unsqueeze(1).expand(y.shape[0], y.shape[1], x.ids.shape[1])
+        return torch.gather(y, 2, index).transpose(1, 2)  # y[b, s, ids[b, t]]
+    if isinstance(y, OneHot):
+        return factor_gram(y, x).transpose(1, 2)
+    x, y = float32_at_least(x), float32_at_least(y)
+    return torch.bmm(x, y.transpose(1, 2))
+
+
+def shared_sq_norm(factors: list[tuple]) -> torch.Tensor:
+    """||sum_m U_m^T V_m||_F^2 per sample, cross terms included, from Gram matrices only."""
+    total = None
+    for i, (u_i, v_i) in enumerate(factors):
+        for j in range(i, len(factors)):
+            u_j, v_j = factors[j]
+            term = (factor_gram(u_i, u_j) * factor_gram(v_i, v_j)).sum((1, 2))
+            term = term if i == j else 2 * term
+            total = term if total is None else total + term
+    return total
+
 
 _REGISTRY: list[LayerRule] = []
 
@@ -101,6 +153,8 @@ def register_layer(rule: LayerRule | type[LayerRule]) -> LayerRule:
     Rules registered later win over earlier ones for the same class, so a user can
     override a built-in rule. Lookup follows the class hierarchy: a subclass of
     ``nn.Linear`` is covered by the ``nn.Linear`` rule unless a closer rule exists.
+    ``module_types`` may also name a class as ``"package.module.ClassName"``, so that a
+    rule for an optional library's layer needs no import of that library.
     """
     instance = rule() if isinstance(rule, type) else rule
     if not instance.module_types:
@@ -114,10 +168,14 @@ def find_rule(module: nn.Module) -> LayerRule | None:
     best: tuple[int, int] | None = None
     found = None
     mro = type(module).__mro__
+    names = [f"{c.__module__}.{c.__qualname__}" for c in mro]
     for order, rule in enumerate(_REGISTRY):
         for cls in rule.module_types:
-            if cls in mro:
-                key = (mro.index(cls), -order)
+            depth = names.index(cls) if isinstance(cls, str) and cls in names else (
+                mro.index(cls) if not isinstance(cls, str) and cls in mro else None
+            )
+            if depth is not None:
+                key = (depth, -order)
                 if best is None or key < best:
                     best, found = key, rule
     return found

@@ -98,6 +98,12 @@ class ConvRule(LayerRule):
             out["bias"] = grad.sum(3).reshape(B, -1)
         return out
 
+    def weight_factors(self, module, ops):
+        if module.groups != 1:
+            return None
+        a, grad = ops
+        return grad[:, 0].transpose(1, 2), a[:, 0].transpose(1, 2)
+
     def clipped_grads(self, module, ops, factors):
         a, grad = ops
         out = {}

@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from .base import LayerDims, LayerRule, float32_at_least, register_layer
+from .base import LayerDims, LayerRule, OneHot, float32_at_least, register_layer
 
 
 @register_layer
@@ -41,6 +41,9 @@ class EmbeddingRule(LayerRule):
             raise ValueError("nn.Embedding got a single token id: private training needs ids of shape [B, ...]")
         return ids.detach()
 
+    def expand_batch(self, module, activation, output, batch):
+        return activation.expand(batch, *activation.shape[1:]), output.expand(batch, *output.shape[1:])
+
     def dims(self, module, activation, output):
         return LayerDims(T=math.prod(activation.shape[1:]), p=module.embedding_dim, d=module.num_embeddings)
 
@@ -63,6 +66,10 @@ class EmbeddingRule(LayerRule):
         per_sample = g.new_zeros(B, module.num_embeddings, p)
         per_sample.scatter_add_(1, ids.unsqueeze(-1).expand(B, T, p), g)
         return {"weight": per_sample}
+
+    def weight_factors(self, module, ops):
+        ids, g = ops
+        return OneHot(ids, module.num_embeddings), g
 
     def clipped_grads(self, module, ops, factors):
         ids, g = ops

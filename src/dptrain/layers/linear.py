@@ -47,6 +47,10 @@ class LinearRule(LayerRule):
             out["bias"] = g.sum(1)
         return out
 
+    def weight_factors(self, module, ops):
+        a, g = ops
+        return g, a
+
     def clipped_grads(self, module, ops, factors):
         a, g = ops
         out = {}

@@ -1,0 +1,428 @@
+"""Privacy accounting for DP-SGD with Poisson sampling, and noise calibration.
+
+A training run is a sequence of steps of the Poisson-subsampled Gaussian mechanism:
+each step includes every example independently with probability ``q`` (the sample
+rate) and adds Gaussian noise of standard deviation ``sigma * C`` to the sum of the
+clipped gradients (``sigma`` is the noise multiplier).  An :class:`Accountant` records
+these steps as a compact history ``[(sigma, q, count), ...]`` and turns it into an
+``(epsilon, delta)`` guarantee under the add/remove-one neighbouring relation (the
+relation that Poisson sampling is analysed under).
+
+Accountants (``ACCOUNTANTS``):
+
+``"pld"`` (default)
+    Privacy loss distributions (Google's ``dp_accounting.pld``): numerically tight,
+    pessimistic (always a valid upper bound).
+``"rdp"``
+    Rényi DP (``dp_accounting.rdp``) with dp_accounting's tight RDP-to-(ε, δ)
+    conversion: a valid upper bound, typically 5-15 % above PLD.
+``"gdp"``
+    Gaussian DP via the central limit theorem (Bu, Dong, Long & Su 2020). A fast
+    *approximation*, not a guarantee: it can under-estimate epsilon for few steps or
+    a large sample rate, and warns once per accountant object.
+
+Both ``"pld"`` and ``"rdp"`` are built on ``dp_accounting`` events: the history is
+``ComposedDpEvent([SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(sigma)),
+count), ...])``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+import warnings
+from typing import Any, Callable, Sequence
+
+import dp_accounting
+from dp_accounting import pld as dp_pld
+from dp_accounting import rdp as dp_rdp
+
+__all__ = [
+    "ACCOUNTANTS",
+    "DEFAULT_ACCOUNTANT",
+    "MAX_NOISE_MULTIPLIER",
+    "Accountant",
+    "GDPApproximationWarning",
+    "calibrate_noise_multiplier",
+    "compute_epsilon",
+    "create_accountant",
+    "default_delta",
+]
+
+ACCOUNTANTS = ("rdp", "pld", "gdp")
+DEFAULT_ACCOUNTANT = "pld"
+
+# Calibration refuses targets that would need more noise than this: such a run would
+# learn nothing, and the request is almost always a mistake in epsilon, q or steps.
+MAX_NOISE_MULTIPLIER = 1e4
+
+# dp_accounting's default orders reach 1024; larger orders matter when epsilon is tiny
+# (large noise, small q), where they tighten the bound by up to 10x at little cost.
+RDP_ORDERS = tuple(dp_rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS) + (2048, 4096, 8192)
+
+# The PLD grid spacing is set relative to the size of the answer: the largest power of
+# two <= PLD_RELATIVE_DISCRETIZATION * (RDP upper bound on epsilon). A fixed spacing
+# is either too coarse for small epsilons (1e-3 gives 10x too large an epsilon at
+# eps ~ 3e-4) or needlessly slow / memory-hungry for large ones. With this rule the PLD
+# result is within ~0.1 % of a 10x finer grid, at ~0.05-0.5 s per evaluation. Powers of
+# two keep the grid identical for nearby histories, so results do not jitter.
+PLD_RELATIVE_DISCRETIZATION = 3e-4
+
+# One history entry: (noise_multiplier, sample_rate, number_of_steps).
+HistoryEntry = tuple[float, float, int]
+
+
+class GDPApproximationWarning(UserWarning):
+    """GDP accounting is a central-limit-theorem approximation, not a DP guarantee."""
+
+
+_GDP_WARNING = (
+    "The 'gdp' accountant uses a central-limit-theorem approximation (Bu, Dong, Long & "
+    "Su 2020); it is not a rigorous bound and can under-estimate epsilon when the "
+    "number of steps is small or the sample rate is large. Use accountant='pld' "
+    "(the default) or 'rdp' for a guaranteed upper bound."
+)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _check_accountant_name(name: Any) -> str:
+    if not isinstance(name, str) or name not in ACCOUNTANTS:
+        raise ValueError(
+            f"Unknown accountant {name!r}; valid accountants are {', '.join(map(repr, ACCOUNTANTS))}."
+        )
+    return name
+
+
+def _check_real(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{what} must be a real number, got {value!r}.")
+    return float(value)
+
+
+def _check_noise_multiplier(noise_multiplier: Any) -> float:
+    sigma = _check_real(noise_multiplier, "noise_multiplier")
+    if not (math.isfinite(sigma) and sigma >= 0.0):
+        raise ValueError(
+            f"noise_multiplier must be finite and >= 0 (0 means no noise, i.e. infinite "
+            f"epsilon), got {noise_multiplier!r}."
+        )
+    return sigma
+
+
+def _check_sample_rate(sample_rate: Any) -> float:
+    q = _check_real(sample_rate, "sample_rate")
+    if not (0.0 < q <= 1.0):
+        raise ValueError(
+            f"sample_rate must be in (0, 1] (expected batch size / dataset size), got "
+            f"{sample_rate!r}."
+        )
+    return q
+
+
+def _check_count(value: Any, what: str, minimum: int) -> int:
+    count = None
+    if not isinstance(value, bool):
+        try:
+            count = operator.index(value)  # int, numpy integer, ...
+        except TypeError:
+            # accept 10.0, e.g. from epochs * steps_per_epoch arithmetic, but not 10.5
+            if isinstance(value, numbers.Real) and float(value).is_integer():
+                count = int(value)
+    if count is None or count < minimum:
+        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}.")
+    return count
+
+
+def _check_delta(delta: Any) -> float:
+    d = _check_real(delta, "delta")
+    if not (0.0 < d < 1.0):
+        raise ValueError(
+            f"delta must be in (0, 1), got {delta!r}; a common choice is "
+            f"default_delta(len(dataset)) = 1 / (10 * len(dataset))."
+        )
+    return d
+
+
+def default_delta(sample_size: int) -> float:
+    """The default target delta, ``1 / (10 * sample_size)``.
+
+    A meaningful delta must be well below ``1 / sample_size``: a mechanism that
+    publishes one random record outright is (0, 1/n)-DP.
+    """
+    n = _check_count(sample_size, "sample_size (number of training examples)", 1)
+    return 1.0 / (10.0 * n)
+
+
+# ------------------------------------------------------------------ epsilon backends
+
+
+def _dp_event(history: Sequence[HistoryEntry]) -> dp_accounting.DpEvent:
+    events = [
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), count
+        )
+        for sigma, q, count in history
+    ]
+    return events[0] if len(events) == 1 else dp_accounting.ComposedDpEvent(events)
+
+
+def _rdp_epsilon(history: Sequence[HistoryEntry], delta: float) -> float:
+    accountant = dp_rdp.RdpAccountant(orders=list(RDP_ORDERS))
+    accountant.compose(_dp_event(history))
+    return float(accountant.get_epsilon(delta))
+
+
+def _pld_discretization(epsilon_upper_bound: float) -> float:
+    return 2.0 ** math.floor(math.log2(PLD_RELATIVE_DISCRETIZATION * epsilon_upper_bound))
+
+
+def _pld_epsilon(history: Sequence[HistoryEntry], delta: float) -> float:
+    if any(sigma == 0.0 for sigma, _, _ in history):
+        return math.inf
+    # The RDP bound is a rigorous upper bound, so the grid it sets is never too fine
+    # (which could exhaust memory); see PLD_RELATIVE_DISCRETIZATION.
+    epsilon_upper_bound = _rdp_epsilon(history, delta)
+    if not math.isfinite(epsilon_upper_bound):
+        return math.inf  # only for absurdly small sigma; infinity is still a valid bound
+    if epsilon_upper_bound == 0.0:
+        return 0.0
+    accountant = dp_pld.PLDAccountant(
+        value_discretization_interval=_pld_discretization(epsilon_upper_bound)
+    )
+    accountant.compose(_dp_event(history))
+    return float(accountant.get_epsilon(delta))
+
+
+def _log_gaussian_tail(x: float) -> float:
+    """log Phi(-x) = log P(N(0,1) > x), accurate far into the tail."""
+    if x < 30.0:
+        return math.log(0.5 * math.erfc(x / math.sqrt(2.0)))
+    # erfc underflows near x = 38; the asymptotic series is accurate to ~1e-12 here.
+    inv_x2 = 1.0 / (x * x)
+    series = 1.0 - inv_x2 * (1.0 - 3.0 * inv_x2 * (1.0 - 5.0 * inv_x2 * (1.0 - 7.0 * inv_x2)))
+    return -0.5 * x * x - math.log(x) - 0.5 * math.log(2.0 * math.pi) + math.log(series)
+
+
+def gdp_mu(history: Sequence[HistoryEntry]) -> float:
+    """CLT mu of a history: sqrt(sum_i q_i^2 * T_i * (exp(1 / sigma_i^2) - 1))."""
+    total = 0.0
+    for sigma, q, count in history:
+        if sigma == 0.0:
+            return math.inf
+        try:
+            total += q * q * count * math.expm1(1.0 / (sigma * sigma))
+        except OverflowError:
+            return math.inf
+    return math.sqrt(total)
+
+
+def gdp_delta(mu: float, epsilon: float) -> float:
+    """delta(eps) of mu-GDP: Phi(-eps/mu + mu/2) - exp(eps) * Phi(-eps/mu - mu/2)."""
+    a = epsilon / mu - mu / 2.0
+    b = epsilon / mu + mu / 2.0
+    # Log space: exp(eps) overflows long before the product does.
+    return math.exp(_log_gaussian_tail(a)) - math.exp(epsilon + _log_gaussian_tail(b))
+
+
+def gdp_epsilon(mu: float, delta: float) -> float:
+    """Smallest epsilon with delta_mu(epsilon) <= delta, by bisection (rounded up)."""
+    if mu == 0.0:
+        return 0.0
+    if not math.isfinite(mu):
+        return math.inf
+    if gdp_delta(mu, 0.0) <= delta:
+        return 0.0
+    low, high = 0.0, 1.0
+    while gdp_delta(mu, high) > delta:  # delta(eps) decreases to 0, so this ends
+        low, high = high, 2.0 * high
+    for _ in range(200):
+        if high - low <= 1e-12 * high:
+            break
+        middle = 0.5 * (low + high)
+        if gdp_delta(mu, middle) > delta:
+            low = middle
+        else:
+            high = middle
+    return high  # delta(high) <= delta: the conservative end of the bracket
+
+
+def _gdp_epsilon(history: Sequence[HistoryEntry], delta: float) -> float:
+    return gdp_epsilon(gdp_mu(history), delta)
+
+
+_EPSILON_BACKENDS: dict[str, Callable[[Sequence[HistoryEntry], float], float]] = {
+    "rdp": _rdp_epsilon,
+    "pld": _pld_epsilon,
+    "gdp": _gdp_epsilon,
+}
+
+
+def _epsilon(name: str, history: Sequence[HistoryEntry], delta: float) -> float:
+    if not history:
+        return 0.0
+    return _EPSILON_BACKENDS[name](history, delta)
+
+
+# ----------------------------------------------------------------------- accountant
+
+
+class Accountant:
+    """Records the DP-SGD steps of one training run and reports their epsilon.
+
+    Call :meth:`step` once per optimizer step (or once with ``num_steps`` for many).
+    Consecutive steps with the same ``(noise_multiplier, sample_rate)`` are merged, so
+    the history stays short and :meth:`get_epsilon` costs the same after 10 or 10^6
+    steps (well under a second for ``"pld"``). Use :func:`create_accountant`.
+    """
+
+    def __init__(self, name: str = DEFAULT_ACCOUNTANT):
+        self.name = _check_accountant_name(name)
+        self._history: list[list] = []  # [sigma, q, count]; lists so counts can grow
+        self._warned_gdp = False
+        self._cache: tuple[tuple, float, float] | None = None  # (history, delta, eps)
+
+    def __repr__(self) -> str:
+        return f"Accountant(name={self.name!r}, steps={self.steps}, history={self.history})"
+
+    def step(self, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
+        """Record ``num_steps`` steps with noise multiplier sigma and sample rate q."""
+        sigma = _check_noise_multiplier(noise_multiplier)
+        q = _check_sample_rate(sample_rate)
+        count = _check_count(num_steps, "num_steps", 1)
+        if self._history and self._history[-1][0] == sigma and self._history[-1][1] == q:
+            self._history[-1][2] += count
+        else:
+            self._history.append([sigma, q, count])
+
+    @property
+    def history(self) -> list[HistoryEntry]:
+        """The recorded steps as ``[(noise_multiplier, sample_rate, count), ...]``."""
+        return [(sigma, q, count) for sigma, q, count in self._history]
+
+    @property
+    def steps(self) -> int:
+        """Total number of recorded steps."""
+        return sum(count for _, _, count in self._history)
+
+    def get_epsilon(self, delta: float) -> float:
+        """Epsilon of all recorded steps at ``delta`` (0.0 before the first step)."""
+        delta = _check_delta(delta)
+        if self.name == "gdp" and not self._warned_gdp:
+            warnings.warn(_GDP_WARNING, GDPApproximationWarning, stacklevel=2)
+            self._warned_gdp = True
+        history = tuple(self.history)
+        if self._cache is not None and self._cache[:2] == (history, delta):
+            return self._cache[2]
+        epsilon = _epsilon(self.name, history, delta)
+        self._cache = (history, delta, epsilon)
+        return epsilon
+
+    def state_dict(self) -> dict:
+        """Plain-python state (``name`` and ``history``), e.g. for ``torch.save``."""
+        return {"name": self.name, "history": [list(entry) for entry in self.history]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace the history with one saved by :meth:`state_dict`."""
+        if not isinstance(state, dict) or "name" not in state or "history" not in state:
+            raise ValueError(
+                "Not an accountant state: expected a dict with keys 'name' and 'history' "
+                "as returned by Accountant.state_dict()."
+            )
+        if state["name"] != self.name:
+            raise ValueError(
+                f"This state was saved by the {state['name']!r} accountant and cannot be "
+                f"loaded into the {self.name!r} accountant (their epsilons differ); load it "
+                f"into create_accountant({state['name']!r})."
+            )
+        restored = Accountant(self.name)
+        for entry in state["history"]:
+            if not isinstance(entry, (list, tuple)) or len(entry) != 3:
+                raise ValueError(
+                    f"Malformed history entry {entry!r}: expected "
+                    "(noise_multiplier, sample_rate, count)."
+                )
+            restored.step(*entry)
+        self._history = restored._history
+        self._cache = None
+
+
+def create_accountant(name: str = DEFAULT_ACCOUNTANT) -> Accountant:
+    """A new, empty accountant: ``"pld"`` (default), ``"rdp"`` or ``"gdp"``."""
+    return Accountant(name)
+
+
+# ------------------------------------------------------------ one-shot computations
+
+
+def compute_epsilon(
+    noise_multiplier: float,
+    sample_rate: float,
+    steps: int,
+    delta: float,
+    accountant: str = DEFAULT_ACCOUNTANT,
+) -> float:
+    """Epsilon of ``steps`` DP-SGD steps with Poisson sample rate ``sample_rate``."""
+    name = _check_accountant_name(accountant)
+    sigma = _check_noise_multiplier(noise_multiplier)
+    q = _check_sample_rate(sample_rate)
+    steps = _check_count(steps, "steps", 0)
+    delta = _check_delta(delta)
+    if name == "gdp":
+        warnings.warn(_GDP_WARNING, GDPApproximationWarning, stacklevel=2)
+    return _epsilon(name, [(sigma, q, steps)] if steps else [], delta)
+
+
+def calibrate_noise_multiplier(
+    target_epsilon: float,
+    target_delta: float,
+    sample_rate: float,
+    steps: int,
+    accountant: str = DEFAULT_ACCOUNTANT,
+) -> float:
+    """The smallest noise multiplier whose epsilon does not exceed ``target_epsilon``.
+
+    The result ``sigma`` satisfies ``0.99 * target_epsilon <= epsilon(sigma) <=
+    target_epsilon``: it never overshoots the target and wastes at most 1 % of it.
+    Raises ``ValueError`` for invalid inputs or a target that would need a noise
+    multiplier above ``MAX_NOISE_MULTIPLIER``.
+    """
+    name = _check_accountant_name(accountant)
+    target = _check_real(target_epsilon, "target_epsilon")
+    if not (math.isfinite(target) and target > 0.0):
+        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}.")
+    delta = _check_delta(target_delta)
+    q = _check_sample_rate(sample_rate)
+    steps = _check_count(steps, "steps", 1)
+    if name == "gdp":
+        warnings.warn(_GDP_WARNING, GDPApproximationWarning, stacklevel=2)
+
+    def epsilon(sigma: float) -> float:
+        return _epsilon(name, [(sigma, q, steps)], delta)
+
+    # Bracket: epsilon(low) > target >= epsilon(high); epsilon decreases in sigma and
+    # is infinite at sigma = 0.
+    low, high = 0.0, 1.0
+    high_epsilon = epsilon(high)
+    while high_epsilon > target:
+        if high >= MAX_NOISE_MULTIPLIER:
+            raise ValueError(
+                f"target_epsilon={target} at delta={delta} is unreachable with "
+                f"sample_rate={q} and steps={steps}: even noise_multiplier={high:g} gives "
+                f"epsilon={high_epsilon:.4g}. Increase target_epsilon, or decrease the "
+                f"number of steps or the sample rate (smaller batches)."
+            )
+        low, high = high, 2.0 * high
+        high_epsilon = epsilon(high)
+    # Bisection, stopped as soon as high is within 1 % below the target. The width
+    # guard only matters if epsilon(sigma) jumps (PLD grid changes); high stays valid.
+    while high_epsilon < 0.99 * target and high - low > 1e-9 * high:
+        middle = 0.5 * (low + high)
+        middle_epsilon = epsilon(middle)
+        if middle_epsilon > target:
+            low = middle
+        else:
+            high, high_epsilon = middle, middle_epsilon
+    return high

@@ -69,6 +69,7 @@ class Capture:
         self.ghost_differentiation = ghost_differentiation
         self._handles: list[Any] = []
         self._anchors: dict[torch.device, torch.Tensor] = {}
+        self._switched: dict[int, list[list[nn.Parameter]]] = {}
         #: batch size of the model's current forward call, read from its first tensor argument
         self.forward_batch: int | None = None
 
@@ -80,6 +81,9 @@ class Capture:
             self._handles.append(
                 state.module.register_forward_hook(self._make_post_hook(state), always_call=True)
             )
+            if state.rule.captures_input:
+                target = state.rule.hook_target(state.module)
+                self._handles.append(target.register_forward_pre_hook(self._make_input_hook(state)))
         for module, check in extra_checks:
             self._handles.append(module.register_forward_pre_hook(check))
 
@@ -104,31 +108,52 @@ class Capture:
     def _make_pre_hook(self, state: LayerState):
         def pre_hook(module, inputs):
             if torch.is_grad_enabled():
-                for p in state.params.values():
+                switched = [p for p in state.params.values() if p.requires_grad]
+                for p in switched:
                     p.requires_grad_(False)
+                self._switched.setdefault(id(module), []).append(switched)
 
         return pre_hook
+
+    def _restore(self, module: nn.Module) -> None:
+        stack = self._switched.get(id(module))
+        if stack:
+            for p in stack.pop():
+                p.requires_grad_(True)
 
     def _make_post_hook(self, state: LayerState):
         def post_hook(module, inputs, output):
             if self.ghost_differentiation:
-                for p in state.params.values():
-                    p.requires_grad_(True)
-            if not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+                self._restore(module)
+            if state.rule.captures_input or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
                 return None
-            activation = state.rule.capture(module, inputs, output)
-            if not output.requires_grad:
-                if not self.ghost_differentiation:
-                    return None  # nothing trainable upstream of a frozen use: no gradient
-                output = _Origin.apply(self._anchor(output.device), output)
-            if output.dim() and output.shape[0] == 1 and (self.forward_batch or 1) > 1:
-                expanded = state.rule.expand_batch(module, activation, output, self.forward_batch)
-                if expanded is not None:
-                    activation, output = expanded
-            dims = state.rule.dims(module, activation, output)
-            call = Call(activation, dims, output.shape[0] if output.dim() else 0, _gradient_edge(output))
-            state.calls.append(call)
-            output.register_hook(lambda g: self.on_grad(state, call, g))
-            return output
+            return self._record(state, module, inputs, output)
 
         return post_hook
+
+    def _make_input_hook(self, state: LayerState):
+        """For rules that read the gradient of a tensor entering a submodule (``hook_target``)."""
+
+        def input_hook(target, inputs):
+            if not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], torch.Tensor):
+                return None
+            return (self._record(state, state.module, inputs, inputs[0]), *inputs[1:])
+
+        return input_hook
+
+    def _record(self, state: LayerState, module: nn.Module, inputs: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        """Keep the activation, and hook the gradient of ``tensor`` (a layer output, or a hooked input)."""
+        activation = state.rule.capture(module, inputs, tensor)
+        if not tensor.requires_grad:
+            if not self.ghost_differentiation:
+                return tensor  # nothing trainable upstream of a frozen use: no gradient
+            tensor = _Origin.apply(self._anchor(tensor.device), tensor)
+        if tensor.dim() and tensor.shape[0] == 1 and (self.forward_batch or 1) > 1:
+            expanded = state.rule.expand_batch(module, activation, tensor, self.forward_batch)
+            if expanded is not None:
+                activation, tensor = expanded
+        dims = state.rule.dims(module, activation, tensor)
+        call = Call(activation, dims, tensor.shape[0] if tensor.dim() else 0, _gradient_edge(tensor))
+        state.calls.append(call)
+        tensor.register_hook(lambda g: self.on_grad(state, call, g))
+        return tensor

@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from .layers import find_rule, trainable_params
+from .layers.base import covering_base
 
 
 def find_problems(model: nn.Module) -> list[str]:
@@ -21,6 +22,14 @@ def find_problems(model: nn.Module) -> list[str]:
         if not params:
             continue
         rule = find_rule(module)
+        base = covering_base(module) if rule is None else None
+        if base is not None:
+            problems.append(
+                f"{label} ({type(module).__name__}) subclasses {base.__name__} but overrides forward, so the "
+                f"{base.__name__} rule may not match what it computes: register a rule for "
+                f"{type(module).__name__} with dptrain.register_layer, or freeze its parameters"
+            )
+            continue
         if rule is None:
             problems.append(
                 f"{label} ({type(module).__name__}) has trainable parameters {sorted(params)} but no layer rule "

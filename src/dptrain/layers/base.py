@@ -56,6 +56,14 @@ class LayerRule:
     #: names of the parameters this rule knows how to handle, in the module
     param_names: tuple[str, ...] = ("weight", "bias")
 
+    #: True: the gradient is read at the first input of ``hook_target(module)`` instead of the
+    #: module's output (for parameters consumed inside a larger module, such as a ViT's
+    #: class token and position embedding, whose contribution enters a dropout layer).
+    captures_input: bool = False
+
+    def hook_target(self, module: nn.Module) -> nn.Module:
+        return module
+
     def validate(self, module: nn.Module) -> None:
         """Raise ``ValueError`` if this module's configuration cannot be made private exactly."""
 
@@ -164,21 +172,40 @@ def register_layer(rule: LayerRule | type[LayerRule]) -> LayerRule:
 
 
 def find_rule(module: nn.Module) -> LayerRule | None:
-    """The rule for the closest class in ``type(module).__mro__``; later registrations win ties."""
+    """The rule for the closest class in ``type(module).__mro__``; later registrations win ties.
+
+    A rule registered for a base class does not cover a subclass that overrides ``forward``
+    (for example a LayerNorm applied to channels-first inputs): its per-sample gradients
+    could differ silently, so such a subclass needs its own rule.
+    """
     best: tuple[int, int] | None = None
     found = None
     mro = type(module).__mro__
     names = [f"{c.__module__}.{c.__qualname__}" for c in mro]
     for order, rule in enumerate(_REGISTRY):
         for cls in rule.module_types:
-            depth = names.index(cls) if isinstance(cls, str) and cls in names else (
-                mro.index(cls) if not isinstance(cls, str) and cls in mro else None
-            )
-            if depth is not None:
-                key = (depth, -order)
-                if best is None or key < best:
-                    best, found = key, rule
+            if isinstance(cls, str):
+                depth = names.index(cls) if cls in names else None
+            else:
+                depth = mro.index(cls) if cls in mro else None
+            if depth is None or type(module).forward is not mro[depth].forward:
+                continue
+            key = (depth, -order)
+            if best is None or key < best:
+                best, found = key, rule
     return found
+
+
+def covering_base(module: nn.Module) -> type | None:
+    """A base class of ``module`` that has a rule, if ``module`` only misses it by overriding forward."""
+    mro = type(module).__mro__
+    names = {f"{c.__module__}.{c.__qualname__}": c for c in mro}
+    for rule in _REGISTRY:
+        for cls in rule.module_types:
+            base = names.get(cls) if isinstance(cls, str) else (cls if cls in mro else None)
+            if base is not None and base is not type(module):
+                return base
+    return None
 
 
 def registered_rules() -> list[LayerRule]:

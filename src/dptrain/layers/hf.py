@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .base import LayerDims, register_layer
+from .base import LayerDims, LayerRule, register_layer
 from .linear import LinearRule
 from .norms import _AffineNormRule
 
@@ -65,3 +65,106 @@ class HFRMSNormRule(_AffineNormRule):
         xhat = x * torch.rsqrt(variance + module.variance_epsilon)
         return xhat.to(module.weight.dtype) if module.weight.dtype in (torch.float16, torch.bfloat16) else xhat
 
+
+
+class TokenParamsRule(LayerRule):
+    """Parameters added to a token sequence inside a bigger module: class / distillation /
+    register tokens concatenated in front of the patch tokens, and absolute position
+    embeddings added to the tokens, all broadcast over the batch.
+
+    Their per-sample gradients are slices of the gradient of the sequence they end up in, read
+    at the input of a submodule (``hook_target``, usually the embedding dropout): a token
+    ``[1, k, D]`` placed at positions ``s:s+k`` gets ``G_i[s:s+k]``, a position embedding
+    ``[1, N, D]`` over positions ``s:s+N`` gets ``G_i[s:s+N]``. Subclasses give that layout in
+    ``slots``. Exact, and as cheap as a bias: nothing is kept from the forward but the layout.
+    """
+
+    captures_input = True
+
+    def hook_target(self, module):
+        return module.dropout
+
+    def slots(self, module, tokens: torch.Tensor) -> dict[str, slice]:
+        """{parameter name: the token positions it lands on} for one call, from the hooked tensor."""
+        raise NotImplementedError
+
+    def capture(self, module, inputs, tensor):
+        if tensor.dim() != 3:
+            raise ValueError(
+                f"{type(module).__name__}: expected the token sequence [B, N, D] at the input of "
+                f"{type(self.hook_target(module)).__name__}, got shape {tuple(tensor.shape)}"
+            )
+        return self.slots(module, tensor)
+
+    def dims(self, module, activation, output):
+        return LayerDims(T=output.shape[1], p=output.shape[2], d=1, ghost_supported=False)
+
+    def operands(self, module, activation, grad_output):
+        return ((activation, grad_output),)
+
+    def concat_calls(self, calls):
+        return tuple(op for call in calls for op in call)  # calls may differ in layout (CrossViT branches)
+
+    def per_sample_grads(self, module, ops, names):
+        params = dict(module.named_parameters(recurse=False))
+        out = {}
+        for slots, g in ops:
+            B = g.shape[0]
+            for name, positions in slots.items():
+                if name not in names:
+                    continue
+                part = g[:, positions].reshape(B, *params[name].shape)
+                out[name] = part if name not in out else out[name] + part
+        for name in names:
+            if name not in out:  # a parameter this call did not use (e.g. another branch's token)
+                out[name] = ops[0][1].new_zeros(ops[0][1].shape[0], *params[name].shape)
+        return out
+
+    def clipped_grads(self, module, ops, factors):
+        per_sample = self.per_sample_grads(module, ops, set(factors))
+        return {n: torch.tensordot(factors[n].to(t.dtype), t, dims=1) for n, t in per_sample.items()}
+
+
+def _check_positions(module, tokens: torch.Tensor, pos: torch.Tensor, start: int) -> slice:
+    """The positions ``pos`` ([1, n, D]) covers, refusing a resampled (interpolated) embedding."""
+    n = pos.shape[1]
+    if tokens.shape[1] - start != n or tokens.shape[2] != pos.shape[2]:
+        raise ValueError(
+            f"{type(module).__name__}: the position embedding covers {n} tokens but the sequence has "
+            f"{tokens.shape[1] - start}: it was interpolated to another image size (interpolate_pos_encoding "
+            "or a dynamic image size), whose per-sample gradient is not supported. Train at the configured "
+            "image size, or freeze the position embedding"
+        )
+    return slice(start, start + n)
+
+
+@register_layer
+class HFViTEmbeddingsRule(TokenParamsRule):
+    """Hugging Face ViT and DeiT embeddings: [CLS] (and DeiT's distillation) token, then the
+    patches; the position embedding covers every token. Read at the embedding dropout."""
+
+    module_types = (
+        "transformers.models.vit.modeling_vit.ViTEmbeddings",
+        "transformers.models.deit.modeling_deit.DeiTEmbeddings",
+    )
+    param_names = ("cls_token", "distillation_token", "position_embeddings", "mask_token")  # mask_token: refused
+
+    def validate(self, module):
+        mask_token = getattr(module, "mask_token", None)
+        if mask_token is not None and mask_token.requires_grad:
+            raise ValueError(
+                f"{type(module).__name__}.mask_token replaces the patches selected by bool_masked_pos, which this "
+                "rule does not see, so its per-sample gradient is not supported: freeze it "
+                "(embeddings.mask_token.requires_grad_(False))"
+            )
+
+    def slots(self, module, tokens):
+        out = {"cls_token": slice(0, 1)}
+        start = 1
+        if getattr(module, "distillation_token", None) is not None:
+            out["distillation_token"] = slice(1, 2)
+            start = 2
+        if tokens.shape[1] < start:
+            raise ValueError(f"{type(module).__name__}: a sequence of {tokens.shape[1]} tokens has no room for its prefix")
+        out["position_embeddings"] = _check_positions(module, tokens, module.position_embeddings, 0)
+        return out

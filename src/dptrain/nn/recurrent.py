@@ -239,7 +239,8 @@ class _DPRecurrentBase(nn.Module):
                     f.append(s)
             layer_input = torch.cat(outputs, dim=2) if len(outputs) > 1 else outputs[0]
             if self.dropout and self.training and layer < self.num_layers - 1:
-                layer_input = F.dropout(layer_input, self.dropout, training=True)
+                # drawn time-major like torch's kernels, so a seeded run drops the same units as nn.LSTM
+                layer_input = F.dropout(layer_input.transpose(0, 1).contiguous(), self.dropout, True).transpose(0, 1)
         return layer_input, tuple(torch.stack(f) for f in finals)
 
     def _run_direction(self, gates_x, state, hh, hr, mask):

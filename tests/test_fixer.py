@@ -1,0 +1,262 @@
+"""dptrain.fixer.fix: swaps that make models private-trainable; validate finds nothing afterwards."""
+from __future__ import annotations
+
+import os
+from importlib.util import find_spec
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dptrain
+from dptrain.fixer import fix, planned_fixes
+from dptrain.nn import DPGRU, DPLSTM, DPMultiheadAttention, DPRNN
+from dptrain.testing import per_sample_gradients, reference_clipped_gradient
+from dptrain.validation import find_problems
+
+F64 = torch.float64
+
+
+# ---------------------------------------------------------------------------- recurrent and attention swaps
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(3, 4)
+        self.rnn = nn.RNN(4, 4, nonlinearity="relu", batch_first=True)
+        self.lstm = nn.LSTM(4, 5, num_layers=2, bidirectional=True, proj_size=2, batch_first=True)
+        self.gru = nn.GRU(4, 4, batch_first=True)
+        self.attention = nn.MultiheadAttention(4, 2, batch_first=True, add_bias_kv=True)
+        self.head = nn.Linear(4 + 4 + 4 + 4, 2)
+
+    def forward(self, x):
+        e = self.embed(x)
+        outputs = [self.rnn(e)[0], self.lstm(e)[0], self.gru(e)[0], self.attention(e, e, e)[0]]
+        return self.head(torch.cat(outputs, dim=-1))
+
+
+def test_fix_swaps_recurrent_and_attention_modules_keeping_the_function():
+    torch.manual_seed(0)
+    model = Mixed().double()
+    x = torch.randn(3, 5, 3, dtype=F64)
+    expected = model(x)
+    problems = find_problems(model)
+    assert len(problems) == 4 and all("no layer rule" in p for p in problems)
+
+    fixed = fix(model)
+
+    assert find_problems(fixed) == []
+    types = {name: type(getattr(fixed, name)) for name in ("rnn", "lstm", "gru", "attention")}
+    assert types == {"rnn": DPRNN, "lstm": DPLSTM, "gru": DPGRU, "attention": DPMultiheadAttention}
+    assert fixed.rnn.nonlinearity == "relu" and fixed.lstm.proj_size == 2 and fixed.attention.bias_k is not None
+    torch.testing.assert_close(fixed(x), expected, atol=1e-10, rtol=0)
+    assert list(fixed.state_dict()) == list(model.state_dict())
+    # a copy: the original is untouched
+    assert type(model.lstm) is nn.LSTM and len(find_problems(model)) == 4
+
+
+def test_fix_carries_frozen_flags_mode_and_dtype():
+    model = Mixed().double().eval()
+    model.lstm.weight_hh_l1_reverse.requires_grad_(False)
+    model.attention.in_proj_weight.requires_grad_(False)
+    fixed = fix(model)
+    assert not fixed.lstm.hh_l1_reverse.weight.requires_grad and fixed.lstm.hh_l1.weight.requires_grad
+    assert not any(p.requires_grad for p in (fixed.attention.q_proj.weight, fixed.attention.k_proj.weight,
+                                             fixed.attention.v_proj.weight))
+    assert fixed.attention.q_proj.bias.requires_grad
+    assert not fixed.training and not fixed.gru.training
+    assert all(p.dtype == F64 for p in fixed.parameters())
+
+
+def test_fix_in_place_and_of_a_bare_module():
+    model = Mixed()
+    same = fix(model, inplace=True)
+    assert same is model and isinstance(model.gru, DPGRU)
+    lstm = nn.LSTM(3, 4)
+    fixed = fix(lstm, inplace=True)  # the root itself is swapped: use the returned module
+    assert isinstance(fixed, DPLSTM) and type(lstm) is nn.LSTM
+    x = torch.randn(5, 2, 3)
+    torch.testing.assert_close(fixed(x)[0], lstm(x)[0])
+
+
+def test_a_module_registered_twice_stays_shared():
+    norm = nn.BatchNorm1d(4)
+    model = nn.Sequential(nn.Linear(4, 4), norm, nn.Linear(4, 4), norm)
+    fixed = fix(model)
+    assert isinstance(fixed[1], nn.GroupNorm) and fixed[1] is fixed[3]
+
+
+def test_subclasses_of_recurrent_modules_are_left_for_validate_to_report():
+    class MyLSTM(nn.LSTM):
+        def forward(self, x, hx=None):
+            return super().forward(x.flip(0), hx)
+
+    model = nn.Sequential(MyLSTM(3, 4))
+    fixed = fix(model)
+    assert type(fixed[0]) is MyLSTM
+    assert planned_fixes(model) == []
+    assert any("MyLSTM" in p for p in find_problems(fixed))
+
+
+# ---------------------------------------------------------------------------- BatchNorm -> GroupNorm
+def test_batchnorm_becomes_groupnorm_with_weights_carried():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(3, 64, 3), nn.BatchNorm2d(64, eps=1e-3), nn.Conv2d(64, 6, 1), nn.BatchNorm2d(6),
+                          nn.Flatten(), nn.Linear(6, 3), nn.BatchNorm1d(3, affine=False))
+    with torch.no_grad():
+        model[1].weight.uniform_(0.5, 1.5)
+        model[1].bias.uniform_(-1, 1)
+    model[3].bias.requires_grad_(False)
+    assert sum("BatchNorm" in p for p in find_problems(model)) == 2  # the affine=False one has no parameters
+
+    plans = planned_fixes(model)
+    assert [p.split(":")[0] for p in plans] == ["1", "3", "6"]
+    assert plans[0].startswith("1: BatchNorm2d(64) -> GroupNorm(32, 64)")
+    fixed = fix(model)
+
+    norms = [fixed[1], fixed[3], fixed[6]]
+    assert all(type(n) is nn.GroupNorm for n in norms)
+    assert [(n.num_groups, n.num_channels, n.eps, n.affine) for n in norms] == [
+        (32, 64, 1e-3, True), (2, 6, 1e-5, True), (1, 3, 1e-5, False)]
+    assert torch.equal(fixed[1].weight, model[1].weight) and torch.equal(fixed[1].bias, model[1].bias)
+    assert fixed[3].weight.requires_grad and not fixed[3].bias.requires_grad
+    assert find_problems(fixed) == []
+    assert fixed(torch.randn(2, 3, 3, 3)).shape == (2, 3)
+
+
+def test_fix_leaves_a_model_without_problems_unchanged():
+    model = nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4), nn.ReLU(), nn.Linear(4, 2))
+    assert planned_fixes(model) == []
+    fixed = fix(model)
+    assert [type(m) for m in fixed] == [type(m) for m in model]
+    for a, b in zip(fixed.parameters(), model.parameters()):
+        assert torch.equal(a, b) and a is not b
+
+
+def test_fix_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="nn.Module"):
+        fix(nn.Linear(2, 2).weight)
+    with pytest.raises(ValueError, match="num_groups"):
+        fix(nn.BatchNorm1d(4), num_groups=0)
+    with pytest.raises(ValueError, match="run one forward pass"):
+        fix(nn.LazyBatchNorm1d())
+
+
+# ---------------------------------------------------------------------------- exact training after fix
+def assert_engine_matches_oracle(model, losses_fn, batch, modes):
+    grads = per_sample_gradients(model, losses_fn, batch)
+    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in grads.values()))
+    R = float(norms.median())
+    assert (norms > R * 1.001).any() and (norms < R * 0.999).any(), "some samples clipped, some not"
+    expected = reference_clipped_gradient(model, losses_fn, batch, max_grad_norm=R)
+    for mode in modes:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0)
+        engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R, noise_multiplier=0.0,
+                                       clipping_mode=mode).attach(optimizer)
+        try:
+            engine.backward(losses_fn(model, *batch))
+            optimizer.step()
+            for name, p in model.named_parameters():
+                scale = expected[name].abs().max().clamp_min(1.0)
+                torch.testing.assert_close(p.grad / scale, expected[name] / scale, atol=1e-10, rtol=0,
+                                           msg=f"{mode}: {name}")
+        finally:
+            engine.detach()
+            optimizer.zero_grad(set_to_none=True)
+
+
+def classification_losses(model, x, y):
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def _images(size=16):
+    g = torch.Generator().manual_seed(31)
+    return torch.randn(3, 3, size, size, dtype=F64, generator=g), torch.tensor([1, 4, 7])
+
+
+def _no_dropout(model):
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0  # the oracle runs samples one at a time: dropout masks would differ
+    return model
+
+
+needs_torchvision = pytest.mark.skipif(find_spec("torchvision") is None, reason="torchvision is not installed")
+
+
+def small_resnet():
+    """torchvision's BasicBlock (in-place ReLU, ``out += identity``, BatchNorm downsample) at small width."""
+    from torchvision.models.resnet import BasicBlock
+
+    downsample = nn.Sequential(nn.Conv2d(8, 16, 1, stride=2, bias=False), nn.BatchNorm2d(16))
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+        BasicBlock(8, 8), BasicBlock(8, 16, stride=2, downsample=downsample),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10),
+    )
+
+
+def small_vgg():
+    """torchvision's VGG with BatchNorm (conv -> BN -> in-place ReLU), small features and head."""
+    from torchvision.models.vgg import VGG, make_layers
+
+    model = VGG(make_layers([8, "M", 16, "M", 16], batch_norm=True), num_classes=10)
+    model.classifier = nn.Sequential(nn.Linear(16 * 7 * 7, 32), nn.ReLU(inplace=True), nn.Dropout(), nn.Linear(32, 10))
+    return model
+
+
+def small_densenet():
+    """torchvision's DenseNet class (norm -> in-place ReLU -> conv, concatenations, transitions)."""
+    from torchvision.models import DenseNet
+
+    return DenseNet(growth_rate=4, block_config=(2, 2), num_init_features=8, bn_size=2, num_classes=10)
+
+
+@needs_torchvision
+@pytest.mark.parametrize("make", [small_resnet, small_vgg, small_densenet], ids=["resnet", "vgg-bn", "densenet"])
+def test_torchvision_architectures_train_exactly_after_fix(make):
+    torch.manual_seed(32)
+    model = make().double()
+    assert any("BatchNorm" in p for p in find_problems(model))
+    fixed = _no_dropout(fix(model)).train()
+    assert find_problems(fixed) == []
+    assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in fixed.modules())
+    assert any(getattr(m, "inplace", False) for m in fixed.modules()), "the in-place activations are kept"
+    assert_engine_matches_oracle(fixed, classification_losses, _images(), ["bk-mixopt", "ghost"])
+
+
+def test_transformer_encoder_after_fix_keeps_the_function_and_trains_exactly():
+    torch.manual_seed(33)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True, dtype=F64)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+    fixed = fix(model)
+    g = torch.Generator().manual_seed(34)
+    x = torch.randn(3, 5, 8, dtype=F64, generator=g)
+    padding = torch.zeros(3, 5, dtype=torch.bool)
+    padding[1, 3:] = True
+    torch.testing.assert_close(fixed(x, src_key_padding_mask=padding), model(x, src_key_padding_mask=padding),
+                               atol=1e-10, rtol=0)
+    with torch.no_grad():  # eval: torch's fused inference path, reading the packed in_proj_weight
+        torch.testing.assert_close(fixed.eval()(x), model.eval()(x), atol=1e-10, rtol=0)
+    fixed.train()
+    target = torch.randn(3, 5, 8, dtype=F64, generator=g)
+
+    def losses(m, x, padding, target):
+        return (m(x, src_key_padding_mask=padding) - target).square().sum((1, 2))
+
+    assert_engine_matches_oracle(fixed, losses, (x, padding, target), dptrain.CLIPPING_MODES)
+
+
+# ---------------------------------------------------------------------------- full-size models (slow, opt-in)
+@needs_torchvision
+@pytest.mark.skipif(os.environ.get("DPTRAIN_SLOW_TESTS") != "1",
+                    reason="minutes on CPU in float64; set DPTRAIN_SLOW_TESTS=1")
+@pytest.mark.parametrize("name", ["resnet18", "vgg11", "densenet121"])
+def test_full_size_torchvision_models_train_exactly_after_fix(name):
+    import torchvision
+
+    torch.manual_seed(35)
+    model = getattr(torchvision.models, name)(weights=None, num_classes=10)
+    fixed = _no_dropout(fix(model.double())).train()
+    assert find_problems(fixed) == []
+    assert_engine_matches_oracle(fixed, classification_losses, _images(32), ["bk-mixopt", "ghost"])

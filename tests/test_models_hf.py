@@ -251,8 +251,9 @@ def test_vit_interpolated_position_embedding_is_refused():
     engine = dptrain.PrivacyEngine(model, batch_size=2, sample_size=10, noise_multiplier=0.0)
     engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
     try:
+        logits = model(pixel_values=torch.randn(2, 3, 24, 24), interpolate_pos_encoding=True).logits
         with pytest.raises(ValueError, match="interpolated"):
-            model(pixel_values=torch.randn(2, 3, 24, 24), interpolate_pos_encoding=True)
+            engine.backward(F.cross_entropy(logits, torch.tensor([0, 1]), reduction="none"))
     finally:
         engine.detach()
 

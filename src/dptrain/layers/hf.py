@@ -84,8 +84,13 @@ class TokenParamsRule(LayerRule):
     def hook_target(self, module):
         return module.dropout
 
-    def slots(self, module, tokens: torch.Tensor) -> dict[str, slice]:
-        """{parameter name: the token positions it lands on} for one call, from the hooked tensor."""
+    def slots(self, module, tokens: torch.Tensor) -> dict[str, slice | ValueError]:
+        """{parameter name: the token positions it lands on} for one call, from the hooked tensor.
+
+        A layout this rule cannot follow is given as the ``ValueError`` to raise if that parameter
+        is trainable (the capture runs while ghost differentiation has switched requires_grad off,
+        so whether it is trainable is only known later).
+        """
         raise NotImplementedError
 
     def capture(self, module, inputs, tensor):
@@ -113,6 +118,8 @@ class TokenParamsRule(LayerRule):
             for name, positions in slots.items():
                 if name not in names:
                     continue
+                if isinstance(positions, ValueError):
+                    raise positions
                 part = g[:, positions].reshape(B, *params[name].shape)
                 out[name] = part if name not in out else out[name] + part
         for name in names:
@@ -125,11 +132,11 @@ class TokenParamsRule(LayerRule):
         return {n: torch.tensordot(factors[n].to(t.dtype), t, dims=1) for n, t in per_sample.items()}
 
 
-def _check_positions(module, tokens: torch.Tensor, pos: torch.Tensor, start: int) -> slice:
-    """The positions ``pos`` ([1, n, D]) covers, refusing a resampled (interpolated) embedding."""
+def _check_positions(module, tokens: torch.Tensor, pos: torch.Tensor, start: int) -> slice | ValueError:
+    """The positions ``pos`` ([1, n, D]) covers, or the refusal of a resampled (interpolated) embedding."""
     n = pos.shape[1]
     if tokens.shape[1] - start != n or tokens.shape[2] != pos.shape[2]:
-        raise ValueError(
+        return ValueError(
             f"{type(module).__name__}: the position embedding covers {n} tokens but the sequence has "
             f"{tokens.shape[1] - start}: it was interpolated to another image size (interpolate_pos_encoding "
             "or a dynamic image size), whose per-sample gradient is not supported. Train at the configured "
@@ -147,7 +154,8 @@ class HFViTEmbeddingsRule(TokenParamsRule):
         "transformers.models.vit.modeling_vit.ViTEmbeddings",
         "transformers.models.deit.modeling_deit.DeiTEmbeddings",
     )
-    param_names = ("cls_token", "distillation_token", "position_embeddings", "mask_token")  # mask_token: refused
+    # mask_token is named so that validate() can refuse it with a reason
+    param_names = ("cls_token", "distillation_token", "position_embeddings", "mask_token")
 
     def validate(self, module):
         mask_token = getattr(module, "mask_token", None)

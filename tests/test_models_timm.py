@@ -1,0 +1,242 @@
+"""timm models, built from tiny configs with random weights, against the per-sample oracle.
+
+Every clipping mode, through engine.backward(per-sample losses) and through a plain
+loss.backward() (single-backward modes), must give the oracle's clipped gradient in float64.
+Dropout and stochastic depth are 0 (the oracle's one-sample forwards would draw other masks).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dptrain
+from helpers import (
+    MODES, RTOL, SINGLE_BACKWARD_MODES, Case, assert_matches, classify, reference, run_engine, split_max_grad_norm,
+)
+
+timm = pytest.importorskip("timm")
+from timm.layers import norm as timm_norm  # noqa: E402
+from timm.layers.layer_scale import LayerScale, LayerScale2d  # noqa: E402
+
+B = 4
+VIT = dict(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2, mlp_ratio=2.0, num_classes=3)
+
+
+def _images(seed, size=16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 3, size, size, generator=g), torch.randint(0, 3, (B,), generator=g)
+
+
+def _case(model, seed, size=16):
+    return Case(model.double().train(), classify, _images(seed, size))
+
+
+def vit_case():
+    torch.manual_seed(0)
+    return _case(timm.models.VisionTransformer(**VIT, qkv_bias=True), 0)
+
+
+def vit_registers_case():
+    """Register tokens, LayerScale, position embedding on the patches only, average pooling."""
+    torch.manual_seed(1)
+    model = timm.models.VisionTransformer(**VIT, reg_tokens=2, init_values=0.1, no_embed_class=True,
+                                          global_pool="avg")
+    return _case(model, 1)
+
+
+def vit_no_pos_embed_case():
+    """No position embedding: the class token is read at patch_drop instead of pos_drop."""
+    torch.manual_seed(2)
+    return _case(timm.models.VisionTransformer(**VIT, pos_embed="none"), 2)
+
+
+def deit_distilled_case():
+    torch.manual_seed(3)
+    return _case(timm.models.deit.VisionTransformerDistilled(**VIT), 3)
+
+
+def beit_plain_case():
+    """Beit's embeddings and blocks, without layer scale, q/v biases and relative position bias."""
+    torch.manual_seed(4)
+    model = timm.models.beit.Beit(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2, mlp_ratio=2.0,
+                                  num_classes=3, qkv_bias=False, use_abs_pos_emb=True, init_values=None)
+    return _case(model, 4)
+
+
+def crossvit_case():
+    """Two branches of different patch sizes sharing pos_drop; cross-attention between branches."""
+    torch.manual_seed(5)
+    model = timm.models.crossvit.CrossVit(img_size=16, patch_size=(8, 4), embed_dim=(16, 8), depth=((1, 1, 0),),
+                                          num_heads=(2, 2), mlp_ratio=(2.0, 2.0, 1.0), num_classes=3)
+    return _case(model, 5)
+
+
+def convnext_case(conv_mlp: bool):
+    """Depthwise 7x7 convolutions, channels-last LayerNorm + Linear MLP (or LayerNorm2d + 1x1 convs)."""
+    torch.manual_seed(6)
+    model = timm.models.convnext.ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 8, 8, 16), ls_init_value=None,
+                                          conv_mlp=conv_mlp, num_classes=3)
+    return _case(model, 6, size=32)
+
+
+def resnet_gn_case():
+    torch.manual_seed(7)
+    model = timm.models.resnet.ResNet(
+        timm.models.resnet.BasicBlock, layers=(1, 1, 1, 1), channels=(4, 8, 8, 8), stem_width=8, num_classes=3,
+        norm_layer=partial(timm_norm.GroupNorm, num_groups=2), zero_init_last=False,
+    )
+    return _case(model, 7)
+
+
+class TimmLayers(nn.Module):
+    """The timm norm and scale layers that the model cases above do not use."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.gn1 = timm_norm.GroupNorm1(4)
+        self.rms2d = timm_norm.RmsNorm2d(4)
+        self.ls2d = LayerScale2d(4, init_values=0.5)
+        self.rms = timm_norm.RmsNorm(4)
+        self.ls = LayerScale(4, init_values=0.5)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = self.ls2d(self.rms2d(self.gn1(self.conv(x))))
+        h = torch.tanh(self.ls(self.rms(h.permute(0, 2, 3, 1))))
+        return self.head(h.mean((1, 2)))
+
+
+class TimmFp32Layers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.ln2d = timm_norm.LayerNorm2dFp32(4)
+        self.ln = timm_norm.LayerNormFp32(4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.ln2d(self.conv(x))).permute(0, 2, 3, 1)
+        return self.head(torch.tanh(self.ln(h)).mean((1, 2)))
+
+
+def _perturbed(model):
+    with torch.no_grad():  # move affine parameters off their trivial initial values
+        for name, p in model.named_parameters():
+            if not name.startswith(("conv", "head")):
+                p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def timm_layers_case():
+    torch.manual_seed(8)
+    return _case(_perturbed(TimmLayers()), 8, size=5)
+
+
+def timm_fp32_layers_case():
+    torch.manual_seed(9)
+    return _case(_perturbed(TimmFp32Layers()), 9, size=5)
+
+
+CASES = {
+    "vit": vit_case,
+    "vit-registers-layerscale": vit_registers_case,
+    "vit-no-pos-embed": vit_no_pos_embed_case,
+    "deit-distilled": deit_distilled_case,
+    "beit-plain": beit_plain_case,
+    "crossvit": crossvit_case,
+    "convnext": lambda: convnext_case(False),
+    "convnext-conv-mlp": lambda: convnext_case(True),
+    "resnet-groupnorm": resnet_gn_case,
+    "timm-layers": timm_layers_case,
+    "timm-fp32-layers": timm_fp32_layers_case,
+}
+
+# These normalise in float32 by design, also in a float64 model: the oracle's one-sample backward
+# and the batch backward round differently there, so they agree to float32 precision only (every
+# other case is checked to 1e-10).
+FLOAT32_INSIDE = {"timm-fp32-layers"}
+FLOAT32_RTOL = 1e-6
+
+_built: dict[str, tuple[Case, float, dict]] = {}
+
+
+def built(name):
+    if name not in _built:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            case = CASES[name]()
+            R = split_max_grad_norm(case, "all-layer")
+            _built[name] = (case, R, reference(case, max_grad_norm=R))
+        finally:
+            torch.set_default_dtype(previous)
+    return _built[name]
+
+
+def _engine(case, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return run_engine(copy.deepcopy(case.model), case.losses_fn, case.batch, **kwargs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_engine_backward_matches_oracle(name, mode):
+    case, R, ref = built(name)
+    rtol = FLOAT32_RTOL if name in FLOAT32_INSIDE else RTOL
+    assert_matches(_engine(case, mode=mode, max_grad_norm=R), ref, rtol=rtol, what=f"{name} {mode} engine.backward")
+
+
+@pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_loss_backward_matches_oracle(name, mode):
+    case, R, ref = built(name)
+    rtol = FLOAT32_RTOL if name in FLOAT32_INSIDE else RTOL
+    assert_matches(_engine(case, mode=mode, max_grad_norm=R, path="mean"), ref, rtol=rtol,
+                   what=f"{name} {mode} loss.backward")
+
+
+# --------------------------------------------------------------------------- refusals
+def test_batchnorm_resnet_is_refused_with_the_fix():
+    model = timm.models.resnet.ResNet(timm.models.resnet.BasicBlock, layers=(1, 1, 1, 1), channels=(4, 4, 4, 4),
+                                      stem_width=4)
+    with pytest.raises(ValueError, match="GroupNorm"):
+        dptrain.validate(model)
+
+
+def test_dynamic_image_size_position_embedding_is_refused():
+    model = timm.models.VisionTransformer(**VIT, dynamic_img_size=True)
+    with pytest.raises(ValueError, match="dynamic_img_size"):
+        dptrain.validate(model)
+    model.pos_embed.requires_grad_(False)
+    dptrain.validate(model)
+
+
+def test_inplace_layer_scale_is_refused():
+    model = timm.models.VisionTransformer(**VIT, init_values=0.1)
+    model.blocks[0].ls1.inplace = True
+    with pytest.raises(ValueError, match="inplace"):
+        dptrain.validate(model)
+
+
+def test_unknown_pos_embed_override_is_refused():
+    class Shuffled(timm.models.VisionTransformer):
+        def _pos_embed(self, x):
+            return super()._pos_embed(x.flip(1))
+
+    with pytest.raises(ValueError, match="_pos_embed"):
+        dptrain.validate(Shuffled(**VIT))
+
+
+def test_crossvit_branches_of_identical_shape_are_refused():
+    model = timm.models.crossvit.CrossVit(img_size=16, patch_size=(8, 8), embed_dim=(16, 16), depth=((1, 1, 0),),
+                                          num_heads=(2, 2), mlp_ratio=(2.0, 2.0, 1.0), num_classes=3)
+    with pytest.raises(ValueError, match="told apart"):
+        dptrain.validate(model)

@@ -228,7 +228,10 @@ def _cross_attention_case():
     batch = (torch.randn(B, L, E, dtype=F64, generator=g), torch.randn(B, S, 3, dtype=F64, generator=g),
              torch.randn(B, S, 5, dtype=F64, generator=g), torch.randn(B, HEADS, L, S, dtype=F64, generator=g),
              torch.tensor([0, 2, 1]))
-    losses = lambda m, q, k, v, mask, y: nn.functional.cross_entropy(m(q, k, v, mask), y, reduction="none")  # noqa: E731
+
+    def losses(m, query, key, value, mask, y):
+        return nn.functional.cross_entropy(m(query, key, value, mask), y, reduction="none")
+
     return model, losses, batch
 
 

@@ -198,7 +198,7 @@ class DPMultiheadAttention(nn.Module):
         else:
             attn_mask = _float_mask(attn_mask, "attn_mask", query.dtype)
         if attn_mask is not None:
-            attn_mask = attn_mask.view(1, 1, L, S) if attn_mask.dim() == 2 else attn_mask.view(B, H, L, S)
+            attn_mask = attn_mask.reshape(1, 1, L, S) if attn_mask.dim() == 2 else attn_mask.reshape(B, H, L, S)
 
         q = self.q_proj(query)
         k = self.k_proj(key)

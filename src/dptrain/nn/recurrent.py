@@ -87,8 +87,9 @@ class _DPRecurrentBase(nn.Module):
         for layer in range(num_layers):
             layer_input = input_size if layer == 0 else out_size * self.num_directions
             for suffix in self._suffixes():
-                self.add_module(f"ih_l{layer}{suffix}", nn.Linear(layer_input, self.gates * hidden_size, bias, **factory))
-                self.add_module(f"hh_l{layer}{suffix}", nn.Linear(out_size, self.gates * hidden_size, bias, **factory))
+                gate_size = self.gates * hidden_size
+                self.add_module(f"ih_l{layer}{suffix}", nn.Linear(layer_input, gate_size, bias, **factory))
+                self.add_module(f"hh_l{layer}{suffix}", nn.Linear(out_size, gate_size, bias, **factory))
                 if proj_size:
                     self.add_module(f"hr_l{layer}{suffix}", nn.Linear(hidden_size, proj_size, False, **factory))
         self.reset_parameters()
@@ -138,7 +139,8 @@ class _DPRecurrentBase(nn.Module):
         return pairs
 
     def _torch_state(self, prefix, state_dict):
-        return {prefix + t: state_dict.pop(prefix + own) for t, own in self._torch_names() if prefix + own in state_dict}
+        return {prefix + t: state_dict.pop(prefix + own)
+                for t, own in self._torch_names() if prefix + own in state_dict}
 
     def _from_torch_state(self, prefix, state_dict):
         for t, own in self._torch_names():
@@ -166,10 +168,9 @@ class _DPRecurrentBase(nn.Module):
         else:
             if not isinstance(input, torch.Tensor) or input.dim() not in (2, 3):
                 shape = tuple(input.shape) if isinstance(input, torch.Tensor) else type(input).__name__
-                raise ValueError(
-                    f"{type(self).__name__}: expected input of shape (L, H_in) unbatched or "
-                    f"{'(N, L, H_in)' if self.batch_first else '(L, N, H_in)'} batched, or a PackedSequence; got {shape}"
-                )
+                batched_shape = "(N, L, H_in)" if self.batch_first else "(L, N, H_in)"
+                raise ValueError(f"{type(self).__name__}: expected input of shape (L, H_in) unbatched or "
+                                 f"{batched_shape} batched, or a PackedSequence; got {shape}")
             batched = input.dim() == 3
             x = input.unsqueeze(0) if not batched else input if self.batch_first else input.transpose(0, 1)
             lengths = None
@@ -206,7 +207,8 @@ class _DPRecurrentBase(nn.Module):
                                  f"{name} should be {3 if batched else 2}-D but got {s.dim()}-D")
             s = s if batched else s.unsqueeze(1)
             if tuple(s.shape) != (depth, B, size):
-                raise ValueError(f"{type(self).__name__}: expected {name} of size {(depth, B, size)}, got {tuple(s.shape)}")
+                raise ValueError(f"{type(self).__name__}: expected {name} of size {(depth, B, size)}, "
+                                 f"got {tuple(s.shape)}")
             out.append(s)
         return tuple(out)
 

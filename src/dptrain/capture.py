@@ -26,6 +26,7 @@ class Call:
     dims: LayerDims
     batch_size: int
     edge: Any  # the output's gradient edge, for two-pass modes' first backward
+    version: int | None = None  # the activation's version counter when it was captured
     grad: torch.Tensor | None = None
 
 
@@ -153,7 +154,8 @@ class Capture:
             if expanded is not None:
                 activation, tensor = expanded
         dims = state.rule.dims(module, activation, tensor)
-        call = Call(activation, dims, tensor.shape[0] if tensor.dim() else 0, _gradient_edge(tensor))
+        version = activation._version if isinstance(activation, torch.Tensor) else None
+        call = Call(activation, dims, tensor.shape[0] if tensor.dim() else 0, _gradient_edge(tensor), version)
         state.calls.append(call)
         tensor.register_hook(lambda g: self.on_grad(state, call, g))
         return tensor

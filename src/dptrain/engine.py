@@ -221,7 +221,7 @@ class PrivacyEngine:
                 "in a single-backward mode"
             )
         if losses.dim() > 1:
-            losses = losses.reshape(losses.shape[0], -1).sum(1)
+            losses = losses.flatten(1).sum(1)
         if not torch.isfinite(losses).all():
             bad = (~torch.isfinite(losses)).nonzero().flatten().tolist()
             raise ValueError(f"non-finite per-sample losses at batch positions {bad[:10]}: nothing was accumulated")
@@ -301,6 +301,14 @@ class PrivacyEngine:
         sizes = {c.batch_size for c in calls}
         if len(sizes) > 1:
             raise ValueError(f"module {state.name!r} was called with different batch sizes {sorted(sizes)} in one forward")
+        # With ghost differentiation autograd does not save a layer's input, so its own check
+        # for inputs modified in place cannot fire: this one does.
+        if any(c.version is not None and c.activation._version != c.version for c in calls):
+            raise RuntimeError(
+                f"the input of {state.name!r} ({type(state.module).__name__}) was modified in place after the "
+                "layer used it (e.g. `h += layer(h)`), so its per-sample gradients cannot be computed: "
+                "use an out-of-place operation (`h = h + layer(h)`)"
+            )
         rule, module = state.rule, state.module
         parts = [rule.operands(module, c.activation, c.grad) for c in calls]
         ops = parts[0] if len(parts) == 1 else rule.concat_calls(parts)

@@ -95,7 +95,7 @@ class ConvRule(LayerRule):
             w = torch.einsum("bgpt,bgdt->bgpd", grad, a.to(grad.dtype))
             out["weight"] = w.reshape(B, *module.weight.shape)
         if "bias" in names:
-            out["bias"] = grad.sum(3).reshape(B, -1)
+            out["bias"] = grad.sum(3).flatten(1)
         return out
 
     def weight_factors(self, module, ops):
@@ -112,5 +112,5 @@ class ConvRule(LayerRule):
             w = torch.einsum("bgpt,bgdt->gpd", weighted, a.to(grad.dtype))
             out["weight"] = w.reshape(module.weight.shape)
         if "bias" in factors:
-            out["bias"] = factors["bias"].to(grad.dtype) @ grad.sum(3).reshape(grad.shape[0], -1)
+            out["bias"] = factors["bias"].to(grad.dtype) @ grad.sum(3).flatten(1)
         return out

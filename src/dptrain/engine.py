@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import accounting
+from . import accounting, data
 from .algorithms import RECIPES
 from .capture import Call, Capture, LayerState
 from .clipping import CLIPPING_FNS, build_groups, clipping_factors, group_threshold
@@ -152,6 +152,7 @@ class PrivacyEngine:
         self._summed: dict[nn.Parameter, torch.Tensor] = {}
         self._last_decisions: list[LayerDecision] = []
         self.steps_taken = 0
+        self._warned_loader = False
 
     # ------------------------------------------------------------------ configuration
     def _resolve_noise_multiplier(self, sigma, target_epsilon, target_delta, epochs, steps, accountant_name):
@@ -172,8 +173,15 @@ class PrivacyEngine:
         )
 
     # ------------------------------------------------------------------ attach / detach
-    def attach(self, optimizer: torch.optim.Optimizer) -> PrivacyEngine:
-        """Install the hooks; ``optimizer.step()`` then applies the private gradient."""
+    def attach(self, optimizer: torch.optim.Optimizer, data_loader=None) -> PrivacyEngine:
+        """Install the hooks; ``optimizer.step()`` then applies the private gradient.
+
+        ``data_loader`` (optional) is checked against the accounting: a Poisson loader must
+        sample with ``q = batch_size / sample_size``; any other loader gets a warning, once,
+        that the reported epsilon assumes Poisson sampling.
+        """
+        if data_loader is not None:
+            self._check_loader(data_loader)
         if self._optimizer is not None:
             raise RuntimeError("this engine is already attached; call detach() first")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -194,6 +202,23 @@ class PrivacyEngine:
         self._step_handle = optimizer.register_step_pre_hook(self._before_step)
         self._optimizer = optimizer
         return self
+
+    def _check_loader(self, loader) -> None:
+        if data.is_poisson_loader(loader):
+            if not math.isclose(loader.sample_rate, self.sample_rate, rel_tol=1e-9):
+                raise ValueError(
+                    f"the loader samples with q={loader.sample_rate:.6g} but the engine accounts for "
+                    f"q = batch_size / sample_size = {self.sample_rate:.6g}: build both from the same batch size "
+                    "and dataset size"
+                )
+        elif not self._warned_loader:
+            self._warned_loader = True
+            warnings.warn(
+                f"{type(loader).__name__} does not sample batches by Poisson sampling, which the privacy accounting "
+                "assumes: the reported epsilon does not hold for fixed-size shuffled batches. "
+                "Use dptrain.data.poisson_loader(dataset, batch_size=...)",
+                stacklevel=3,
+            )
 
     def detach(self) -> None:
         """Remove every hook; the model and optimizer behave exactly as before ``attach``."""

@@ -28,6 +28,8 @@ import copy
 import csv
 import datetime as _dt
 import gc
+import importlib.metadata
+import importlib.util
 import json
 import math
 import os
@@ -613,6 +615,9 @@ def run_worker(task: dict, timeout: float, isolate: bool = True) -> dict:
             env[var] = str(task["threads"])
         if task.get("omp_wait_policy"):
             env["OMP_WAIT_POLICY"] = task["omp_wait_policy"]
+        # the workers must import this very dptrain (a checkout, a snapshot), not another install
+        package_root = str(Path(__file__).resolve().parents[1])
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (package_root, env.get("PYTHONPATH"))))
         cmd = [sys.executable, "-m", "dptrain.benchmarking", "--worker", str(task_file), str(result_file)]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -631,20 +636,15 @@ def run_worker(task: dict, timeout: float, isolate: bool = True) -> dict:
 # ====================================================================== orchestration
 
 
-def _opacus_available() -> str | None:
-    try:
-        import opacus  # noqa: F401
-    except ImportError as exc:
-        return f"opacus not installed ({exc})"
-    return None
+def _opacus_missing() -> str | None:
+    return None if importlib.util.find_spec("opacus") else "opacus not installed (pip install opacus)"
 
 
-def _version(module: str) -> str | None:
-    try:
-        mod = __import__(module)
-    except Exception:  # noqa: BLE001 - an optional package that fails to import is simply absent
+def _version(distribution: str) -> str | None:
+    try:  # from the installed metadata: importing transformers or timm just for this takes seconds
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
         return None
-    return getattr(mod, "__version__", "unknown")
 
 
 def _git_commit() -> str | None:
@@ -728,7 +728,7 @@ def benchmark_config(config: BenchConfig, arms: Sequence[str], *, scale: str, de
         "load_average_before": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     started = time.perf_counter()
-    opacus_missing = _opacus_available()
+    opacus_missing = _opacus_missing() if any(a in OPACUS_ARMS for a in arms) else None
     runnable = []
     for arm in arms:
         if arm in OPACUS_ARMS and opacus_missing:

@@ -1,0 +1,182 @@
+"""Models for the ``dptrain`` command: built-in ones, and torchvision / timm / Hugging Face by name.
+
+A model is named by a *spec*:
+
+- ``cnn``: a small convolutional network with GroupNorm (the default; sized for digits)
+- ``mlp``: a two-layer perceptron on the flattened image
+- ``torchvision:NAME`` (e.g. ``torchvision:resnet18``), ``timm:NAME``: image models with
+  random weights
+- ``hf:NAME``: a Hugging Face ``transformers`` model built from its config (random
+  weights); NAME is a model type (``bert``, ``gpt2``, ...) or a config on the hub / disk.
+
+For training, ``dptrain.fixer.fix`` swaps what the engine refuses: BatchNorm becomes
+GroupNorm (BatchNorm normalises with statistics of the whole batch, which mixes samples),
+torch's RNN/LSTM/GRU/MultiheadAttention become their dptrain.nn versions.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+BUILTIN_MODELS = ("cnn", "mlp")
+MODEL_SOURCES = ("torchvision", "timm", "hf")
+MODEL_SPEC_HELP = "cnn, mlp, torchvision:NAME, timm:NAME or hf:NAME"
+
+
+class ModelSpecError(ValueError):
+    """A model spec that names no model, or whose optional package is missing."""
+
+
+def _groupnorm_groups(channels: int, preferred: int = 32) -> int:
+    """The largest divisor of ``channels`` not above ``preferred`` (GroupNorm needs a divisor)."""
+    return math.gcd(channels, preferred)
+
+
+class SmallCNN(nn.Sequential):
+    """Two conv blocks (conv, GroupNorm, ReLU, max-pool) and a linear classifier.
+
+    Small on purpose: under DP the noise grows with the number of parameters, so a
+    compact model learns more per unit of privacy. Adaptive pooling makes it work on
+    any image size from 4x4 up (8x8 digits, 28x28 MNIST, 32x32 CIFAR).
+    """
+
+    def __init__(self, in_channels: int, num_classes: int, width: int = 32):
+        super().__init__(
+            nn.Conv2d(in_channels, width, 3, padding=1),
+            nn.GroupNorm(_groupnorm_groups(width, 8), width),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(width, 2 * width, 3, padding=1),
+            nn.GroupNorm(_groupnorm_groups(2 * width, 8), 2 * width),
+            nn.ReLU(),
+            nn.AdaptiveMaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(2 * width * 4, num_classes),
+        )
+
+
+class MLP(nn.Sequential):
+    def __init__(self, in_features: int, num_classes: int, hidden: int = 128):
+        super().__init__(
+            nn.Flatten(),
+            nn.Linear(in_features, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, num_classes),
+        )
+
+
+class GrayToRGB(nn.Module):
+    """Repeats a one-channel image over three channels, for ImageNet-style models on MNIST."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x.expand(-1, 3, *x.shape[2:]))
+
+
+@dataclass
+class BuiltModel:
+    model: nn.Module
+    spec: str
+    notes: list[str]
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """``"torchvision:resnet18"`` -> ``("torchvision", "resnet18")``; built-ins -> ``("builtin", name)``."""
+    if spec in BUILTIN_MODELS:
+        return "builtin", spec
+    source, sep, name = spec.partition(":")
+    if not sep or source not in MODEL_SOURCES or not name:
+        raise ModelSpecError(f"unknown model {spec!r}; valid: {MODEL_SPEC_HELP}")
+    return source, name
+
+
+def _import_optional(module: str, extra: str):
+    try:
+        return __import__(module)
+    except ImportError:
+        raise ModelSpecError(
+            f"{module} is not installed; install the optional extra: pip install 'dptrain[{extra}]'"
+        ) from None
+
+
+def build_image_model(
+    spec: str, in_channels: int, num_classes: int, image_size: int, *, for_training: bool = True
+) -> BuiltModel:
+    """An image classifier for inputs ``[B, in_channels, H, W]`` with ``num_classes`` outputs.
+
+    ``for_training`` applies ``dptrain.fixer.fix`` (see the module docstring); ``dptrain plan``
+    keeps the model as published, so its numbers match the papers' tables.
+    """
+    source, name = parse_spec(spec)
+    notes: list[str] = []
+    if source == "builtin":
+        if name == "cnn":
+            model: nn.Module = SmallCNN(in_channels, num_classes)
+        else:
+            model = MLP(in_channels * image_size * image_size, num_classes)
+        return BuiltModel(model, spec, notes)
+    if source == "hf":
+        raise ModelSpecError(f"{spec!r} is a text model; image datasets need cnn, mlp, torchvision:NAME or timm:NAME")
+    if source == "torchvision":
+        torchvision = _import_optional("torchvision", "vision")
+        if name not in torchvision.models.list_models(module=torchvision.models):
+            raise ModelSpecError(
+                f"torchvision has no classification model {name!r}; see torchvision.models.list_models()"
+            )
+        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+        model_channels = 3
+    else:
+        timm = _import_optional("timm", "timm")
+        if not timm.is_model(name):
+            raise ModelSpecError(f"timm has no model {name!r}; see timm.list_models()")
+        model = timm.create_model(name, pretrained=False, num_classes=num_classes)
+        model_channels = getattr(model, "default_cfg", {}).get("input_size", (3,))[0]
+    if in_channels == 1 and model_channels == 3:
+        model = GrayToRGB(model)
+        notes.append("grayscale images are repeated over 3 channels for this RGB model")
+    elif in_channels != model_channels:
+        raise ModelSpecError(f"{spec} expects {model_channels}-channel images, the dataset has {in_channels}")
+    if for_training:
+        model, fix_notes = _fix_for_training(model)
+        notes += fix_notes
+    return BuiltModel(model, spec, notes)
+
+
+def _fix_for_training(model: nn.Module) -> tuple[nn.Module, list[str]]:
+    from .fixer import fix, planned_fixes
+
+    planned = planned_fixes(model)
+    if not planned:
+        return model, []
+    batchnorms = sum(1 for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm))
+    other = len(planned) - batchnorms
+    parts = [f"{batchnorms} BatchNorm layers -> GroupNorm (BatchNorm mixes samples)"] if batchnorms else []
+    if other:
+        parts.append(f"{other} torch RNN/attention modules -> dptrain.nn versions (same function)")
+    return fix(model, inplace=True), ["dptrain.fix replaced " + " and ".join(parts)]
+
+
+def build_text_model(spec: str) -> BuiltModel:
+    """A Hugging Face model from its config, with random weights (for ``dptrain plan``)."""
+    source, name = parse_spec(spec)
+    if source != "hf":
+        raise ModelSpecError(f"--seq-len is for hf:NAME models; {spec!r} takes --input-size C H W")
+    transformers = _import_optional("transformers", "transformers")
+    if name in transformers.CONFIG_MAPPING:
+        config = transformers.AutoConfig.for_model(name)  # the model type's defaults: no download
+    else:
+        try:
+            config = transformers.AutoConfig.from_pretrained(name)
+        except (OSError, ValueError) as err:
+            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ModelSpecError(
+                f"cannot load the Hugging Face config {name!r} ({first_line}); give a model type such as "
+                "bert or gpt2, a cached hub id or a local directory"
+            ) from None
+    return BuiltModel(transformers.AutoModel.from_config(config), spec, [])

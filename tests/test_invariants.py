@@ -449,6 +449,63 @@ def test_parameter_shared_by_two_modules_is_exact(mode):
     assert not failures, "\n".join(failures)
 
 
+class FunctionalTiedLM(nn.Module):
+    """The output projection reuses the embedding matrix by a functional call (h @ emb.weight.T)."""
+
+    def __init__(self, V=7, d=4):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+
+    def forward(self, ids):
+        return torch.tanh(self.emb(ids)) @ self.emb.weight.T
+
+
+class FunctionalOnlyLinear(nn.Module):
+    """fc's parameters are only used through F.linear: fc itself is never called."""
+
+    def __init__(self, V=7, d=4):
+        super().__init__()
+        self.emb = nn.Embedding(V, d)
+        self.fc = nn.Linear(d, V)
+
+    def forward(self, ids):
+        return F.linear(torch.tanh(self.emb(ids)), self.fc.weight, self.fc.bias)
+
+
+@pytest.mark.parametrize("model_cls", [FunctionalTiedLM, FunctionalOnlyLinear], ids=["tied-by-matmul", "never-called"])
+@pytest.mark.parametrize("mode", MODES)
+def test_parameter_used_outside_its_module_call_is_exact_or_refused(mode, model_cls):
+    """The engine sees a parameter only through its module's calls; any other use must not be
+    silently dropped (single pass) or left out of the norm (two passes)."""
+    torch.manual_seed(0)
+    case = Case(model_cls(), classify_tokens, (torch.randint(0, 7, (6, 5)), torch.randint(0, 7, (6, 5))))
+    R = split_max_grad_norm(case, "all-layer")
+    try:
+        got = engine_clipped_sum(case, mode=mode, max_grad_norm=R)
+    except (ValueError, RuntimeError) as err:
+        assert "outside" in str(err) or "functional" in str(err) or "not through" in str(err), str(err)
+        return
+    assert_matches(got, reference(case, max_grad_norm=R), what="accepted, so must be exact")
+
+
+@pytest.mark.parametrize("model_cls", [FunctionalTiedLM, FunctionalOnlyLinear], ids=["tied-by-matmul", "never-called"])
+@pytest.mark.parametrize("mode", MODES)
+def test_parameter_used_outside_its_module_call_keeps_contribution_below_R(mode, model_cls):
+    """The privacy guarantee itself: whatever the engine computes, one sample moves it by <= R."""
+    torch.manual_seed(0)
+    case = Case(model_cls(), classify_tokens, (torch.randint(0, 7, (6, 5)), torch.randint(0, 7, (6, 5))))
+    R = split_max_grad_norm(case, "all-layer")
+    model = copy.deepcopy(case.model)
+    try:
+        full = flat(engine_clipped_sum(case, model=model, mode=mode, max_grad_norm=R))
+    except (ValueError, RuntimeError):
+        return  # refused: nothing released
+    for i in range(case.batch_size):
+        without = flat(engine_clipped_sum(subset(case, [j for j in range(case.batch_size) if j != i]), model=model,
+                                          mode=mode, max_grad_norm=R))
+        assert (full - without).norm().item() <= R + 1e-9, f"sample {i} contributes more than R={R:.4g}"
+
+
 class Repeated(nn.Module):
     """One Linear registered under two names (module sharing, not parameter sharing)."""
 

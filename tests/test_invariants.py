@@ -449,6 +449,17 @@ def test_parameter_shared_by_two_modules_is_exact(mode):
     assert not failures, "\n".join(failures)
 
 
+def test_tied_parameter_with_explicit_groups_naming_both_modules_is_exact():
+    """[["emb"], ["head"]] where head only holds the tied emb.weight: one effective group (engine and oracle)."""
+    torch.manual_seed(0)
+    case = Case(TiedLM(), classify_tokens, (torch.randint(0, 7, (5, 4)), torch.randint(0, 7, (5, 4))))
+    style = [["emb"], ["head"]]
+    R = split_max_grad_norm(case, style)
+    ref = reference(case, max_grad_norm=R, clipping_style=style)
+    for mode in MODES:
+        assert_matches(engine_clipped_sum(case, mode=mode, max_grad_norm=R, clipping_style=style), ref, what=mode)
+
+
 class FunctionalTiedLM(nn.Module):
     """The output projection reuses the embedding matrix by a functional call (h @ emb.weight.T)."""
 

@@ -395,8 +395,9 @@ def test_plan_json_schema_and_totals(capsys):
     assert doc["totals"]["ghost"] == sum(layer["ghost_cost"] for layer in layers)
     assert doc["totals"]["instantiate"] == sum(layer["instantiate_cost"] for layer in layers)
     # GroupNorm has no ghost norm: its per-sample gradient (one value per channel) is instantiated.
+    assert [layer["ghost_available"] for layer in layers] == [True, False, True, False, True]
     assert doc["totals"]["mixed"] == sum(
-        layer["instantiate_cost"] if layer["type"] == "GroupNorm" else min(layer["ghost_cost"], layer["instantiate_cost"])
+        min(layer["ghost_cost"], layer["instantiate_cost"]) if layer["ghost_available"] else layer["instantiate_cost"]
         for layer in layers
     )
     # bk-mixopt (the default) picks the cheaper per layer: conv 1 (T=64: 8192 > 288) instantiates,

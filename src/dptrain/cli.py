@@ -220,6 +220,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except (CLIError, ValueError) as err:  # ValueError: the library's validation of a user value
             print(f"dptrain {args.command}: error: {_one_line(err)}", file=sys.stderr)
             return 1
+        except BrokenPipeError:  # the reader closed the pipe (`dptrain plan --json | head`): not our error
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+            return 141
 
 
 def _one_line(err: BaseException) -> str:
@@ -400,9 +403,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
     try:
         report = run.train()
     except KeyboardInterrupt:
-        done = run.epoch
-        hint = (f"; resume with: dptrain train --resume {run.output}" if run.output and done else "")
-        print(f"\ndptrain train: interrupted after {done} complete epoch(s){hint}", file=sys.stderr)
+        saved = run.saved_epoch if run.output else 0
+        hint = f"; the checkpoint holds {_plural(saved, 'epoch')}: dptrain train --resume {run.output}" if saved else ""
+        print(f"\ndptrain train: interrupted{hint}", file=sys.stderr)
         return 130
     finally:
         torch.set_num_threads(threads)  # the run may have changed it; main() can be called in-process
@@ -418,7 +421,8 @@ class TrainingRun:
         self.checkpoint = checkpoint
         self.output = Path(config["output"]) if config.get("output") else None
         self.private = not config["non_private"]
-        self.epoch = checkpoint["epoch"] if checkpoint else 0
+        self.epoch = checkpoint["epoch"] if checkpoint else 0  # epochs whose steps have run
+        self.saved_epoch = self.epoch  # epochs in the checkpoint on disk, what --resume continues from
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
@@ -508,12 +512,12 @@ class TrainingRun:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
+        started = time.perf_counter()  # wall time counts the setup (data, model, calibration) too
         self._setup()
         if self.output is not None:
             self.output.mkdir(parents=True, exist_ok=True)
         self._print_header()
         c = self.config
-        started = time.perf_counter()
         step = self.epoch * self.steps_per_epoch
         epsilon = self.history["epochs"][-1]["epsilon"] if self.history["epochs"] else 0.0
         from tqdm import tqdm
@@ -524,39 +528,41 @@ class TrainingRun:
             self.model.train()
             bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {self.epoch + 1}/{c['epochs']}", unit="step",
                        leave=True, file=sys.stderr, dynamic_ncols=True)
-            epoch_started, seen, loss_sum = time.perf_counter(), 0, 0.0
-            if c["physical_batch_size"]:
-                logical_batches = split_batches(self.loader, c["physical_batch_size"])
-            else:
-                logical_batches = ([batch] for batch in self.loader)
-            for logical in logical_batches:
-                size, batch_loss = self._step(logical)
-                step += 1
-                seen += size
-                if size:
-                    self.history["step_loss"].append((step, batch_loss))
-                    loss_sum += batch_loss * size
-                postfix = {"loss": f"{loss_sum / max(seen, 1):.3f}"}
+            try:
+                epoch_started, seen, loss_sum = time.perf_counter(), 0, 0.0
+                if c["physical_batch_size"]:
+                    logical_batches = split_batches(self.loader, c["physical_batch_size"])
+                else:
+                    logical_batches = ([batch] for batch in self.loader)
+                for logical in logical_batches:
+                    size, batch_loss = self._step(logical)
+                    step += 1
+                    seen += size
+                    if size:
+                        self.history["step_loss"].append((step, batch_loss))
+                        loss_sum += batch_loss * size
+                    postfix = {"loss": f"{loss_sum / max(seen, 1):.3f}"}
+                    if self.private:
+                        postfix["eps"] = f"{epsilon:.2f}"  # as of the last epoch's end: see below
+                    postfix["img/s"] = f"{seen / max(time.perf_counter() - epoch_started, 1e-9):.0f}"
+                    bar.set_postfix(postfix, refresh=False)
+                    bar.update(1)
+                self.epoch += 1
+                # Epsilon once per epoch: an exact accountant costs ~0.1-0.5 s per evaluation.
+                epsilon = self.engine.get_epsilon(c["delta"]) if self.private else None
+                accuracy = self.evaluate()
                 if self.private:
                     postfix["eps"] = f"{epsilon:.2f}"
-                postfix["img/s"] = f"{seen / max(time.perf_counter() - epoch_started, 1e-9):.0f}"
-                bar.set_postfix(postfix, refresh=False)
-                bar.update(1)
-            self.epoch += 1
-            # Epsilon once per epoch: an exact accountant costs ~0.1-0.5 s per evaluation.
-            epsilon = self.engine.get_epsilon(c["delta"]) if self.private else None
-            accuracy = self.evaluate()
-            if self.private:
-                bar.set_postfix({**postfix, "eps": f"{epsilon:.2f}", "test acc": f"{accuracy:.3f}"})
-            else:
                 bar.set_postfix({**postfix, "test acc": f"{accuracy:.3f}"})
-            bar.close()
+            finally:
+                bar.close()
             self.history["epochs"].append({
                 "epoch": self.epoch, "step": step, "train_loss": loss_sum / max(seen, 1),
                 "test_accuracy": accuracy, "epsilon": epsilon,
             })
             if self.output is not None:
                 self._save_checkpoint(self.previous_wall_time + time.perf_counter() - started)
+                self.saved_epoch = self.epoch
         wall_time = self.previous_wall_time + time.perf_counter() - started
         report = self._report(step, wall_time)
         if self.output is not None:
@@ -799,8 +805,8 @@ def plan_report(decisions: Sequence[LayerDecision], ghost_available: Sequence[bo
     """
     layers = [
         {"name": d.name, "type": d.type, "T": d.T, "p": d.p, "d": d.d, "ghost_cost": d.ghost_cost,
-         "instantiate_cost": d.instantiate_cost, "choice": d.norm, "gradient": d.grad}
-        for d in decisions
+         "instantiate_cost": d.instantiate_cost, "choice": d.norm, "gradient": d.grad, "ghost_available": available}
+        for d, available in zip(decisions, ghost_available)
     ]
     totals = {
         "ghost": sum(d.ghost_cost for d in decisions),
@@ -836,7 +842,8 @@ def _print_plan(report: dict, input_text: str, notes: list[str]) -> None:
     for layer in report["layers"]:
         rows.append((layer["name"] or "<root>", layer["type"], f"{layer['T']:,}", f"{layer['p']:,}",
                      f"{layer['d']:,}", _short(layer["ghost_cost"]), _short(layer["instantiate_cost"]),
-                     f"{layer['choice']} norm, {_GRADIENT_WORDS[layer['gradient']]}"))
+                     f"{layer['choice']} norm, {_GRADIENT_WORDS[layer['gradient']]}"
+                     + ("" if layer["ghost_available"] else " (has no ghost norm)")))
     widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
     right = {2, 3, 4, 5, 6}
     for row in rows:

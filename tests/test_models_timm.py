@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dptrain
+import dptrain.layers.base
 from helpers import (
     MODES, RTOL, SINGLE_BACKWARD_MODES, Case, assert_matches, classify, reference, run_engine, split_max_grad_norm,
 )
@@ -34,7 +35,22 @@ def _images(seed, size=16):
 
 
 def _case(model, seed, size=16):
-    return Case(model.double().train(), classify, _images(seed, size))
+    return Case(spread_init(model).double().train(), classify, _images(seed, size))
+
+
+def spread_init(model):
+    """Re-draw the weights so that every parameter gets a gradient of comparable size.
+
+    Library inits (std 0.02 weights, unit norm scales, zero biases) leave some gradients 1e-5 of
+    the largest, where the comparison relative to the largest entry would hardly test them.
+    """
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and not any(k in name for k in ("token", "pos", "position", "table")):
+                p.normal_(0.0, 1.5 * p[0].numel() ** -0.5)
+            else:
+                p.add_(0.5 * torch.randn_like(p))
+    return model
 
 
 def vit_case():
@@ -126,25 +142,43 @@ class TimmFp32Layers(nn.Module):
         return self.head(torch.tanh(self.ln(h)).mean((1, 2)))
 
 
-def _perturbed(model):
-    with torch.no_grad():  # move affine parameters off their trivial initial values
-        for name, p in model.named_parameters():
-            if not name.startswith(("conv", "head")):
-                p.add_(0.3 * torch.randn_like(p))
-    return model
-
-
 def timm_layers_case():
     torch.manual_seed(8)
-    return _case(_perturbed(TimmLayers()), 8, size=5)
+    return _case(TimmLayers(), 8, size=5)
 
 
 def timm_fp32_layers_case():
     torch.manual_seed(9)
-    return _case(_perturbed(TimmFp32Layers()), 9, size=5)
+    return _case(TimmFp32Layers(), 9, size=5)
 
+
+def convnext_layer_scale_case(conv_mlp: bool):
+    torch.manual_seed(10)
+    model = timm.models.convnext.ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 8, 8, 16), ls_init_value=0.5,
+                                          conv_mlp=conv_mlp, num_classes=3)
+    return _case(model, 10, size=32)
+
+
+def beit_case(qkv_bias: bool = True):
+    """BEiT as published: layer scale, q/v biases, a relative position bias table per block."""
+    torch.manual_seed(11)
+    model = timm.models.beit.Beit(img_size=16, patch_size=8, embed_dim=16, depth=2, num_heads=2, mlp_ratio=2.0,
+                                  num_classes=3, qkv_bias=qkv_bias, use_abs_pos_emb=False, use_rel_pos_bias=True,
+                                  init_values=1.0)
+    return _case(model, 11)
+
+
+# Layer scale products, BEiT's attention biases: rules that need the engine's capture sites
+SITES = hasattr(dptrain.layers.base, "CaptureSite")
+SITE_CASES = {
+    "convnext-layer-scale": lambda: convnext_layer_scale_case(False),
+    "convnext-conv-mlp-layer-scale": lambda: convnext_layer_scale_case(True),
+    "beit": beit_case,
+    "beit-no-qkv-bias": lambda: beit_case(qkv_bias=False),
+}
 
 CASES = {
+    **(SITE_CASES if SITES else {}),
     "vit": vit_case,
     "vit-registers-layerscale": vit_registers_case,
     "vit-no-pos-embed": vit_no_pos_embed_case,
@@ -239,4 +273,30 @@ def test_crossvit_branches_of_identical_shape_are_refused():
     model = timm.models.crossvit.CrossVit(img_size=16, patch_size=(8, 8), embed_dim=(16, 16), depth=((1, 1, 0),),
                                           num_heads=(2, 2), mlp_ratio=(2.0, 2.0, 1.0), num_classes=3)
     with pytest.raises(ValueError, match="told apart"):
+        dptrain.validate(model)
+
+
+@pytest.mark.skipif(SITES, reason="this engine has capture sites: layer scale is trained exactly")
+def test_layer_scale_products_are_refused_without_capture_sites():
+    model = timm.models.convnext.ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 8, 8, 16), num_classes=3)
+    with pytest.raises(ValueError, match="gamma.*does not offer"):
+        dptrain.validate(model)
+    for block in model.modules():
+        if isinstance(block, timm.models.convnext.ConvNeXtBlock):
+            block.gamma.requires_grad_(False)
+    dptrain.validate(model)
+
+
+def test_beit_shared_relative_position_bias_is_refused():
+    model = timm.models.beit.Beit(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=3,
+                                  use_shared_rel_pos_bias=True, use_abs_pos_emb=False)
+    with pytest.raises(ValueError, match="shared by all blocks"):
+        dptrain.validate(model)
+
+
+@pytest.mark.skipif(not SITES, reason="needs the engine's capture sites")
+def test_beit_attention_dropout_is_refused():
+    model = timm.models.beit.Beit(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=3,
+                                  attn_drop_rate=0.1, use_rel_pos_bias=True)
+    with pytest.raises(ValueError, match="attention dropout"):
         dptrain.validate(model)

@@ -23,6 +23,21 @@ from helpers import (
 B = 4
 
 
+def spread_init(model):
+    """Re-draw the weights so that every parameter gets a gradient of comparable size.
+
+    Library inits (std 0.02 weights, unit norm scales, zero biases) leave some gradients 1e-5 of
+    the largest, where the comparison relative to the largest entry would hardly test them.
+    """
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and not any(k in name for k in ("token", "pos", "position", "table")):
+                p.normal_(0.0, 1.5 * p[0].numel() ** -0.5)
+            else:
+                p.add_(0.5 * torch.randn_like(p))
+    return model
+
+
 def _lm_losses(model, ids, labels):
     return sequence_losses(model(input_ids=ids).logits, labels, shift=True, reduction="mean")
 
@@ -32,7 +47,7 @@ def _gpt2(seed):
     torch.manual_seed(seed)
     cfg = T.GPT2Config(vocab_size=40, n_embd=16, n_layer=1, n_head=2, n_positions=16, resid_pdrop=0.0,
                        embd_pdrop=0.0, attn_pdrop=0.0)
-    return T.GPT2LMHeadModel(cfg)
+    return spread_init(T.GPT2LMHeadModel(cfg))
 
 
 def _lm_batch(seed):
@@ -67,7 +82,7 @@ def _bert_classifier(seed):
     cfg = T.BertConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, vocab_size=40,
                        max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
                        num_labels=3)
-    return T.BertForSequenceClassification(cfg)
+    return spread_init(T.BertForSequenceClassification(cfg))
 
 
 def _classify_ids(model, ids, mask, y):
@@ -91,8 +106,8 @@ def bert_lora_case():
 def _timm_vit(seed):
     timm = pytest.importorskip("timm")
     torch.manual_seed(seed)
-    return timm.models.VisionTransformer(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2,
-                                         mlp_ratio=2.0, num_classes=3, qkv_bias=True)
+    return spread_init(timm.models.VisionTransformer(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2,
+                                                     mlp_ratio=2.0, num_classes=3, qkv_bias=True))
 
 
 def _images(seed):

@@ -12,7 +12,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from . import base as _base
 from .base import LayerDims, LayerRule, register_layer
 from .hf import TokenParamsRule, _check_positions
 from .norms import GroupNormRule, LayerNormRule, _AffineNormRule, _TrailingDimsNorm
@@ -237,4 +239,199 @@ class TimmCrossVitRule(TokenParamsRule):
         raise ValueError(
             f"CrossVit: a sequence of shape {tuple(tokens.shape[1:])} at pos_drop matches neither branch's position "
             "embedding"
+        )
+
+
+# --------------------------------------------------------------------------- layer scale and attention inside blocks
+# These parameters act between two submodules of a block (gamma * f(x), a bias table added to the
+# attention scores), so their rules read the activation at one point and the gradient at another:
+# the engine's capture sites. An engine without them refuses these parameters instead.
+_SITES = getattr(_base, "CaptureSite", None)
+
+
+def _needs_sites(module, what: str) -> None:
+    if _SITES is None or not hasattr(_base, "layer_params"):
+        raise ValueError(
+            f"{type(module).__name__}.{what}: its per-sample gradient needs a rule that reads the activation and the "
+            "gradient at two different points of the block, which this version of the dptrain engine does not "
+            "offer: freeze it (or build the model without it)"
+        )
+
+
+class _ProductScaleRule(LayerRule):
+    """Parameters ``gamma`` applied as ``gamma * f(x)`` before a submodule ``t`` (a drop-path): the
+    per-sample gradient is sum over positions of ``f(x)_i * g_i`` with ``g`` the gradient at ``t``'s input."""
+
+    captures_input = True
+
+    def scales(self, module) -> list[tuple[str, nn.Module, nn.Module, bool]]:
+        """[(parameter name, the module computing f(x), the module receiving gamma * f(x), channels first?)]."""
+        raise NotImplementedError
+
+    def validate(self, module):
+        for name, *_ in self.scales(module):
+            _needs_sites(module, name)
+
+    def capture_sites(self, module):
+        return [_SITES(target, source=source) for _, source, target, _ in self.scales(module)]
+
+    def capture_at(self, module, site, inputs, tensor):
+        return site, inputs[0]
+
+    def dims(self, module, activation, output):
+        site, f = activation
+        n = getattr(module, self.scales(module)[site][0]).numel()
+        return LayerDims(T=f.numel() // max(1, f.shape[0] * n), p=n, d=1, ghost_supported=False)
+
+    def operands(self, module, activation, grad_output):
+        site, f = activation
+        name, _, _, channels_first = self.scales(module)[site]
+        if channels_first:
+            grad_output = grad_output.movedim(1, -1)
+        prod = f.to(grad_output.dtype) * grad_output
+        return ((name, prod.reshape(prod.shape[0], -1, prod.shape[-1]).sum(1)),)
+
+    def concat_calls(self, calls):
+        return tuple(op for call in calls for op in call)
+
+    def per_sample_grads(self, module, ops, names):
+        out = {}
+        for name, grad in ops:
+            if name in names:
+                out[name] = grad if name not in out else out[name] + grad
+        for name in names:
+            if name not in out:
+                out[name] = ops[0][1].new_zeros(ops[0][1].shape[0], getattr(module, name).numel())
+        return out
+
+    def clipped_grads(self, module, ops, factors):
+        per_sample = self.per_sample_grads(module, ops, set(factors))
+        return {n: torch.tensordot(factors[n].to(t.dtype), t, dims=1) for n, t in per_sample.items()}
+
+
+@register_layer
+class ConvNeXtBlockRule(_ProductScaleRule):
+    """ConvNeXt's layer scale: ``x = mlp(norm(conv_dw(x))) * gamma`` then ``drop_path(x) + shortcut``."""
+
+    module_types = ("timm.models.convnext.ConvNeXtBlock",)
+    param_names = ("gamma",)
+
+    def scales(self, module):
+        # the MLP's output is channels-last unless the block uses 1x1 convolutions (conv_mlp)
+        return [("gamma", module.mlp, module.drop_path, True)]
+
+    def capture_at(self, module, site, inputs, tensor):
+        f = inputs[0]
+        return site, (f.movedim(1, -1) if module.use_conv_mlp else f)
+
+
+@register_layer
+class BeitBlockRule(_ProductScaleRule):
+    """BEiT's layer scales: ``x + drop_path1(gamma_1 * attn(...))``, ``x + drop_path2(gamma_2 * mlp(...))``."""
+
+    module_types = ("timm.models.beit.Block",)
+    param_names = ("gamma_1", "gamma_2")
+
+    def scales(self, module):
+        return [("gamma_1", module.attn, module.drop_path1, False), ("gamma_2", module.mlp, module.drop_path2, False)]
+
+
+@register_layer
+class BeitAttentionRule(LayerRule):
+    """BEiT attention: q and v biases (added through ``F.linear(x, qkv.weight, [q_bias, 0, v_bias])``,
+    so the rule also takes over ``qkv.weight``) and the relative position bias table added to the scores.
+
+    Per sample, the attention is recomputed from its input ``x`` and back-propagated from the
+    gradient at ``proj``'s input: that gives the gradient of the qkv projection (for the weight
+    and the biases) and of the scores (scattered into the table by ``relative_position_index``).
+    """
+
+    module_types = ("timm.models.beit.Attention",)
+    param_names = ("q_bias", "v_bias", "relative_position_bias_table", "qkv.weight")
+    captures_input = True
+
+    def claims(self, module):
+        return ("qkv.weight",) if module.q_bias is not None else ()  # without biases qkv is called as a layer
+
+    def validate(self, module):
+        _needs_sites(module, "q_bias/v_bias/relative_position_bias_table")
+        if module.qkv_bias_separate:
+            raise ValueError("BEiT Attention(qkv_bias_separate=True) adds its q/v biases in place on the qkv output, "
+                             "which is not supported: use qkv_bias_separate=False")
+        if module.attn_drop.p > 0:
+            raise ValueError(
+                "BEiT Attention with attention dropout: the rule recomputes the attention per sample and cannot "
+                "redraw the forward's dropout mask; build the model with attn_drop_rate=0"
+            )
+
+    def capture_sites(self, module):
+        return [_SITES(module.proj, source=module, source_input=True)]
+
+    def capture_at(self, module, site, inputs, tensor):
+        return inputs[0]  # the attention's input x
+
+    def dims(self, module, activation, output):
+        return LayerDims(T=activation.shape[1], p=module.qkv.out_features, d=module.qkv.in_features,
+                         ghost_supported=False)
+
+    def operands(self, module, x, grad):
+        """(x, dL/dqkv [B, N, 3A], dL/dscores [B, H, N, N] or None) for one call."""
+        B, N, _ = x.shape
+        bias = None
+        if module.q_bias is not None:
+            bias = torch.cat((module.q_bias, module.k_bias, module.v_bias)).detach()
+        with torch.enable_grad():
+            qkv = F.linear(x.to(grad.dtype), module.qkv.weight.detach().to(grad.dtype),
+                           None if bias is None else bias.to(grad.dtype)).requires_grad_()
+            q, k, v = qkv.reshape(B, N, 3, module.num_heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+            scores = (q * module.scale) @ k.transpose(-2, -1)
+            if module.relative_position_bias_table is not None:
+                scores = scores + module._get_rel_pos_bias().detach().to(grad.dtype)
+            context = (scores.softmax(dim=-1) @ v).transpose(1, 2).reshape(B, N, -1)
+            wanted = [qkv, scores] if module.relative_position_bias_table is not None else [qkv]
+            grads = torch.autograd.grad(context, wanted, grad_outputs=grad)
+        return ((x, grads[0], grads[1] if len(grads) > 1 else None),)
+
+    def concat_calls(self, calls):
+        return tuple(op for call in calls for op in call)
+
+    def per_sample_grads(self, module, ops, names):
+        out = {}
+
+        def add(name, value):
+            out[name] = value if name not in out else out[name] + value
+
+        A = module.qkv.out_features // 3
+        for x, dqkv, dscores in ops:
+            if "qkv.weight" in names:
+                add("qkv.weight", torch.einsum("btp,btd->bpd", dqkv, x.to(dqkv.dtype)))
+            if "q_bias" in names:
+                add("q_bias", dqkv[..., :A].sum(1))
+            if "v_bias" in names:
+                add("v_bias", dqkv[..., 2 * A:].sum(1))
+            if "relative_position_bias_table" in names:
+                table = module.relative_position_bias_table
+                B, H = dscores.shape[:2]
+                flat = dscores.permute(0, 2, 3, 1).reshape(B, -1, H)
+                per_sample = flat.new_zeros(B, *table.shape)
+                add("relative_position_bias_table",
+                    per_sample.index_add_(1, module.relative_position_index.reshape(-1), flat))
+        return out
+
+    def clipped_grads(self, module, ops, factors):
+        per_sample = self.per_sample_grads(module, ops, set(factors))
+        return {n: torch.tensordot(factors[n].to(t.dtype), t, dims=1) for n, t in per_sample.items()}
+
+
+@register_layer
+class BeitSharedRelativePositionBiasRule(LayerRule):
+    """Beit(use_shared_rel_pos_bias=True): one table whose bias every block adds to its scores."""
+
+    module_types = ("timm.models.beit.RelativePositionBias",)
+    param_names = ("relative_position_bias_table",)
+
+    def validate(self, module):
+        raise ValueError(
+            "a relative position bias shared by all blocks (Beit(use_shared_rel_pos_bias=True)) is not supported: "
+            "its bias enters every block's attention scores; use per-block tables (use_rel_pos_bias=True) or freeze it"
         )

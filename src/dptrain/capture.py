@@ -1,11 +1,13 @@
 """Forward/backward hooks that record, per layer call, the activation and the output gradient.
 
-Ghost differentiation (book-keeping paper, section 2.1): in single-backward modes the
-layer's parameters are switched to ``requires_grad=False`` for the duration of its own
-forward call only, so autograd records no parameter-gradient work (module 2b of the
-non-private gradient is never computed) while output gradients still flow. A layer whose
-input does not require grad (the first trainable layer) then gets its output attached to
-an engine-owned "origin" leaf, so back-propagation still reaches it.
+Ghost differentiation (book-keeping paper, section 2.1): a layer's parameters are switched
+to ``requires_grad=False`` for the duration of its own forward call only, so autograd
+records no parameter-gradient work (the non-private gradient is never computed) while
+output gradients still flow; the engine forms every parameter gradient itself. A layer
+whose input does not require grad (the first trainable layer) then gets its output
+attached to an engine-owned "origin" leaf, so back-propagation still reaches it. Outside
+its layer's call a parameter keeps requiring grad, so any other use of it reaches autograd
+and is caught by the engine instead of escaping clipping.
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ class Call:
     activation: Any
     dims: LayerDims
     batch_size: int
-    edge: Any  # the output's gradient edge, for two-pass modes' first backward
     version: int | None = None  # the activation's version counter when it was captured
+    forward_batch: int | None = None  # batch size of the model call this layer call belonged to
     grad: torch.Tensor | None = None
 
 
@@ -54,20 +56,14 @@ class _Origin(torch.autograd.Function):
         return None, None
 
 
-def _gradient_edge(t: torch.Tensor):
-    get_edge = getattr(torch.autograd.graph, "get_gradient_edge", None)
-    return get_edge(t) if get_edge is not None else t
-
-
 class Capture:
     """Installs and removes the hooks on the covered modules; the engine reacts to gradients."""
 
     def __init__(self, model: nn.Module, layers: list[LayerState],
-                 on_grad: Callable[[LayerState, Call, torch.Tensor], None], ghost_differentiation: bool):
+                 on_grad: Callable[[LayerState, Call, torch.Tensor], None]):
         self.model = model
         self.layers = layers
         self.on_grad = on_grad
-        self.ghost_differentiation = ghost_differentiation
         self._handles: list[Any] = []
         self._anchors: dict[torch.device, torch.Tensor] = {}
         self._switched: dict[int, list[list[nn.Parameter]]] = {}
@@ -77,8 +73,7 @@ class Capture:
     def install(self, extra_checks: list[tuple[nn.Module, Callable]] = ()) -> None:
         self._handles.append(self.model.register_forward_pre_hook(self._record_batch, with_kwargs=True))
         for state in self.layers:
-            if self.ghost_differentiation:
-                self._handles.append(state.module.register_forward_pre_hook(self._make_pre_hook(state)))
+            self._handles.append(state.module.register_forward_pre_hook(self._make_pre_hook(state)))
             self._handles.append(
                 state.module.register_forward_hook(self._make_post_hook(state), always_call=True)
             )
@@ -124,8 +119,7 @@ class Capture:
 
     def _make_post_hook(self, state: LayerState):
         def post_hook(module, inputs, output):
-            if self.ghost_differentiation:
-                self._restore(module)
+            self._restore(module)
             if state.rule.captures_input or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
                 return None
             return self._record(state, module, inputs, output)
@@ -146,8 +140,6 @@ class Capture:
         """Keep the activation, and hook the gradient of ``tensor`` (a layer output, or a hooked input)."""
         activation = state.rule.capture(module, inputs, tensor)
         if not tensor.requires_grad:
-            if not self.ghost_differentiation:
-                return tensor  # nothing trainable upstream of a frozen use: no gradient
             tensor = _Origin.apply(self._anchor(tensor.device), tensor)
         if tensor.dim() and tensor.shape[0] == 1 and (self.forward_batch or 1) > 1:
             expanded = state.rule.expand_batch(module, activation, tensor, self.forward_batch)
@@ -155,7 +147,7 @@ class Capture:
                 activation, tensor = expanded
         dims = state.rule.dims(module, activation, tensor)
         version = activation._version if isinstance(activation, torch.Tensor) else None
-        call = Call(activation, dims, tensor.shape[0] if tensor.dim() else 0, _gradient_edge(tensor), version)
+        call = Call(activation, dims, tensor.shape[0] if tensor.dim() else 0, version, self.forward_batch)
         state.calls.append(call)
         tensor.register_hook(lambda g: self.on_grad(state, call, g))
         return tensor

@@ -147,6 +147,8 @@ class PrivacyEngine:
         self._phase = "idle"  # idle | single | first-pass | second-pass
         self._callback_queued = False
         self._ready: dict[int, _ReadyLayer] = {}
+        self._second_pass_calls: dict[int, list[Call]] = {}
+        self._forward_batches: set[int] = set()
         self._param_works: dict[nn.Parameter, _ParamWork] = {}
         self._decisions: dict[int, LayerDecision] = {}
         self._summed: dict[nn.Parameter, torch.Tensor] = {}
@@ -197,8 +199,11 @@ class PrivacyEngine:
                     self._step_params.append(p)
         if not self._step_params:
             raise ValueError("the optimizer holds none of the model's trainable parameters")
-        self._capture = Capture(self.model, self._layers, self._on_output_grad, ghost_differentiation=not self.recipe.two_pass)
+        self._capture = Capture(self.model, self._layers, self._on_output_grad)
         self._capture.install(extra_checks=_frozen_batchnorm_checks(self.model))
+        self._grad_handles = [
+            p.register_post_accumulate_grad_hook(self._on_accumulated_grad) for p in self._users
+        ]
         self._step_handle = optimizer.register_step_pre_hook(self._before_step)
         self._optimizer = optimizer
         return self
@@ -226,6 +231,9 @@ class PrivacyEngine:
             self._capture.remove()
         if self._step_handle is not None:
             self._step_handle.remove()
+        for handle in getattr(self, "_grad_handles", []):
+            handle.remove()
+        self._grad_handles = []
         self._capture, self._step_handle, self._optimizer = None, None, None
         self._forget_calls()
         self._summed.clear()
@@ -267,30 +275,37 @@ class PrivacyEngine:
                 self._phase = "idle"
 
     def _two_pass_backward(self, losses: torch.Tensor) -> None:
-        calls = [(s, c) for s in self._layers for c in s.calls]
-        if not calls:
-            raise ValueError("no trainable layer was called in the forward that produced these losses")
+        """Lee & Kifer: norms from a first backward of sum_i L_i, then back-propagate sum_i C_i L_i.
+
+        Both passes only produce output gradients (ghost differentiation); the second pass's
+        parameter gradients (module 2b) are a^T g of its re-weighted output gradients, one
+        pass per clipping group.
+        """
         self._phase = "first-pass"
         try:
-            grads = torch.autograd.grad(
-                losses.sum(), [c.edge for _, c in calls], retain_graph=True, allow_unused=True
-            )
-            for (state, call), g in zip(calls, grads):
-                call.grad = g
+            torch.autograd.backward(losses.sum(), retain_graph=True)
             factors = self._finish_backward(expected_batch=losses.shape[0], scale=1.0)
+            ones = torch.ones_like(factors[0])
             self._phase = "second-pass"
             for k, params in enumerate(self._group_params):
                 reweighted = (losses * factors[k].to(losses.dtype)).sum()
-                last = k == len(self._group_params) - 1
-                grads = torch.autograd.grad(reweighted, params, allow_unused=True, retain_graph=not last)
-                for p, g in zip(params, grads):
-                    if g is not None:
-                        self._accumulate(p, g)
+                torch.autograd.backward(reweighted, retain_graph=k < len(self._group_params) - 1)
+                for p in params:
+                    for state, name in self._users[p]:
+                        calls = [c for c in self._second_pass_calls.get(id(state), []) if c.grad is not None]
+                        if calls:
+                            ops = self._operands(state, calls)
+                            self._accumulate(p, state.rule.clipped_grads(state.module, ops, {name: ones})[name])
+                for calls in self._second_pass_calls.values():
+                    for c in calls:
+                        c.grad = None
         finally:
             self._phase = "idle"
+            self._second_pass_calls.clear()
 
     def _on_output_grad(self, state: LayerState, call: Call, grad: torch.Tensor) -> None:
-        if self._phase in ("first-pass", "second-pass"):
+        if self._phase == "second-pass":
+            call.grad = grad.detach()
             return
         if self._phase == "idle":
             if self.recipe.two_pass:
@@ -310,19 +325,52 @@ class PrivacyEngine:
                 self._norm_stage(p)
             self._release_layer(state)
 
+    def _on_accumulated_grad(self, p: nn.Parameter) -> None:
+        """Autograd reached a covered parameter: it was used outside its own layer's forward call."""
+        name = next(f"{s.name}.{n}" if s.name else n for s, n in self._users[p])
+        p.grad = None  # never leave a non-private gradient where the optimizer could use it
+        raise RuntimeError(
+            f"parameter {name!r} was used outside the forward call of its own layer (e.g. a weight read by "
+            "F.linear or a matmul elsewhere), so its per-sample gradient would not be clipped: use the layer "
+            "module itself, tie it to another covered layer (shared parameters are exact), or freeze it"
+        )
+
     def _finish_plain_backward(self) -> None:
         self._callback_queued = False
         batch = self._batch_size_of_backward(expected=None)
+        model_batch = max(self._forward_batches, default=1)
+        if batch == 1 and model_batch > 1:
+            self._forward_batches.clear()
+            self._param_works.clear()
+            raise ValueError(
+                f"every trainable layer saw a batch of 1 while the model was called with a batch of "
+                f"{model_batch}: an input broadcast over the batch loses the per-sample "
+                "gradients. Expand it to the batch (x.expand(B, ...)), or use engine.backward(losses)"
+            )
         scale = float(batch) if self.loss_reduction == "mean" else 1.0
         self._finish_backward(expected_batch=batch, scale=scale)
 
     # ------------------------------------------------------------------ the recipe
     def _prepare_layer(self, state: LayerState) -> None:
-        """Operands of all of a layer's calls that received an output gradient, as one call."""
+        """Operands of all of a layer's calls that received an output gradient, as one call.
+
+        Calls still waiting for their gradient (a later forward whose backward has not run
+        yet) stay recorded.
+        """
         calls = [c for c in state.calls if c.grad is not None]
-        state.calls.clear()
+        state.calls = [c for c in state.calls if c.grad is None]
         if not calls:
             return
+        if self._phase == "first-pass":  # kept, with their activations, for the re-weighted pass
+            self._second_pass_calls.setdefault(id(state), []).extend(calls)
+        self._forward_batches.update(c.forward_batch for c in calls if c.forward_batch is not None)
+        dims = calls[0].dims
+        if len(calls) > 1:
+            dims = LayerDims(T=sum(c.dims.T for c in calls), p=dims.p, d=dims.d, blocks=dims.blocks,
+                             ghost_supported=dims.ghost_supported)
+        self._ready[id(state)] = _ReadyLayer(state, self._operands(state, calls), dims, calls[0].batch_size)
+
+    def _operands(self, state: LayerState, calls: list[Call]) -> tuple:
         sizes = {c.batch_size for c in calls}
         if len(sizes) > 1:
             raise ValueError(f"module {state.name!r} was called with different batch sizes {sorted(sizes)} in one forward")
@@ -336,12 +384,7 @@ class PrivacyEngine:
             )
         rule, module = state.rule, state.module
         parts = [rule.operands(module, c.activation, c.grad) for c in calls]
-        ops = parts[0] if len(parts) == 1 else rule.concat_calls(parts)
-        dims = calls[0].dims
-        if len(calls) > 1:
-            dims = LayerDims(T=sum(c.dims.T for c in calls), p=dims.p, d=dims.d, blocks=dims.blocks,
-                             ghost_supported=dims.ghost_supported)
-        self._ready[id(state)] = _ReadyLayer(state, ops, dims, calls[0].batch_size)
+        return parts[0] if len(parts) == 1 else rule.concat_calls(parts)
 
     def _norm_stage(self, p: nn.Parameter) -> None:
         """Per-sample squared norms of one parameter (modules 3/4), keeping what its gradient stage needs.
@@ -449,6 +492,7 @@ class PrivacyEngine:
             self._param_works.clear()
             self._decisions.clear()
             self._ready.clear()
+            self._forward_batches.clear()
 
     def _gradient_stage(self, p: nn.Parameter, work: _ParamWork, factor: torch.Tensor) -> None:
         """Module 5 (weighted sum of kept per-sample gradients) or 2b(C) (book-keeping) for one parameter."""

@@ -92,8 +92,8 @@ def reference_clipped_gradient(
             by_module.setdefault(mname, []).append(name)
         if clipping_style == "layer-wise":
             groups = list(by_module.values())
-        else:
-            groups = [[n for m in group for n in by_module[m]] for group in clipping_style]
+        else:  # a module whose only parameter is tied to an earlier one adds nothing to its group
+            groups = [g for g in ([n for m in group for n in by_module.get(m, [])] for group in clipping_style) if g]
     threshold = max_grad_norm / math.sqrt(len(groups))
     out = {}
     for group in groups:

@@ -13,6 +13,13 @@ def find_problems(model: nn.Module) -> list[str]:
     for name, module in model.named_modules():
         label = name or "<root>"
         params = trainable_params(module)
+        if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
+            problems.append(
+                f"{label} ({type(module).__name__}(track_running_stats=True)) averages statistics over the batch "
+                "into buffers used at evaluation, which leaks data outside the private gradient: "
+                "set track_running_stats=False"
+            )
+            continue
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and params:
             problems.append(
                 f"{label} ({type(module).__name__}) normalises with statistics of the whole batch, which mixes "

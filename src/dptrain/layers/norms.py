@@ -118,14 +118,6 @@ class GroupNormRule(_ChannelNorm):
 class InstanceNormRule(_ChannelNorm):
     module_types = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 
-    def validate(self, module):
-        if module.track_running_stats:
-            raise ValueError(
-                f"{type(module).__name__}(track_running_stats=True) averages statistics over the batch into "
-                "buffers used at evaluation, which leaks data outside the private gradient: "
-                "set track_running_stats=False"
-            )
-
     def capture(self, module, inputs, output):
         x = inputs[0]
         if x.dim() != module._get_no_batch_dim() + 1:

@@ -404,7 +404,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         report = run.train()
     except KeyboardInterrupt:
         saved = run.saved_epoch if run.output else 0
-        hint = f"; the checkpoint holds {_plural(saved, 'epoch')}: dptrain train --resume {run.output}" if saved else ""
+        hint = (f"; continue from the checkpoint ({_plural(saved, 'epoch')} done) with: dptrain train --resume "
+                f"{run.output}" if saved else "")
         print(f"\ndptrain train: interrupted{hint}", file=sys.stderr)
         return 130
     finally:

@@ -7,7 +7,6 @@ traceback; an exception that is not a user error (a bug) still shows its traceba
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import math
@@ -25,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import accounting
-from .algorithms import CLIPPING_MODES, RECIPES
+from .algorithms import CLIPPING_MODES
 from .clipping import CLIPPING_FNS
 from .models import MODEL_SPEC_HELP, build_image_model, build_text_model, parse_spec
 from .planning import DECISION_RULES, LayerDecision, plan
@@ -212,7 +211,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     # dp_accounting logs (through absl) every RDP order it skips; that is noise on a terminal.
-    logging.getLogger("absl").setLevel(logging.ERROR)
+    absl_logger = logging.getLogger("absl")
+    absl_level = absl_logger.level
+    absl_logger.setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.showwarning = _one_line_warning(args.command)
         try:
@@ -223,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except BrokenPipeError:  # the reader closed the pipe (`dptrain plan --json | head`): not our error
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
             return 141
+        finally:
+            absl_logger.setLevel(absl_level)  # main() may run in-process: leave the caller's logging as it was
 
 
 def _one_line(err: BaseException) -> str:

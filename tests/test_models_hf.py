@@ -15,6 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import dptrain
+import dptrain.layers.base
+
 from dptrain.losses import sequence_losses, token_losses
 from dptrain.testing import per_sample_gradients, trainable_named_parameters
 from helpers import (
@@ -173,7 +176,35 @@ def deit_case() -> Case:
     return Case(model, losses, (torch.randn(B, 3, 16, 16, generator=g), torch.randint(0, 3, (B,), generator=g)))
 
 
+def _mlm_losses(model, ids, mask, labels):
+    return sequence_losses(model(input_ids=ids, attention_mask=mask).logits, labels, reduction="sum")
+
+
+def masked_lm_case(cls, config_cls, seed, **extra) -> Case:
+    """Masked LM: decoder tied to the word embedding, its bias registered twice (head and decoder)."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    model = _double(cls(config_cls(**_encoder_kwargs(**extra))))
+    head = model.cls.predictions if hasattr(model, "cls") else model.lm_head
+    assert head.decoder.bias is head.bias
+    L = 6
+    ids = _ids(g, B, L, 40, low=2)
+    mask = torch.ones(B, L, dtype=torch.long)
+    labels = torch.full((B, L), -100)
+    labels[:, 1::2] = ids[:, 1::2]  # the "masked" positions
+    ids = ids.masked_fill(labels != -100, 3)  # the mask token
+    return Case(model, _mlm_losses, (ids, mask, labels))
+
+
+# Engines whose layer_params resolve claimed and aliased parameters (see dptrain.layers.base)
+ALIASES = hasattr(dptrain.layers.base, "layer_params")
+ALIAS_CASES = {
+    "bert-mlm": lambda: masked_lm_case(T.BertForMaskedLM, T.BertConfig, 6),
+    "roberta-mlm": lambda: masked_lm_case(T.RobertaForMaskedLM, T.RobertaConfig, 7, pad_token_id=1),
+}
+
 CASES = {
+    **(ALIAS_CASES if ALIASES else {}),
     "gpt2-lm": gpt2_lm_case,
     "bert-cls": bert_cls_case,
     "roberta-cls": roberta_cls_case,
@@ -250,8 +281,6 @@ def test_gpt2_micro_batches_accumulate_exactly():
 
 def test_vit_mask_token_is_refused_while_trainable():
     model = T.ViTForMaskedImageModeling(T.ViTConfig(**_vit_kwargs(), encoder_stride=8))
-    import dptrain
-
     with pytest.raises(ValueError, match="mask_token"):
         dptrain.validate(model)
     model.vit.embeddings.mask_token.requires_grad_(False)
@@ -259,8 +288,6 @@ def test_vit_mask_token_is_refused_while_trainable():
 
 
 def test_vit_interpolated_position_embedding_is_refused():
-    import dptrain
-
     torch.manual_seed(0)
     model = T.ViTForImageClassification(T.ViTConfig(**_vit_kwargs()))
     engine = dptrain.PrivacyEngine(model, batch_size=2, sample_size=10, noise_multiplier=0.0)
@@ -271,6 +298,16 @@ def test_vit_interpolated_position_embedding_is_refused():
             engine.backward(F.cross_entropy(logits, torch.tensor([0, 1]), reduction="none"))
     finally:
         engine.detach()
+
+
+@pytest.mark.skipif(not ALIASES, reason="needs an engine whose rules can claim a descendant's parameter")
+def test_t5_trainable_relative_attention_bias_is_refused_with_the_fix():
+    model = T.T5ForConditionalGeneration(T.T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                                    num_heads=2, decoder_start_token_id=0))
+    with pytest.raises(ValueError, match="relative_attention_bias.*freeze"):
+        dptrain.validate(model)
+    freeze_t5_relative_bias(model)
+    dptrain.validate(model)
 
 
 # --------------------------------------------------------------------------- token losses

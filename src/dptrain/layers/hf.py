@@ -176,3 +176,31 @@ class HFViTEmbeddingsRule(TokenParamsRule):
             raise ValueError(f"{type(module).__name__}: a sequence of {tokens.shape[1]} tokens has no room for its prefix")
         out["position_embeddings"] = _check_positions(module, tokens, module.position_embeddings, 0)
         return out
+
+
+@register_layer
+class T5RelativeBiasRule(LayerRule):
+    """Refuses a trainable T5 relative attention bias, with the reason.
+
+    ``relative_attention_bias`` is an ``nn.Embedding`` called on bucket ids ``[q_len, k_len]`` with no
+    batch dimension; the first layer turns it into a bias ``[1, heads, q, k]`` that every layer adds
+    to its attention scores, broadcast over the batch, outside any module. No capture point sees its
+    per-sample gradient, and the embedding rule would take ``q_len`` for the batch. This rule claims
+    the parameter from the embedding (an engine with claims) so that validation names the fix.
+    """
+
+    module_types = (
+        "transformers.models.t5.modeling_t5.T5Attention",
+        "transformers.models.mt5.modeling_mt5.MT5Attention",
+    )
+    param_names = ("relative_attention_bias.weight",)
+
+    def claims(self, module):
+        return ("relative_attention_bias.weight",) if getattr(module, "has_relative_attention_bias", False) else ()
+
+    def validate(self, module):
+        raise ValueError(
+            "T5's relative_attention_bias is added to the attention scores of every layer, broadcast over the batch, "
+            "so its per-sample gradient is not available: freeze it, e.g. for n, p in model.named_parameters(): "
+            "p.requires_grad_('relative_attention_bias' not in n)"
+        )

@@ -168,7 +168,8 @@ class PrivacyEngine:
             return float(sigma)
         if (epochs is None) == (steps is None):
             raise ValueError("target_epsilon needs the planned length of training: give exactly one of epochs or steps")
-        planned = steps if steps is not None else int(math.ceil(epochs / self.sample_rate))
+        # An epoch is round(1/q) Poisson steps, as dptrain.data.poisson_loader runs it.
+        planned = steps if steps is not None else int(math.ceil(epochs * max(1, round(1 / self.sample_rate))))
         self.planned_steps = planned
         return accounting.calibrate_noise_multiplier(
             target_epsilon, self.target_delta, self.sample_rate, planned, accountant=accountant_name
@@ -564,7 +565,11 @@ class PrivacyEngine:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore a checkpoint written by ``state_dict()``; epsilon continues from its history."""
+        """Restore a checkpoint written by ``state_dict()``; epsilon continues from its history.
+
+        The noise multiplier is configuration, not state: build the engine with the same
+        ``noise_multiplier`` (the checkpoint holds it) before loading.
+        """
         missing = {"steps_taken", "accountant", "noise"} - set(state)
         if missing:
             raise ValueError(f"not a dptrain engine state: missing {sorted(missing)}")

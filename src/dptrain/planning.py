@@ -91,13 +91,19 @@ def plan(model: nn.Module, *example_args, clipping_mode: str = "bk-mixopt", deci
         if rule is None:
             continue
 
-        def hook(mod, inputs, output, _name=name, _rule=rule, _params=params):
-            dims = _rule.dims(mod, _rule.capture(mod, inputs, output), output)
+        def record(mod, inputs, tensor, _name=name, _rule=rule, _params=params):
+            dims = _rule.dims(mod, _rule.capture(mod, inputs, tensor), tensor)
             norm, grad = decide(recipe, dims, decision_rule, "weight" in _params)
             decisions.append(LayerDecision(_name, type(mod).__name__, dims.T, dims.p, dims.d * dims.blocks,
                                            dims.ghost_cost, dims.instantiate_cost, norm, grad))
 
-        handles.append(module.register_forward_hook(hook))
+        if rule.captures_input:  # the gradient is read at a submodule's input, as the engine does
+            target = rule.hook_target(module)
+            handles.append(target.register_forward_pre_hook(
+                lambda target, inputs, _module=module, _record=record: _record(_module, inputs, inputs[0])))
+        else:
+            handles.append(module.register_forward_hook(
+                lambda mod, inputs, output, _record=record: _record(mod, inputs, output)))
     try:
         with torch.no_grad():
             model(*example_args, **example_kwargs)

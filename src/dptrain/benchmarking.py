@@ -41,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -457,19 +458,34 @@ def _first_line(exc: BaseException) -> str:
 # ====================================================================== workers (run in subprocesses)
 
 
+def _start_memory_watchdog(limit_bytes: int, marker: Path, period_s: float = 0.02) -> None:
+    """Kill this worker once its resident memory passes ``limit_bytes`` above the current RSS.
+
+    So that an arm needing too much fails alone (the parent reads the marker and records it
+    as out of memory) instead of waking the kernel's OOM killer on a shared machine. RSS,
+    not the address space: RLIMIT_AS also counts reserved, untouched memory.
+    """
+    start = (_proc_status_kb("VmRSS") or 0) * 1024
+
+    def watch():
+        while True:
+            rss = (_proc_status_kb("VmRSS") or 0) * 1024
+            if rss - start > limit_bytes:
+                marker.write_text(f"resident memory passed the cap of {limit_bytes / 2**20:.0f} MiB above "
+                                  f"the worker's start ({rss / 2**30:.1f} GiB resident); see --mem-limit-gb")
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(period_s)
+
+    threading.Thread(target=watch, name="memory-watchdog", daemon=True).start()
+
+
 def _setup_worker(task: dict) -> torch.device:
     device = torch.device(task["device"])
     if not task.get("isolated", True):
         return device  # in-process (tests): leave the caller's threads and limits alone
     torch.set_num_threads(task["threads"])
-    if device.type == "cpu" and task.get("mem_limit_bytes"):
-        # Cap the address space so an arm that needs too much fails with an allocation error
-        # (recorded as out of memory) instead of waking the OOM killer on a shared machine.
-        vm = (_proc_status_kb("VmSize") or 0) * 1024
-        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        limit = vm + task["mem_limit_bytes"]
-        if hard == resource.RLIM_INFINITY or limit < hard:
-            resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    if device.type == "cpu" and task.get("mem_limit_bytes") and task.get("oom_marker"):
+        _start_memory_watchdog(task["mem_limit_bytes"], Path(task["oom_marker"]))
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -500,6 +516,16 @@ def _worker_memory(task: dict) -> dict:
             "memory_method": meter.method, "note": arm.note}
 
 
+def _discard(arm: Arm | None) -> None:
+    """Release a failed arm's model and hooks; its own failure is already recorded."""
+    if arm is not None:
+        try:
+            arm.close()
+        except Exception:  # noqa: BLE001 - a half-done step may leave the engine mid-state
+            pass
+    gc.collect()
+
+
 def _worker_time(task: dict) -> dict:
     device = _setup_worker(task)
     config = configs_for(task["scale"])[task["config"]]
@@ -508,6 +534,7 @@ def _worker_time(task: dict) -> dict:
     arms: dict[str, Arm] = {}
     failures: dict[str, str] = {}
     for name in task["arms"]:
+        arm = None
         try:
             arm = make_arm(name, copy.deepcopy(reference), task_, config.batch_size)
             for batch in batches[:warmup]:
@@ -516,6 +543,9 @@ def _worker_time(task: dict) -> dict:
             arms[name] = arm
         except Exception as exc:  # noqa: BLE001 - an arm's failure is a result, the others go on
             failures[name] = _describe(exc)
+        if name in failures:
+            _discard(arm)
+            arm = None
     del reference
     wall: dict[str, list[float]] = {name: [] for name in arms}
     cpu: dict[str, list[float]] = {name: [] for name in arms}
@@ -533,6 +563,9 @@ def _worker_time(task: dict) -> dict:
                 _sync(device)
             except Exception as exc:  # noqa: BLE001
                 failures[name] = _describe(exc)
+            if name in failures:
+                # drop the arm now: its model, engine and half-done step must not crowd out the others
+                _discard(arms.pop(name))
                 continue
             wall[name].append(time.perf_counter() - t0)
             cpu[name].append(time.process_time() - c0)
@@ -608,8 +641,8 @@ def run_worker(task: dict, timeout: float, isolate: bool = True) -> dict:
     if not isolate:
         return _run_task({**task, "isolated": False})
     with tempfile.TemporaryDirectory(prefix="dptrain-bench-") as tmp:
-        task_file, result_file = Path(tmp, "task.json"), Path(tmp, "result.json")
-        task_file.write_text(json.dumps(task))
+        task_file, result_file, marker = Path(tmp, "task.json"), Path(tmp, "result.json"), Path(tmp, "oom.txt")
+        task_file.write_text(json.dumps({**task, "oom_marker": str(marker)}))
         env = dict(os.environ)
         for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
             env[var] = str(task["threads"])
@@ -625,6 +658,8 @@ def run_worker(task: dict, timeout: float, isolate: bool = True) -> dict:
             return {"ok": False, "error": f"timed out after {timeout:.0f} s"}
         if result_file.exists():
             return json.loads(result_file.read_text())
+        if marker.exists():
+            return {"ok": False, "error": "out of memory: " + marker.read_text()}
         if proc.returncode < 0:
             sig = signal.Signals(-proc.returncode).name
             why = " (likely out of memory)" if sig == "SIGKILL" else ""

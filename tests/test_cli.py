@@ -466,3 +466,9 @@ def test_noise_multiplier_for_a_target_epsilon(capsys):
     sigma = _printed(out, "noise multiplier")["rdp"]
     epsilon = accounting.compute_epsilon(sigma, 256 / 60000, 2340, 1e-5, "rdp")
     assert 0.99 * 3 <= epsilon <= 3 * (1 + 1e-3)  # printed to 4 digits
+
+
+def test_bench_subcommand_hands_over_to_the_benchmark_harness(capsys):
+    assert main(["bench", "--list", "--scale", "cpu"]) == 0
+    listed = capsys.readouterr().out
+    assert "gpt2" in listed and "vgg11" in listed

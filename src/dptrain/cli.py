@@ -197,11 +197,20 @@ def build_parser() -> argparse.ArgumentParser:
     eps.add_argument("--accountant", choices=accounting.ACCOUNTANTS, action="append",
                      help="only this accountant (repeatable; default: all)")
     eps.set_defaults(handler=_cmd_epsilon)
+
+    # `dptrain bench ...` is handed whole to dptrain.benchmarking (its own options: dptrain bench --help)
+    commands.add_parser("bench", add_help=False,
+                        help="time and memory of every clipping mode against non-private training and Opacus")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dptrain`` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:
+        from . import benchmarking
+
+        return benchmarking.main(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

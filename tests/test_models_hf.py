@@ -159,7 +159,8 @@ def vit_case() -> Case:
     torch.manual_seed(4)
     g = torch.Generator().manual_seed(4)
     model = _double(T.ViTForImageClassification(T.ViTConfig(**_vit_kwargs())))
-    return Case(model, _image_classify, (torch.randn(B, 3, 16, 16, generator=g), torch.randint(0, 3, (B,), generator=g)))
+    batch = (torch.randn(B, 3, 16, 16, generator=g), torch.randint(0, 3, (B,), generator=g))
+    return Case(model, _image_classify, batch)
 
 
 def deit_case() -> Case:

@@ -12,7 +12,6 @@ from functools import partial
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import dptrain

@@ -12,7 +12,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dptrain.losses import sequence_losses
 from helpers import Case, assert_matches, reference, split_max_grad_norm

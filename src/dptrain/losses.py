@@ -41,7 +41,8 @@ def token_losses(
         raise ValueError(f"labels of shape {tuple(labels.shape)} do not match logits of shape {tuple(logits.shape)}")
     if attention_mask is not None and attention_mask.shape != labels.shape:
         raise ValueError(
-            f"attention_mask of shape {tuple(attention_mask.shape)} does not match labels of shape {tuple(labels.shape)}"
+            f"attention_mask of shape {tuple(attention_mask.shape)} does not match labels of shape "
+            f"{tuple(labels.shape)}"
         )
     if shift:
         logits, labels = logits[:, :-1], labels[:, 1:]

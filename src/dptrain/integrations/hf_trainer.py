@@ -203,7 +203,8 @@ class DPTrainer(Trainer):
             )
         steps = None
         if target_epsilon is not None:
-            steps_per_epoch = round(sample_size / batch_size) if poisson_sampling else math.ceil(sample_size / batch_size)
+            per_epoch = sample_size / batch_size
+            steps_per_epoch = round(per_epoch) if poisson_sampling else math.ceil(per_epoch)
             steps = args_.max_steps if args_.max_steps > 0 else math.ceil(args_.num_train_epochs * steps_per_epoch)
         self.privacy_engine = PrivacyEngine(
             self.model, batch_size=batch_size, sample_size=sample_size, max_grad_norm=max_grad_norm,

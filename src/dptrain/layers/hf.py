@@ -173,7 +173,9 @@ class HFViTEmbeddingsRule(TokenParamsRule):
             out["distillation_token"] = slice(1, 2)
             start = 2
         if tokens.shape[1] < start:
-            raise ValueError(f"{type(module).__name__}: a sequence of {tokens.shape[1]} tokens has no room for its prefix")
+            raise ValueError(
+                f"{type(module).__name__}: a sequence of {tokens.shape[1]} tokens has no room for its prefix"
+            )
         out["position_embeddings"] = _check_positions(module, tokens, module.position_embeddings, 0)
         return out
 

@@ -173,8 +173,9 @@ class TimmVisionTransformerRule(TokenParamsRule):
             )
         if module.dynamic_img_size and module.pos_embed is not None and module.pos_embed.requires_grad:
             raise ValueError(
-                "dynamic_img_size=True resamples pos_embed to each input size (bicubic interpolation), whose per-sample "
-                "gradient is not supported: build the model with dynamic_img_size=False, or freeze pos_embed"
+                "dynamic_img_size=True resamples pos_embed to each input size (bicubic interpolation), whose "
+                "per-sample gradient is not supported: build the model with dynamic_img_size=False, or freeze "
+                "pos_embed"
             )
 
     def hook_target(self, module):

@@ -1,7 +1,7 @@
 """Private fine-tuning of a small GPT-2 with the Hugging Face Trainer.
 
 The only changes from an ordinary Trainer script are the ``DPTrainer`` class and its privacy
-arguments (``target_epsilon`` / ``noise_multiplier``, ``max_grad_norm``). Everything here is
+arguments (``target_epsilon`` / ``noise_multiplier``, ``max_grad_norm``, ``poisson_sampling``). Everything here is
 self-contained: the model is built from a config with random weights and trained on generated
 sentences with a character-level vocabulary, so nothing is downloaded.
 
@@ -88,8 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as output_dir:
         training_args = TrainingArguments(
             output_dir=output_dir,
-            per_device_train_batch_size=8 if args.tiny else 32,
-            gradient_accumulation_steps=2,     # logical batch = 8 * 2 (or 32 * 2) samples per private step
+            per_device_train_batch_size=16 if args.tiny else 64,  # the expected (Poisson) batch size
             max_steps=args.max_steps,
             learning_rate=2e-3,
             logging_steps=max(1, args.max_steps // 10),
@@ -105,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
             target_epsilon=args.epsilon,       # noise calibrated to max_steps
             max_grad_norm=1.0,                 # per-sample clipping threshold
             clipping_mode=args.clipping_mode,
+            poisson_sampling=True,             # the sampling the privacy accounting assumes
         )
         result = trainer.train()
 

@@ -139,6 +139,13 @@ def test_unsupported_settings_are_refused(tmp_path, setting, message):
                   train_dataset=DictDataset(input_ids=ids, attention_mask=mask, labels=labels))
 
 
+def test_fixed_size_batches_warn_that_the_accounting_assumes_poisson_sampling(tmp_path):
+    ids, mask, labels = _lm_data()
+    with pytest.warns(UserWarning, match="Poisson"):
+        DPTrainer(model=_gpt2(), args=_args(tmp_path), noise_multiplier=1.0,
+                  train_dataset=DictDataset(input_ids=ids, attention_mask=mask, labels=labels))
+
+
 def test_poisson_sampling_needs_one_batch_per_step(tmp_path):
     ids, mask, labels = _lm_data()
     with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):

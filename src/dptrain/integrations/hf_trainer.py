@@ -30,8 +30,9 @@ What changes inside the training loop:
 Privacy accounting assumes Poisson sampling (each example in each batch independently with
 probability ``batch_size / len(dataset)``). ``poisson_sampling=True`` makes the training
 loader draw such batches (variable size, possibly empty; then ``gradient_accumulation_steps``
-must be 1). Trainer's default shuffled fixed-size batches are the common practice, but the
-reported epsilon is then the Poisson-sampling epsilon, not a proven bound for them.
+must be 1), from OS entropy unless ``TrainingArguments.data_seed`` is set. Trainer's default
+shuffled fixed-size batches are the common practice, but the reported epsilon is then the
+Poisson-sampling epsilon, not a proven bound for them.
 
 Not supported (refused at construction, with the reason): fp16 mixed precision with a loss
 scaler (use bf16 or float32), gradient checkpointing (it re-runs layers during the backward),
@@ -41,6 +42,7 @@ Dropout is fine: its randomness is per sample.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -212,6 +214,12 @@ class DPTrainer(Trainer):
             steps=steps, clipping_mode=clipping_mode, **dict(engine_kwargs or {}),
         )
         self._attached_to: torch.optim.Optimizer | None = None
+        if not poisson_sampling:
+            warnings.warn(
+                "DPTrainer draws Trainer's shuffled fixed-size batches, not the Poisson sampling that the privacy "
+                "accounting assumes: the reported epsilon does not hold for them. Pass poisson_sampling=True",
+                stacklevel=2,
+            )
 
     def _check_arguments(self, poisson_sampling: bool) -> None:
         args = self.args
@@ -257,8 +265,9 @@ class DPTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        generator = torch.Generator().manual_seed(self.args.seed) if self.args.data_seed is None else \
-            torch.Generator().manual_seed(self.args.data_seed)
+        # Secret sampling randomness (OS entropy) unless data_seed asks for reproducible batches: a known
+        # seed such as Trainer's default seed=42 would make the batches predictable.
+        generator = None if self.args.data_seed is None else torch.Generator().manual_seed(self.args.data_seed)
         return poisson_loader(dataset, batch_size=self.privacy_engine.batch_size, collate_fn=collator,
                               generator=generator, num_workers=self.args.dataloader_num_workers)
 

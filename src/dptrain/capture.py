@@ -67,6 +67,7 @@ class Capture:
         self._handles: list[Any] = []
         self._anchors: dict[torch.device, torch.Tensor] = {}
         self._switched: dict[int, list[list[nn.Parameter]]] = {}
+        self._sources: dict[tuple[int, int], torch.Tensor] = {}  # capture-site activations awaiting their target
         #: batch size of the model's current forward call, read from its first tensor argument
         self.forward_batch: int | None = None
 
@@ -78,8 +79,16 @@ class Capture:
                 state.module.register_forward_hook(self._make_post_hook(state), always_call=True)
             )
             if state.rule.captures_input:
-                target = state.rule.hook_target(state.module)
-                self._handles.append(target.register_forward_pre_hook(self._make_input_hook(state)))
+                for k, site in enumerate(state.rule.capture_sites(state.module)):
+                    if site.source is not None and site.source_input:
+                        hook = self._make_source_hook(state, k, from_input=True)
+                        self._handles.append(site.source.register_forward_pre_hook(hook))
+                    elif site.source is not None:
+                        hook = self._make_source_hook(state, k, from_input=False)
+                        self._handles.append(site.source.register_forward_hook(hook))
+                    self._handles.append(
+                        site.target.register_forward_pre_hook(self._make_input_hook(state, k, site.source is not None))
+                    )
         for module, check in extra_checks:
             self._handles.append(module.register_forward_pre_hook(check))
 
@@ -89,6 +98,7 @@ class Capture:
         self._handles.clear()
         for state in self.layers:
             state.calls.clear()
+        self._sources.clear()
 
     def _record_batch(self, module, args, kwargs):
         first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
@@ -126,19 +136,51 @@ class Capture:
 
         return post_hook
 
-    def _make_input_hook(self, state: LayerState):
-        """For rules that read the gradient of a tensor entering a submodule (``hook_target``)."""
+    def _make_source_hook(self, state: LayerState, site: int, from_input: bool):
+        """Keeps a capture site's activation (its source's output or first input) until its target runs."""
+
+        def keep(source, tensor):
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"{state.name}: the activation source {type(source).__name__} of capture site "
+                                f"{site} gave {type(tensor).__name__}, not a tensor")
+            self._sources[(id(state), site)] = tensor.detach()
+
+        def source_pre_hook(source, inputs):
+            if torch.is_grad_enabled():
+                keep(source, inputs[0] if inputs else None)
+
+        def source_hook(source, inputs, output):
+            if torch.is_grad_enabled():
+                keep(source, output)
+
+        return source_pre_hook if from_input else source_hook
+
+    def _make_input_hook(self, state: LayerState, site: int = 0, has_source: bool = False):
+        """For rules that read the gradient of a tensor entering a submodule (``capture_sites``)."""
 
         def input_hook(target, inputs):
             if not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], torch.Tensor):
                 return None
-            return (self._record(state, state.module, inputs, inputs[0]), *inputs[1:])
+            captured = inputs
+            if has_source:
+                kept = self._sources.pop((id(state), site), None)
+                if kept is None:
+                    raise RuntimeError(
+                        f"{state.name}: {type(target).__name__} ran before the activation source of capture site "
+                        f"{site}: the rule's capture_sites do not match this module's forward"
+                    )
+                captured = (kept,)
+            return (self._record(state, state.module, captured, inputs[0], site), *inputs[1:])
 
         return input_hook
 
-    def _record(self, state: LayerState, module: nn.Module, inputs: tuple, tensor: torch.Tensor) -> torch.Tensor:
+    def _record(self, state: LayerState, module: nn.Module, inputs: tuple, tensor: torch.Tensor,
+                site: int | None = None) -> torch.Tensor:
         """Keep the activation, and hook the gradient of ``tensor`` (a layer output, or a hooked input)."""
-        activation = state.rule.capture(module, inputs, tensor)
+        if site is None:
+            activation = state.rule.capture(module, inputs, tensor)
+        else:
+            activation = state.rule.capture_at(module, site, inputs, tensor)
         if not tensor.requires_grad:
             tensor = _Origin.apply(self._anchor(tensor.device), tensor)
         if tensor.dim() and tensor.shape[0] == 1 and (self.forward_batch or 1) > 1:

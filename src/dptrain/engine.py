@@ -14,8 +14,8 @@ from . import accounting, data
 from .algorithms import RECIPES
 from .capture import Call, Capture, LayerState
 from .clipping import CLIPPING_FNS, build_groups, clipping_factors, group_threshold
-from .layers import find_rule, trainable_params
-from .layers.base import LayerDims, shared_sq_norm
+from .layers import find_rule
+from .layers.base import LayerDims, layer_params, shared_sq_norm
 from .noise import GaussianNoise
 from .planning import DECISION_RULES, LayerDecision, decide
 from .validation import validate
@@ -112,10 +112,11 @@ class PrivacyEngine:
         self._noise = GaussianNoise(seed=seed, secure=secure_rng)
 
         validate(model)
+        covered = layer_params(model)  # own parameters, and descendants' ones a rule claims
         self._layers = [
-            LayerState(name, module, find_rule(module), trainable_params(module))
+            LayerState(name, module, find_rule(module), covered[module])
             for name, module in model.named_modules()
-            if trainable_params(module)
+            if module in covered
         ]
         if not self._layers:
             raise ValueError("the model has no trainable parameters: nothing to train privately")

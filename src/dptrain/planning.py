@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .algorithms import RECIPES, GradVia, NormVia, Recipe
-from .layers.base import LayerDims, find_rule, trainable_params
+from .layers.base import LayerDims, find_rule, layer_params
 
 DECISION_RULES = ("space", "time")
 
@@ -85,22 +85,38 @@ def plan(model: nn.Module, *example_args, clipping_mode: str = "bk-mixopt", deci
     recipe = RECIPES[clipping_mode]
     decisions: list[LayerDecision] = []
     handles = []
+    covered = layer_params(model)
     for name, module in model.named_modules():
-        params = trainable_params(module)
+        params = covered.get(module, {})
         rule = find_rule(module) if params else None
         if rule is None:
             continue
 
-        def record(mod, inputs, tensor, _name=name, _rule=rule, _params=params):
-            dims = _rule.dims(mod, _rule.capture(mod, inputs, tensor), tensor)
+        def record(mod, inputs, tensor, site=None, _name=name, _rule=rule, _params=params):
+            if site is None:
+                activation = _rule.capture(mod, inputs, tensor)
+            else:
+                activation = _rule.capture_at(mod, site, inputs, tensor)
+            dims = _rule.dims(mod, activation, tensor)
             norm, grad = decide(recipe, dims, decision_rule, "weight" in _params)
             decisions.append(LayerDecision(_name, type(mod).__name__, dims.T, dims.p, dims.d * dims.blocks,
                                            dims.ghost_cost, dims.instantiate_cost, norm, grad))
 
-        if rule.captures_input:  # the gradient is read at a submodule's input, as the engine does
-            target = rule.hook_target(module)
-            handles.append(target.register_forward_pre_hook(
-                lambda target, inputs, _module=module, _record=record: _record(_module, inputs, inputs[0])))
+        if rule.captures_input:  # read where the engine reads: capture sites (activation source, gradient target)
+            for k, site in enumerate(rule.capture_sites(module)):
+                kept: dict = {}
+                if site.source is not None and site.source_input:
+                    handles.append(site.source.register_forward_pre_hook(
+                        lambda src, inputs, _kept=kept: _kept.__setitem__("x", inputs[0])))
+                elif site.source is not None:
+                    handles.append(site.source.register_forward_hook(
+                        lambda src, inputs, output, _kept=kept: _kept.__setitem__("x", output)))
+
+                def at_target(target, inputs, _module=module, _record=record, _k=k, _kept=kept,
+                              _sourced=site.source is not None):
+                    _record(_module, (_kept.pop("x"),) if _sourced else inputs, inputs[0], _k)
+
+                handles.append(site.target.register_forward_pre_hook(at_target))
         else:
             handles.append(module.register_forward_hook(
                 lambda mod, inputs, output, _record=record: _record(mod, inputs, output)))

@@ -3,16 +3,17 @@ from __future__ import annotations
 
 from torch import nn
 
-from .layers import find_rule, trainable_params
-from .layers.base import covering_base
+from .layers import find_rule
+from .layers.base import covering_base, layer_params
 
 
 def find_problems(model: nn.Module) -> list[str]:
     """Every reason the engine would refuse ``model``, as readable sentences (empty if none)."""
     problems: list[str] = []
+    covered = layer_params(model)  # own parameters, and descendants' ones a rule claims
     for name, module in model.named_modules():
         label = name or "<root>"
-        params = trainable_params(module)
+        params = covered.get(module, {})
         if isinstance(module, nn.modules.instancenorm._InstanceNorm) and module.track_running_stats:
             problems.append(
                 f"{label} ({type(module).__name__}(track_running_stats=True)) averages statistics over the batch "

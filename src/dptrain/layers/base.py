@@ -53,7 +53,10 @@ class LayerRule:
     """Per-layer primitives. Subclasses set ``module_types`` and implement the methods."""
 
     module_types: tuple[type[nn.Module] | str, ...] = ()
-    #: names of the parameters this rule knows how to handle, in the module
+    #: names of the parameters this rule knows how to handle, in the module. A dotted name
+    #: (``"qkv.weight"``) claims a descendant's parameter that the module uses itself (for
+    #: example ``F.linear(x, self.qkv.weight, bias)``): it is then this rule's, not the
+    #: descendant's rule's, and named by its dotted path in the operand methods.
     param_names: tuple[str, ...] = ("weight", "bias")
 
     #: True: the gradient is read at the first input of ``hook_target(module)`` instead of the
@@ -63,6 +66,27 @@ class LayerRule:
 
     def hook_target(self, module: nn.Module) -> nn.Module:
         return module
+
+    def capture_sites(self, module: nn.Module) -> list[CaptureSite]:
+        """For ``captures_input`` rules: where each call's activation and gradient are read.
+
+        Default: one site whose gradient target is ``hook_target(module)``. A parameter that scales
+        the output of one submodule before it enters another (a layer scale ``x + gamma * f(x)``)
+        needs two points: the activation ``f(x)`` and the gradient of the product.
+        """
+        return [CaptureSite(self.hook_target(module))]
+
+    def capture_at(self, module: nn.Module, site: int, inputs: tuple, tensor: torch.Tensor) -> Any:
+        """``capture`` for site ``site`` of ``capture_sites``.
+
+        ``inputs`` is ``(source tensor,)`` for a site with an activation source, else the target's inputs.
+        """
+        return self.capture(module, inputs, tensor)
+
+    def claims(self, module: nn.Module) -> tuple[str, ...]:
+        """Dotted names of descendants' parameters this rule handles for ``module`` (default: those in
+        ``param_names``); they are then this rule's, not the descendant's rule's."""
+        return tuple(n for n in self.param_names if "." in n)
 
     def validate(self, module: nn.Module) -> None:
         """Raise ``ValueError`` if this module's configuration cannot be made private exactly."""
@@ -116,6 +140,17 @@ class LayerRule:
         output gradient; expanding the output to the batch keeps them, at no copy.
         """
         return None
+
+
+@dataclass(frozen=True)
+class CaptureSite:
+    """A capture point of a ``captures_input`` rule: the gradient is read at the first input of
+    ``target``; the activation is ``source``'s output (its first input with ``source_input=True``)
+    from the same forward, or, without a source, ``target``'s inputs."""
+
+    target: nn.Module
+    source: nn.Module | None = None
+    source_input: bool = False
 
 
 @dataclass(frozen=True)
@@ -215,6 +250,38 @@ def registered_rules() -> list[LayerRule]:
 def trainable_params(module: nn.Module) -> dict[str, nn.Parameter]:
     """The module's own (non-recursive) parameters that require grad."""
     return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+
+
+def layer_params(model: nn.Module) -> dict[nn.Module, dict[str, nn.Parameter]]:
+    """{module: trainable parameters its rule handles}: its own, minus those an ancestor's rule
+    claims by a dotted name in ``param_names``, plus those it claims itself (by dotted name)."""
+    claims: dict[nn.Module, dict[str, nn.Parameter]] = {}
+    claimed: set[tuple[int, str]] = set()  # (id of the owning module, local name)
+    for module in model.modules():
+        rule = find_rule(module)
+        for dotted in (rule.claims(module) if rule is not None else ()):
+            path, leaf = dotted.rsplit(".", 1)
+            try:
+                owner = module.get_submodule(path)
+            except AttributeError:
+                continue
+            p = owner._parameters.get(leaf)
+            if p is not None and p.requires_grad:
+                claims.setdefault(module, {})[dotted] = p
+                claimed.add((id(owner), leaf))
+    out = {}
+    for module in model.modules():
+        # A parameter also registered on a descendant is an alias (Hugging Face ties BertLMPredictionHead.bias
+        # to decoder.bias): the descendant that uses it handles it; any other use is caught by the engine.
+        below = {id(p) for child in module.children() for p in child.parameters()}
+        params = {
+            n: p for n, p in trainable_params(module).items()
+            if (id(module), n) not in claimed and id(p) not in below
+        }
+        params.update(claims.get(module, {}))
+        if params:
+            out[module] = params
+    return out
 
 
 def flatten_tokens(x: torch.Tensor) -> torch.Tensor:

@@ -608,3 +608,18 @@ def max_relative_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor
 def assert_matches(got, ref, rtol: float = RTOL, what: str = "") -> None:
     rel, name = max_relative_error(got, ref)
     assert rel <= rtol, f"{what}: relative error {rel:.3g} > {rtol:g} (worst parameter {name!r})"
+
+
+def spread_init(model):
+    """Re-draw the weights so that every parameter gets a gradient of comparable size.
+
+    Library inits (std 0.02 weights, unit norm scales, zero biases) leave some gradients 1e-5 of
+    the largest, where the comparison relative to the largest entry would hardly test them.
+    """
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and not any(k in name for k in ("token", "pos", "position", "table")):
+                p.normal_(0.0, 1.5 * p[0].numel() ** -0.5)
+            else:
+                p.add_(0.5 * torch.randn_like(p))
+    return model

@@ -21,6 +21,7 @@ import dptrain.layers.base
 from dptrain.losses import sequence_losses, token_losses
 from dptrain.testing import per_sample_gradients, trainable_named_parameters
 from helpers import (
+    spread_init,
     MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, Case, assert_matches, per_sample, reference, run_engine,
     split_max_grad_norm,
 )
@@ -32,21 +33,6 @@ B = 4
 
 def _double(model):
     return spread_init(model).double().train()
-
-
-def spread_init(model):
-    """Re-draw the weights so that every parameter gets a gradient of comparable size.
-
-    Library inits (std 0.02 weights, unit norm scales, zero biases) leave some gradients 1e-5 of
-    the largest, where the comparison relative to the largest entry would hardly test them.
-    """
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and not any(k in name for k in ("token", "pos", "position", "table")):
-                p.normal_(0.0, 1.5 * p[0].numel() ** -0.5)
-            else:
-                p.add_(0.5 * torch.randn_like(p))
-    return model
 
 
 def _ids(g, B, L, V, low=0):

@@ -17,6 +17,7 @@ from torch import nn
 import dptrain
 import dptrain.layers.base
 from helpers import (
+    spread_init,
     MODES, RTOL, SINGLE_BACKWARD_MODES, Case, assert_matches, classify, reference, run_engine, split_max_grad_norm,
 )
 
@@ -35,21 +36,6 @@ def _images(seed, size=16):
 
 def _case(model, seed, size=16):
     return Case(spread_init(model).double().train(), classify, _images(seed, size))
-
-
-def spread_init(model):
-    """Re-draw the weights so that every parameter gets a gradient of comparable size.
-
-    Library inits (std 0.02 weights, unit norm scales, zero biases) leave some gradients 1e-5 of
-    the largest, where the comparison relative to the largest entry would hardly test them.
-    """
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and not any(k in name for k in ("token", "pos", "position", "table")):
-                p.normal_(0.0, 1.5 * p[0].numel() ** -0.5)
-            else:
-                p.add_(0.5 * torch.randn_like(p))
-    return model
 
 
 def vit_case():

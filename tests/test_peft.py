@@ -17,25 +17,11 @@ import torch.nn.functional as F
 import dptrain
 from dptrain.losses import sequence_losses
 from helpers import (
+    spread_init,
     MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, classify, reference, run_engine, split_max_grad_norm,
 )
 
 B = 4
-
-
-def spread_init(model):
-    """Re-draw the weights so that every parameter gets a gradient of comparable size.
-
-    Library inits (std 0.02 weights, unit norm scales, zero biases) leave some gradients 1e-5 of
-    the largest, where the comparison relative to the largest entry would hardly test them.
-    """
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2 and not any(k in name for k in ("token", "pos", "position", "table")):
-                p.normal_(0.0, 1.5 * p[0].numel() ** -0.5)
-            else:
-                p.add_(0.5 * torch.randn_like(p))
-    return model
 
 
 def _lm_losses(model, ids, labels):

@@ -166,9 +166,14 @@ class Task:
             return {"ids": ids}
         return {"ids": ids, "y": torch.randint(0, self.num_classes, (batch_size,), generator=generator)}
 
-    def forward(self, model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], batched_positions: bool = False) -> torch.Tensor:
+        """``batched_positions``: give GPT-2 its position ids as [B, T] instead of letting it broadcast [1, T]."""
         if self.kind == "image":
             return model(batch["x"])
+        if batched_positions and self.kind == "lm":
+            ids = batch["ids"]
+            positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+            return model(input_ids=ids, position_ids=positions).logits
         return model(input_ids=batch["ids"]).logits
 
     def per_sample_loss(self, output: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -314,12 +319,18 @@ def _opacus_arm(name, model, task, batch_size, optimizer) -> Arm:
 
     # Opacus' full backward hooks refuse in-place activations (torchvision's ReLU(inplace=True)):
     # the usual user fix, applied to this arm's copy only.
-    note = ""
     inplace = [m for m in model.modules() if getattr(m, "inplace", False) is True]
     for m in inplace:
         m.inplace = False
+    notes = []
     if inplace:
-        note = f"in-place turned off on {len(inplace)} activation modules (Opacus refuses them)"
+        notes.append(f"in-place turned off on {len(inplace)} activation modules (Opacus refuses them)")
+    # Opacus needs every layer's input batched: GPT-2's position ids [1, T] broadcast over the
+    # batch would give its position embedding per-sample gradients of batch 1.
+    batched_positions = task.kind == "lm"
+    if batched_positions:
+        notes.append("position ids passed as [B, T] (Opacus cannot take them broadcast over the batch)")
+    note = "; ".join(notes)
     # Only the loader's length matters to Opacus here (it sets the sample rate); batches are ours.
     loader = DataLoader(TensorDataset(torch.zeros(SAMPLE_SIZE, 1)), batch_size=batch_size)
     engine = opacus.PrivacyEngine(accountant="rdp")
@@ -329,7 +340,7 @@ def _opacus_arm(name, model, task, batch_size, optimizer) -> Arm:
         wrapped, dp_optimizer, _ = engine.make_private(**common, grad_sample_mode="hooks")
 
         def step(batch):
-            task.per_sample_loss(task.forward(wrapped, batch), batch).mean().backward()
+            task.per_sample_loss(task.forward(wrapped, batch, batched_positions), batch).mean().backward()
             dp_optimizer.step()
             dp_optimizer.zero_grad(set_to_none=True)
     else:
@@ -337,7 +348,7 @@ def _opacus_arm(name, model, task, batch_size, optimizer) -> Arm:
             **common, criterion=_PerSampleCriterion(task), grad_sample_mode="ghost")
 
         def step(batch):
-            criterion(task.forward(wrapped, batch), batch).backward()  # Opacus runs both backward passes here
+            criterion(task.forward(wrapped, batch, batched_positions), batch).backward()  # Opacus runs both backward passes here
             dp_optimizer.step()
             dp_optimizer.zero_grad(set_to_none=True)
 

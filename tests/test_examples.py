@@ -46,3 +46,19 @@ def test_lora_example_trains_only_the_adapters_privately():
     assert out["steps"] == 8
     assert out["epsilon"] == pytest.approx(8.0, rel=0.05)
     assert 0 < out["trainable"] < 1000
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp"])
+def test_ddp_example_runs_under_torchrun(engine):
+    """`torchrun --nproc_per_node=2 examples/ddp_train.py` (gloo on CPU), as the README shows it."""
+    import subprocess
+    import sys
+
+    args = ["--epochs", "0.5"] + (["--fsdp"] if engine == "fsdp" else [])
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+         str(EXAMPLES / "ddp_train.py"), *args],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"{'FSDP2' if engine == 'fsdp' else 'DDP'} on 2 processes: 6 steps" in run.stdout

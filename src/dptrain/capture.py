@@ -60,8 +60,9 @@ class Capture:
     """Installs and removes the hooks on the covered modules; the engine reacts to gradients."""
 
     def __init__(self, model: nn.Module, layers: list[LayerState],
-                 on_grad: Callable[[LayerState, Call, torch.Tensor], None]):
+                 on_grad: Callable[[LayerState, Call, torch.Tensor], None], params_by_name: bool = False):
         self.model = model
+        self.params_by_name = params_by_name
         self.layers = layers
         self.on_grad = on_grad
         self._handles: list[Any] = []
@@ -114,12 +115,24 @@ class Capture:
     def _make_pre_hook(self, state: LayerState):
         def pre_hook(module, inputs):
             if torch.is_grad_enabled():
-                switched = [p for p in state.params.values() if p.requires_grad]
+                params = self._current_params(state) if self.params_by_name else state.params.values()
+                switched = [p for p in params if p.requires_grad]
                 for p in switched:
                     p.requires_grad_(False)
                 self._switched.setdefault(id(module), []).append(switched)
 
         return pre_hook
+
+    @staticmethod
+    def _current_params(state: LayerState) -> list[nn.Parameter]:
+        """The parameter objects registered during this call (FSDP2's unsharded ones)."""
+        params = [state.module.get_parameter(name) for name in state.params]
+        if any(type(p).__name__ == "DTensor" or hasattr(p, "device_mesh") for p in params):
+            raise NotImplementedError(
+                f"{state.name!r} runs its forward with DTensor parameters (tensor parallelism): the engine's "
+                "rules need the full weight in every call. Shard with fully_shard (FSDP2) only"
+            )
+        return params
 
     def _restore(self, module: nn.Module) -> None:
         stack = self._switched.get(id(module))

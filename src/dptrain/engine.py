@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import accounting, data
+from . import accounting, data, distributed
 from .algorithms import RECIPES
 from .capture import Call, Capture, LayerState
 from .clipping import CLIPPING_FNS, build_groups, clipping_factors, group_threshold
@@ -76,6 +76,7 @@ class PrivacyEngine:
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        model, self._parallel = distributed.data_parallel(model)
         _check_choice("clipping_mode", clipping_mode, tuple(RECIPES))
         _check_choice("clipping_fn", clipping_fn, CLIPPING_FNS)
         _check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
@@ -109,7 +110,9 @@ class PrivacyEngine:
         )
         self.target_epsilon = target_epsilon
         self.accountant = accounting.create_accountant(accountant)
-        self._noise = GaussianNoise(seed=seed, secure=secure_rng)
+        rank = self._parallel.rank if self._parallel is not None else 0
+        # Under FSDP2 every rank draws the noise of its own shard: independent streams per rank.
+        self._noise = GaussianNoise(seed=None if seed is None else seed + 7919 * rank, secure=secure_rng)
 
         validate(model)
         covered = layer_params(model)  # own parameters, and descendants' ones a rule claims
@@ -143,6 +146,7 @@ class PrivacyEngine:
         self._threshold = group_threshold(self.max_grad_norm, len(groups))
 
         self._capture: Capture | None = None
+        self._scaler = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._step_handle = None
         self._phase = "idle"  # idle | single | first-pass | second-pass
@@ -177,19 +181,28 @@ class PrivacyEngine:
         )
 
     # ------------------------------------------------------------------ attach / detach
-    def attach(self, optimizer: torch.optim.Optimizer, data_loader=None) -> PrivacyEngine:
+    def attach(self, optimizer: torch.optim.Optimizer, data_loader=None, grad_scaler=None) -> PrivacyEngine:
         """Install the hooks; ``optimizer.step()`` then applies the private gradient.
 
         ``data_loader`` (optional) is checked against the accounting: a Poisson loader must
         sample with ``q = batch_size / sample_size``; any other loader gets a warning, once,
         that the reported epsilon assumes Poisson sampling.
+
+        ``grad_scaler``: the ``torch.amp.GradScaler`` whose ``scale()`` multiplies the loss
+        (fp16 training). The engine removes its scale before clipping, and a backward whose
+        scaled gradients overflow makes ``scaler.step(optimizer)`` skip the step, which still
+        counts in the accountant.
         """
         if data_loader is not None:
             self._check_loader(data_loader)
         if self._optimizer is not None:
             raise RuntimeError("this engine is already attached; call detach() first")
         if not isinstance(optimizer, torch.optim.Optimizer):
+            if any(n.startswith("deepspeed.") for n in distributed._qualified_names(optimizer)):
+                distributed.refuse_unsupported(optimizer)
             raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "is_enabled")):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         ours = {p for s in self._layers for p in s.params.values()}
         model_params = {p for p in self.model.parameters()}
         self._step_params = []
@@ -201,13 +214,24 @@ class PrivacyEngine:
                     self._step_params.append(p)
         if not self._step_params:
             raise ValueError("the optimizer holds none of the model's trainable parameters")
-        self._capture = Capture(self.model, self._layers, self._on_output_grad)
+        # FSDP2 swaps the unsharded parameters in during each forward: hooks look them up by name.
+        self._capture = Capture(self.model, self._layers, self._on_output_grad,
+                                params_by_name=isinstance(self._parallel, distributed.FSDP2Gradients))
         self._capture.install(extra_checks=_frozen_batchnorm_checks(self.model))
         self._grad_handles = [
             p.register_post_accumulate_grad_hook(self._on_accumulated_grad) for p in self._users
         ]
         self._step_handle = optimizer.register_step_pre_hook(self._before_step)
         self._optimizer = optimizer
+        self._scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
+        # The scaler skips a step when it finds inf/NaN in the gradients it unscales; the engine's
+        # gradients exist only from the step on, so it shows the scaler one small marker gradient.
+        self._marker_param = min(self._step_params, key=lambda p: p.numel())
+        self._marker: torch.Tensor | None = None
+        self._overflowed = False
+        self._given_grads: dict[nn.Parameter, torch.Tensor] = {}
+        if self._parallel is not None:
+            self._parallel.attach()
         return self
 
     def _check_loader(self, loader) -> None:
@@ -236,6 +260,8 @@ class PrivacyEngine:
         for handle in getattr(self, "_grad_handles", []):
             handle.remove()
         self._grad_handles = []
+        if self._parallel is not None and self._optimizer is not None:
+            self._parallel.detach()
         self._capture, self._step_handle, self._optimizer = None, None, None
         self._forget_calls()
         self._summed.clear()
@@ -258,6 +284,10 @@ class PrivacyEngine:
         if losses.dim() > 1:
             losses = losses.flatten(1).sum(1)
         if not torch.isfinite(losses).all():
+            if self._scaler is not None:  # fp16 overflow already in the forward: the step is skipped
+                self._forget_calls()
+                self._after_backward(overflow=True)
+                return
             bad = (~torch.isfinite(losses)).nonzero().flatten().tolist()
             raise ValueError(f"non-finite per-sample losses at batch positions {bad[:10]}: nothing was accumulated")
         B = losses.shape[0]
@@ -265,16 +295,21 @@ class PrivacyEngine:
             self._forget_calls()
             if B > 0:
                 raise ValueError("the losses do not depend on any trainable parameter (did the forward run under no_grad?)")
+            self._after_backward(overflow=False)
             return  # an empty batch contributes nothing; the step still adds noise and counts
-        if self.recipe.two_pass:
-            self._two_pass_backward(losses)
-        else:
-            self._phase = "single"
-            try:
+        overflow = False
+        try:
+            if self.recipe.two_pass:
+                self._two_pass_backward(losses)
+            else:
+                self._phase = "single"
                 torch.autograd.backward(losses.sum())
-                self._finish_backward(expected_batch=B, scale=1.0)
-            finally:
-                self._phase = "idle"
+                self._finish_backward(expected_batch=B, scale=1.0 / self._loss_scale())
+        except _Overflow:
+            overflow = True
+        finally:
+            self._phase = "idle"
+        self._after_backward(overflow)
 
     def _two_pass_backward(self, losses: torch.Tensor) -> None:
         """Lee & Kifer: norms from a first backward of sum_i L_i, then back-propagate sum_i C_i L_i.
@@ -286,8 +321,10 @@ class PrivacyEngine:
         self._phase = "first-pass"
         try:
             torch.autograd.backward(losses.sum(), retain_graph=True)
-            factors = self._finish_backward(expected_batch=losses.shape[0], scale=1.0)
-            ones = torch.ones_like(factors[0])
+            loss_scale = self._loss_scale()
+            factors = self._finish_backward(expected_batch=losses.shape[0], scale=1.0 / loss_scale)
+            # The re-weighted losses carry the GradScaler's scale too: removed from a^T g'.
+            ones = torch.full_like(factors[0], 1.0 / loss_scale)
             self._phase = "second-pass"
             for k, params in enumerate(self._group_params):
                 reweighted = (losses * factors[k].to(losses.dtype)).sum()
@@ -350,7 +387,12 @@ class PrivacyEngine:
                 "gradients. Expand it to the batch (x.expand(B, ...)), or use engine.backward(losses)"
             )
         scale = float(batch) if self.loss_reduction == "mean" else 1.0
-        self._finish_backward(expected_batch=batch, scale=scale)
+        try:
+            self._finish_backward(expected_batch=batch, scale=scale / self._loss_scale())
+        except _Overflow:
+            self._after_backward(overflow=True)
+        else:
+            self._after_backward(overflow=False)
 
     # ------------------------------------------------------------------ the recipe
     def _prepare_layer(self, state: LayerState) -> None:
@@ -480,6 +522,8 @@ class PrivacyEngine:
             ]
             norms = [torch.sqrt(sq) * scale for sq in group_sq]
             if batch and not all(bool(torch.isfinite(n).all()) for n in norms):
+                if self._scaler is not None:
+                    raise _Overflow
                 raise FloatingPointError(
                     "a per-sample gradient norm is inf or NaN (overflow or a NaN in the model): nothing was "
                     "accumulated for this batch; check the inputs, the learning rate, or use float32"
@@ -518,19 +562,84 @@ class PrivacyEngine:
         self._decisions.clear()
 
     # ------------------------------------------------------------------ the private step
+    def _loss_scale(self) -> float:
+        """The GradScaler's current scale (the factor on this step's loss), or 1."""
+        return float(self._scaler.get_scale()) if self._scaler is not None else 1.0
+
+    def _after_backward(self, overflow: bool) -> None:
+        """With a GradScaler: show it the marker gradient it checks (inf makes it skip the step).
+
+        The first overflow of a logical step counts the step in the accountant right away:
+        skipping is a decision that looked at the data, and ``optimizer.step()`` (where
+        steps are counted otherwise) will not run.
+        """
+        if self._scaler is None:
+            return
+        if self._parallel is not None:  # every rank skips, or none
+            overflow = self._parallel.any(overflow, self._marker_param.device)
+        p = self._marker_param
+        if self._overflowed and not (p.grad is self._marker and bool(torch.isinf(p.grad).any())):
+            self._overflowed = False  # zero_grad() cleared the marker: the skipped step is over
+        if overflow or self._overflowed:
+            self._summed.clear()  # nothing of a skipped step is ever applied
+            if not self._overflowed:
+                self._overflowed = True
+                self._count_step()
+            self._marker = torch.full_like(p, math.inf)
+            p.grad = self._marker
+        elif p.grad is None:
+            self._marker = torch.zeros_like(p)
+            p.grad = self._marker
+
     def _before_step(self, optimizer, args, kwargs) -> None:
+        if self._overflowed:  # optimizer.step() without scaler.step(): the counted, overflowed step applies nothing
+            for p in self._step_params:
+                p.grad = None
+            self._overflowed = False
+            self._summed.clear()
+            self._forget_calls()
+            return
+        if self._parallel is not None:
+            self._refuse_foreign_grads()
         std = self.noise_multiplier * self.max_grad_norm
+
+        def add_noise(t: torch.Tensor) -> torch.Tensor:
+            return t + self._noise.sample(t, std) if std > 0 else t
+
+        local = []
         for p in self._step_params:
             summed = self._summed.pop(p, None)
-            if summed is None:
-                summed = torch.zeros_like(p)
-            if std > 0:
-                summed = summed + self._noise.sample(summed, std)
-            p.grad = (summed / self.batch_size).to(p.dtype)
+            local.append(summed if summed is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device))
+        if self._parallel is None:
+            noisy = [add_noise(t) for t in local]
+        else:  # the ranks' sums, with the noise added once
+            noisy = self._parallel.noisy_sum(self._step_params, local, add_noise)
+        self._given_grads = {}
+        for p, t in zip(self._step_params, noisy):
+            grad = (t / self.batch_size).to(p.dtype)
+            p.grad = self._parallel.as_grad(p, grad) if self._parallel is not None else grad
+            self._given_grads[p] = p.grad
         self._summed.clear()
         self._forget_calls()
+        self._count_step()
+
+    def _count_step(self) -> None:
         self.accountant.step(self.noise_multiplier, self.sample_rate)
         self.steps_taken += 1
+
+    def _refuse_foreign_grads(self) -> None:
+        """Under FSDP2 a gradient autograd produced reaches ``p.grad`` by its reduce-scatter, not
+        by accumulation (the engine's hook does not fire): any gradient the engine did not give
+        came from a use of the parameter outside its layer's call."""
+        for p in self._step_params:
+            if p.grad is not None and p.grad is not self._given_grads.get(p) and p.grad is not self._marker:
+                name = next(f"{s.name}.{n}" if s.name else n for s, n in self._users[p])
+                p.grad = None
+                raise RuntimeError(
+                    f"parameter {name!r} received a gradient from autograd: it was used outside the forward call "
+                    "of its own layer, so its per-sample gradient would not be clipped. Use the layer module "
+                    "itself, or freeze the parameter"
+                )
 
     # ------------------------------------------------------------------ reports
     def last_decisions(self) -> list[LayerDecision]:
@@ -577,6 +686,10 @@ class PrivacyEngine:
         self.accountant.load_state_dict(state["accountant"])
         self._noise.load_state_dict(state["noise"])
         self.steps_taken = int(state["steps_taken"])
+
+
+class _Overflow(Exception):
+    """Per-sample norms of a GradScaler-scaled backward are inf/NaN: the step is to be skipped."""
 
 
 def _check_choice(name: str, value: Any, valid: Sequence[str]) -> None:

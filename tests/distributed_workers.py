@@ -1,0 +1,188 @@
+"""Process bodies for tests/test_distributed.py (spawned processes import them from here).
+
+Each worker joins a gloo process group, trains the same seeded model on its rank's share
+of the same global batches, and saves what the parent test compares: the final (full)
+parameters, and for the noise test the private gradient of one step.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import dptrain
+
+FEATURES, CLASSES, GLOBAL_BATCH, SAMPLE_SIZE = 6, 4, 8, 64
+
+
+class Net(nn.Module):
+    """Embedding, linear, LayerNorm, conv and GroupNorm: every rule family the engines shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, FEATURES)
+        self.conv = nn.Conv1d(FEATURES, 8, kernel_size=3, padding=1)
+        self.gn = nn.GroupNorm(2, 8)
+        self.fc1 = nn.Linear(8, 16)
+        self.ln = nn.LayerNorm(16)
+        self.fc2 = nn.Linear(16, CLASSES)
+
+    def forward(self, tokens):
+        h = self.embed(tokens).transpose(1, 2)          # [B, F, T]
+        h = torch.tanh(self.gn(self.conv(h))).mean(2)   # [B, 8]
+        return self.fc2(torch.tanh(self.ln(self.fc1(h))))
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return Net().double()
+
+
+def global_batches(steps: int, micro: int = 1):
+    """The same global batches in every process: [(tokens, labels)] per micro-batch per step."""
+    g = torch.Generator().manual_seed(1)
+    return [
+        [(torch.randint(0, 10, (GLOBAL_BATCH, 5), generator=g), torch.randint(0, CLASSES, (GLOBAL_BATCH,), generator=g))
+         for _ in range(micro)]
+        for _ in range(steps)
+    ]
+
+
+def losses_fn(model, tokens, labels):
+    return F.cross_entropy(model(tokens), labels, reduction="none")
+
+
+def train(model, engine_model, mode: str, style, steps: int, micro: int, sigma: float, rank: int, world: int,
+          max_grad_norm: float = 0.05, seed: int = 0, use_engine_backward: bool = True):
+    """Train; rank r takes rows r, r + world, ... of every global micro-batch."""
+    engine = dptrain.PrivacyEngine(
+        engine_model, batch_size=GLOBAL_BATCH, sample_size=SAMPLE_SIZE, max_grad_norm=max_grad_norm,
+        noise_multiplier=sigma, clipping_mode=mode, clipping_style=style, seed=seed,
+    )
+    opt = torch.optim.SGD(model.parameters() if engine_model is model else engine_model.parameters(), lr=0.5)
+    engine.attach(opt)
+    for step in global_batches(steps, micro):
+        for tokens, labels in step:
+            local = (tokens[rank::world], labels[rank::world])
+            if use_engine_backward:
+                engine.backward(losses_fn(engine_model, *local))
+            else:
+                F.cross_entropy(engine_model(local[0]), local[1]).backward()
+        opt.step()
+        opt.zero_grad()
+    return engine
+
+
+def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        out[name.removeprefix("module.")] = t.clone()
+    return out
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _shard(model: nn.Module) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    for module in (model.conv, model.fc1, model.fc2):
+        fully_shard(module)
+    return fully_shard(model)
+
+
+def run_training(rank: int, world: int, port: int, engine_kind: str, mode: str, style, steps: int, micro: int,
+                 sigma: float, out: str, plain_backward: bool = False) -> None:
+    """Train under DDP or FSDP2 and save the final full parameters (from every rank)."""
+    _init(rank, world, port)
+    try:
+        model = build_model()
+        if engine_kind == "ddp":
+            wrapped = nn.parallel.DistributedDataParallel(model)
+        else:
+            wrapped = _shard(model)
+        engine = train(wrapped, wrapped, mode, style, steps, micro, sigma, rank, world,
+                       use_engine_backward=not plain_backward)
+        torch.save({"params": full_params(wrapped), "steps": engine.steps_taken, "epsilon": engine.get_epsilon()},
+                   f"{out}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+class Wide(nn.Module):
+    """Many coordinates for a statistical test of the noise."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(40, 50)
+        self.fc2 = nn.Linear(50, 40)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def run_noise(rank: int, world: int, port: int, engine_kind: str, sigma: float, max_grad_norm: float,
+              out: str) -> None:
+    """One noisy step; save the private gradient (as full tensors) and the clipped sum from the oracle."""
+    _init(rank, world, port)
+    try:
+        torch.manual_seed(0)
+        model = Wide().double()
+        reference = {n: p.detach().clone() for n, p in model.named_parameters()}
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(GLOBAL_BATCH, 40, generator=g, dtype=torch.float64)
+        y = torch.randint(0, 40, (GLOBAL_BATCH,), generator=g)
+        if engine_kind == "ddp":
+            wrapped = nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model.fc1)
+            fully_shard(model.fc2)
+            wrapped = fully_shard(model)
+        engine = dptrain.PrivacyEngine(wrapped, batch_size=GLOBAL_BATCH, sample_size=SAMPLE_SIZE,
+                                       max_grad_norm=max_grad_norm, noise_multiplier=sigma, seed=1234)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=1.0)
+        engine.attach(opt)
+        engine.backward(F.cross_entropy(wrapped(x[rank::world]), y[rank::world], reduction="none"))
+        opt.step()
+        grads = {}
+        for name, p in wrapped.named_parameters():
+            t = p.grad
+            grads[name.removeprefix("module.")] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+        torch.save({"grads": grads, "params": full_params(wrapped), "initial": reference, "x": x, "y": y},
+                   f"{out}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_wrong_use(rank: int, world: int, port: int, out: str) -> None:
+    """Errors that must be raised on every rank, saved as their messages."""
+    _init(rank, world, port)
+    messages = {}
+    try:
+        model = build_model()
+        try:
+            dptrain.PrivacyEngine(nn.parallel.DistributedDataParallel(model, static_graph=True), batch_size=8,
+                                  sample_size=64, noise_multiplier=1.0)
+        except NotImplementedError as e:
+            messages["static_graph"] = str(e)
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            dptrain.PrivacyEngine(build_model(), batch_size=8, sample_size=64, noise_multiplier=1.0)
+        messages["unwrapped"] = " | ".join(str(w.message) for w in caught)
+        torch.save(messages, f"{out}.rank{rank}")
+    finally:
+        dist.destroy_process_group()

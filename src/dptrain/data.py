@@ -6,8 +6,10 @@ can be zero. A shuffled fixed-size ``DataLoader`` does not match that analysis.
 
 * :class:`PoissonSampler` is a batch sampler that draws such batches, deterministically
   from a ``torch.Generator`` and checkpointable mid-epoch.
+* :class:`DistributedPoissonSampler` does the same for one rank of ``torch.distributed``
+  data-parallel training: each rank samples its own shard with the global ``q``.
 * :func:`poisson_loader` wraps a map-style dataset into a ``DataLoader`` that uses it and
-  that returns correctly shaped empty batches.
+  that returns correctly shaped empty batches (``distributed=True``: one rank's loader).
 * :func:`split_batches` cuts each (logical) batch into physical batches that fit in
   memory; the optimizer steps once per logical batch.
 """
@@ -26,6 +28,7 @@ from torch.utils.data.dataloader import default_collate
 
 __all__ = [
     "DPDataLoader",
+    "DistributedPoissonSampler",
     "PoissonSampler",
     "is_poisson_loader",
     "poisson_loader",
@@ -57,7 +60,8 @@ def _check_positive_int(value: Any, what: str) -> int:
 
 def _secure_generator() -> torch.Generator:
     # A seed from the OS entropy pool, so the batches cannot be predicted from a seed
-    # that leaked into logs or configs (63 bits: manual_seed's safe range).
+    # that leaked into logs or configs (63 bits: manual_seed's safe range; note that
+    # PyTorch's CPU Mersenne Twister only keeps the low 32 bits of a seed).
     generator = torch.Generator()
     generator.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
     return generator
@@ -150,6 +154,7 @@ class PoissonSampler(Sampler[list[int]]):
                 f"Not a PoissonSampler state: missing {sorted(missing)}; pass the dict "
                 "returned by PoissonSampler.state_dict() (or DPDataLoader.state_dict())."
             )
+        self._check_shard(state)
         saved = (state["num_samples"], state["sample_rate"], state["steps"])
         if saved != (self.num_samples, self.sample_rate, self.steps):
             raise ValueError(
@@ -164,6 +169,165 @@ class PoissonSampler(Sampler[list[int]]):
         self._epoch_start_state = state["generator_state"].clone()
         self._position = position
         self._resume_pending = True
+
+    def _check_shard(self, state: dict) -> None:
+        if state.get("num_replicas", 1) != 1:
+            raise ValueError(
+                f"This state was saved by a DistributedPoissonSampler (rank {state.get('rank')!r} "
+                f"of {state['num_replicas']}), which samples one shard of the dataset; load it "
+                "into the loader of the same rank (poisson_loader(..., distributed=True))."
+            )
+
+
+# ------------------------------------------------------------ data-parallel sampling
+
+
+def _distributed_default(value: Any, what: str) -> int:
+    """``value``, or the world size / rank of the initialised default process group."""
+    if value is not None:
+        return value
+    import torch.distributed as dist  # local: only needed on this path
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"distributed Poisson sampling needs {what}: pass it explicitly, or initialise "
+            "torch.distributed (torch.distributed.init_process_group) before building the "
+            "loader so it defaults to the process group's "
+            + ("world size." if what == "num_replicas" else "rank.")
+        )
+    return dist.get_world_size() if what == "num_replicas" else dist.get_rank()
+
+
+def _fmix32(value: int) -> int:
+    """MurmurHash3's 32-bit finaliser: a bijection of [0, 2^32) that scrambles its bits."""
+    value &= 0xFFFFFFFF
+    value ^= value >> 16
+    value = (value * 0x85EBCA6B) & 0xFFFFFFFF
+    value ^= value >> 13
+    value = (value * 0xC2B2AE35) & 0xFFFFFFFF
+    value ^= value >> 16
+    return value
+
+
+def _rank_seed(base: int, rank: int, num_replicas: int) -> int:
+    """Seed of rank ``rank``'s generator: ``fmix32(rank + W * (base mod floor(2^32 / W)))``.
+
+    ``rank + W * x`` is congruent to ``rank`` modulo ``W``, so two ranks never get the same
+    seed, whatever their ``base`` (shared or not); ``fmix32`` is a bijection, so that
+    stays true after it scrambles the bits. 32 bits because PyTorch's CPU generator keeps
+    only the low 32 bits of a seed.
+    """
+    return _fmix32(rank + num_replicas * (base % (2**32 // num_replicas)))
+
+
+def _rank_generator(
+    generator: torch.Generator | None, rank: int, num_replicas: int
+) -> torch.Generator:
+    if generator is None:
+        base, device = int.from_bytes(os.urandom(4), "little"), torch.device("cpu")
+    else:
+        device = generator.device
+        base = int(torch.randint(0, 2**32, (1,), generator=generator, device=device).item())
+    derived = torch.Generator(device=device)
+    derived.manual_seed(_rank_seed(base, rank, num_replicas))
+    return derived
+
+
+class DistributedPoissonSampler(PoissonSampler):
+    """Poisson sampling for one rank of data-parallel training (DDP, FSDP, ...).
+
+    The dataset's ``num_samples`` indices are split into ``num_replicas`` disjoint shards
+    like ``DistributedSampler`` does, but without padding (Poisson sampling must never
+    include an example twice): rank ``r`` owns ``r, r + W, r + 2W, ...`` (``W =
+    num_replicas``). Each of the ``steps`` batches includes every index of the shard
+    independently with probability ``sample_rate``, the *global* rate q, so the union of
+    all ranks' batches at a step is a Poisson sample of the whole dataset with rate q:
+    the q the accountant uses, with global expected batch size ``q * num_samples``.
+    ``steps`` defaults to ``round(1 / q)`` on every rank, so all ranks run the same number
+    of steps (collective operations would otherwise deadlock); a rank's batch can be
+    empty while others are not.
+
+    ``num_replicas`` and ``rank`` default to the world size and rank of the initialised
+    default ``torch.distributed`` process group; pass the data-parallel group's size and
+    rank when not every process is a data-parallel replica (e.g. tensor parallelism).
+
+    Randomness: every rank draws from its own generator, whose seed is distinct from every
+    other rank's (see below), so inclusions are independent across ranks. With
+    ``generator=None`` the seed comes from ``os.urandom``. With a ``generator`` (e.g.
+    ``torch.Generator().manual_seed(s)``, the same ``s`` on every rank), one number ``b``
+    is drawn from it (``torch.randint(0, 2**32, (1,), generator=generator)``, which
+    advances it) and rank ``r`` uses a fresh generator on ``generator.device`` seeded with
+    ``fmix32(r + W * (b mod floor(2**32 / W)))`` (``fmix32``: MurmurHash3's 32-bit
+    finaliser, a bijection). This is deterministic in ``(b, r, W)`` and gives distinct
+    seeds to distinct ranks. :attr:`generator` is that per-rank generator.
+
+    :meth:`state_dict` / :meth:`load_state_dict` checkpoint each rank separately; a state
+    loads only into the sampler of the same rank and ``num_replicas``.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        sample_rate: float,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        steps: int | None = None,
+        generator: torch.Generator | None = None,
+    ):
+        num_samples = _check_positive_int(num_samples, "num_samples")
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}.")
+        num_replicas = _distributed_default(num_replicas, "num_replicas")
+        rank = _distributed_default(rank, "rank")
+        self.num_replicas = _check_positive_int(num_replicas, "num_replicas")
+        if self.num_replicas > num_samples:
+            raise ValueError(
+                f"num_replicas={self.num_replicas} exceeds the dataset size {num_samples}: "
+                "every rank needs at least one example of its own to sample."
+            )
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not (
+            0 <= rank < self.num_replicas
+        ):
+            raise ValueError(
+                f"rank must be an integer with 0 <= rank < num_replicas={self.num_replicas}, "
+                f"got {rank!r}."
+            )
+        self.rank = int(rank)
+        # Validate sample_rate / steps before drawing from the caller's generator.
+        PoissonSampler.__init__(self, num_samples, sample_rate, steps=steps, generator=None)
+        self.generator = _rank_generator(generator, self.rank, self.num_replicas)
+        #: Number of indices in this rank's shard, ``len(range(rank, num_samples, W))``.
+        self.shard_size = len(range(self.rank, self.num_samples, self.num_replicas))
+
+    @property
+    def indices(self) -> range:
+        """This rank's shard of dataset indices: ``range(rank, num_samples, num_replicas)``."""
+        return range(self.rank, self.num_samples, self.num_replicas)
+
+    def _draw(self) -> list[int]:
+        mask = torch.rand(
+            self.shard_size, generator=self.generator, device=self.generator.device
+        ) < self.sample_rate
+        return (mask.nonzero().flatten() * self.num_replicas + self.rank).tolist()
+
+    def _state_at(self, position: int) -> dict:
+        return {**super()._state_at(position), "num_replicas": self.num_replicas, "rank": self.rank}
+
+    def _check_shard(self, state: dict) -> None:
+        if "num_replicas" not in state or "rank" not in state:
+            raise ValueError(
+                "This state was saved by a non-distributed PoissonSampler (it has no "
+                "num_replicas / rank); a DistributedPoissonSampler only loads the state "
+                "saved by the same rank."
+            )
+        saved = (state["num_replicas"], state["rank"])
+        if saved != (self.num_replicas, self.rank):
+            raise ValueError(
+                f"This state was saved by rank {saved[1]} of num_replicas={saved[0]}, but this "
+                f"sampler is rank {self.rank} of num_replicas={self.num_replicas}: each rank "
+                "must load its own checkpoint (loading another rank's would make two ranks "
+                "draw the same batches)."
+            )
 
 
 # ------------------------------------------------------------------ batch structure
@@ -254,6 +418,9 @@ class DPDataLoader(DataLoader):
     ``sample_rate`` is the probability q that an example is in a batch, and
     ``expected_batch_size`` is ``q * len(dataset)``, the denominator DP-SGD uses to
     average the noisy gradient sum (the actual batch size is random and private).
+    With a :class:`DistributedPoissonSampler` (one rank of data-parallel training) both
+    are global: q is the rate every rank samples its shard with, and
+    ``expected_batch_size`` the expected size of the union of all ranks' batches.
     """
 
     def __init__(self, dataset: Dataset, sampler: PoissonSampler, **kwargs: Any):
@@ -295,6 +462,9 @@ def poisson_loader(
     num_workers: int = 0,
     collate_fn: Callable[[list], Any] | None = None,
     pin_memory: bool = False,
+    distributed: bool = False,
+    num_replicas: int | None = None,
+    rank: int | None = None,
 ) -> DPDataLoader:
     """A ``DataLoader`` with Poisson sampling over a map-style ``dataset``.
 
@@ -302,6 +472,18 @@ def poisson_loader(
     batch size, q = batch_size / len(dataset)). One epoch is ``steps`` batches, by
     default ``round(1 / q)``. Empty batches keep the structure of a real batch (shape
     ``[0, ...]``, same dtypes), learned from ``dataset[0]``.
+
+    ``distributed=True`` builds the loader of one rank of ``torch.distributed``
+    data-parallel training (one process per device; see
+    :class:`DistributedPoissonSampler`). ``batch_size`` / ``sample_rate`` are then
+    *global*: q = batch_size / len(dataset), the q the accountant uses, and rank ``r``
+    includes each index of its shard ``r, r + W, r + 2W, ...`` with probability q, so the
+    union over the ``W = num_replicas`` ranks is a Poisson sample of the whole dataset
+    (expected size ``batch_size``, the divisor of the noisy gradient sum). Every rank runs
+    the same ``steps``; a rank's batch may be empty. ``num_replicas`` / ``rank`` default
+    to the initialised process group's world size / rank. Each rank draws from its own
+    generator, derived from ``generator`` and the rank (or seeded from ``os.urandom``
+    without one): pass the same seeded generator on every rank for reproducible runs.
     """
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise ValueError(
@@ -324,7 +506,19 @@ def poisson_loader(
                 "expected batch size must be at most len(dataset) (sample rate <= 1)."
             )
         sample_rate = batch_size / num_samples
-    sampler = PoissonSampler(num_samples, sample_rate, steps=steps, generator=generator)
+    if not isinstance(distributed, bool):
+        raise ValueError(f"distributed must be True or False, got {distributed!r}.")
+    if distributed:
+        sampler: PoissonSampler = DistributedPoissonSampler(
+            num_samples, sample_rate, num_replicas, rank, steps=steps, generator=generator
+        )
+    elif num_replicas is not None or rank is not None:
+        raise ValueError(
+            "num_replicas / rank only apply to distributed sampling: pass distributed=True "
+            "(without it, every process would sample the whole dataset)."
+        )
+    else:
+        sampler = PoissonSampler(num_samples, sample_rate, steps=steps, generator=generator)
     collate = _EmptyBatchCollate(collate_fn or default_collate, dataset[0])
     return DPDataLoader(
         dataset, sampler, num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory

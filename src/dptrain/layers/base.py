@@ -293,3 +293,31 @@ def float32_at_least(x: torch.Tensor) -> torch.Tensor:
     """Norms are accumulated in float32 or wider, also under bf16/fp16 training."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
+
+def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """float32, or the widest of ``dtypes`` if wider: where norms, clipping factors and their
+    products with low-precision (bf16/fp16) operands are formed."""
+    out = torch.float32
+    for dtype in dtypes:
+        out = torch.promote_types(out, dtype)
+    return out
+
+
+def scale_samples(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``t[i] * factor[i]`` for every sample i (dim 0), in ``t``'s dtype.
+
+    The product is formed in float32 (or wider) and rounded once: a clipping factor is never
+    rounded to bf16/fp16 itself, which would scale every entry of a sample's contribution by
+    the same rounding error (up to 2^-8 relative in bf16) and let it exceed the threshold.
+    """
+    acc = accumulation_dtype(t.dtype, factor.dtype)
+    scaled = t.to(acc) * factor.to(acc).reshape(-1, *([1] * (t.dim() - 1)))
+    return scaled.to(t.dtype)
+
+
+def weighted_sum(factor: torch.Tensor, per_sample: torch.Tensor) -> torch.Tensor:
+    """``sum_i factor[i] * per_sample[i]`` formed in float32 or wider (the engine casts it to the parameter's
+    dtype), for the small per-sample gradients of biases and norm layers."""
+    acc = accumulation_dtype(per_sample.dtype, factor.dtype)
+    return torch.tensordot(factor.to(acc), per_sample.to(acc), dims=1)
+

@@ -12,7 +12,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LayerDims, LayerRule, float32_at_least, register_layer
+from .base import (
+    LayerDims,
+    LayerRule,
+    accumulation_dtype,
+    float32_at_least,
+    register_layer,
+    scale_samples,
+    weighted_sum,
+)
 
 
 def _explicit_padding(module: nn.modules.conv._ConvNd) -> list[int]:
@@ -75,7 +83,8 @@ class ConvRule(LayerRule):
 
     def operands(self, module, activation, grad_output):
         B, g = activation.shape[0], module.groups
-        patches = unfold_patches(module, activation)  # [B, C_in*K, L]
+        # the input as the convolution saw it: rounded to the compute dtype under autocast
+        patches = unfold_patches(module, activation.to(grad_output.dtype))  # [B, C_in*K, L]
         L = patches.shape[-1]
         a = patches.reshape(B, g, patches.shape[1] // g, L)
         grad = grad_output.reshape(B, g, module.out_channels // g, L)
@@ -95,7 +104,7 @@ class ConvRule(LayerRule):
             w = torch.einsum("bgpt,bgdt->bgpd", grad, a.to(grad.dtype))
             out["weight"] = w.reshape(B, *module.weight.shape)
         if "bias" in names:
-            out["bias"] = grad.sum(3).flatten(1)
+            out["bias"] = grad.sum(3, dtype=accumulation_dtype(grad.dtype)).flatten(1)
         return out
 
     def weight_factors(self, module, ops):
@@ -108,9 +117,9 @@ class ConvRule(LayerRule):
         a, grad = ops
         out = {}
         if "weight" in factors:
-            weighted = grad * factors["weight"].to(grad.dtype)[:, None, None, None]
+            weighted = scale_samples(grad, factors["weight"])
             w = torch.einsum("bgpt,bgdt->gpd", weighted, a.to(grad.dtype))
             out["weight"] = w.reshape(module.weight.shape)
         if "bias" in factors:
-            out["bias"] = factors["bias"].to(grad.dtype) @ grad.sum(3).flatten(1)
+            out["bias"] = weighted_sum(factors["bias"], grad.sum(3, dtype=accumulation_dtype(grad.dtype)).flatten(1))
         return out

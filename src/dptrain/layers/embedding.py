@@ -11,7 +11,7 @@ import math
 import torch
 from torch import nn
 
-from .base import LayerDims, LayerRule, OneHot, float32_at_least, register_layer
+from .base import LayerDims, LayerRule, OneHot, accumulation_dtype, float32_at_least, register_layer
 
 
 @register_layer
@@ -73,7 +73,11 @@ class EmbeddingRule(LayerRule):
 
     def clipped_grads(self, module, ops, factors):
         ids, g = ops
-        weighted = g * factors["weight"].to(g.dtype)[:, None, None]
-        out = g.new_zeros(module.num_embeddings, g.shape[-1])
+        # Rows of repeated tokens are summed in float32 (or wider): a bf16 running sum rounds at every
+        # addition; the engine casts the result to the parameter's dtype.
+        factor = factors["weight"]
+        acc = accumulation_dtype(g.dtype, factor.dtype)
+        weighted = g.to(acc) * factor.to(acc)[:, None, None]
+        out = torch.zeros(module.num_embeddings, g.shape[-1], dtype=acc, device=g.device)
         out.index_add_(0, ids.reshape(-1), weighted.reshape(-1, g.shape[-1]))
         return {"weight": out}

@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from .base import LayerDims, LayerRule, register_layer
+from .base import LayerDims, LayerRule, register_layer, weighted_sum
 from .linear import LinearRule
 from .norms import _AffineNormRule
 
@@ -129,7 +129,7 @@ class TokenParamsRule(LayerRule):
 
     def clipped_grads(self, module, ops, factors):
         per_sample = self.per_sample_grads(module, ops, set(factors))
-        return {n: torch.tensordot(factors[n].to(t.dtype), t, dims=1) for n, t in per_sample.items()}
+        return {n: weighted_sum(factors[n], t) for n, t in per_sample.items()}
 
 
 def _check_positions(module, tokens: torch.Tensor, pos: torch.Tensor, start: int) -> slice | ValueError:

@@ -6,7 +6,16 @@ import math
 import torch
 from torch import nn
 
-from .base import LayerDims, LayerRule, flatten_tokens, float32_at_least, register_layer
+from .base import (
+    LayerDims,
+    LayerRule,
+    accumulation_dtype,
+    flatten_tokens,
+    float32_at_least,
+    register_layer,
+    scale_samples,
+    weighted_sum,
+)
 
 
 def gram_inner(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -32,7 +41,9 @@ class LinearRule(LayerRule):
         return LayerDims(T=T, p=module.out_features, d=module.in_features)
 
     def operands(self, module, activation, grad_output):
-        return flatten_tokens(activation), flatten_tokens(grad_output)
+        # Under autocast a float32 input enters the matmul rounded to the output's dtype: the
+        # per-sample gradient (and its ghost norm) is that of the rounded input.
+        return flatten_tokens(activation.to(grad_output.dtype)), flatten_tokens(grad_output)
 
     def ghost_sq_norm(self, module, ops):
         a, g = ops
@@ -44,7 +55,7 @@ class LinearRule(LayerRule):
         if "weight" in names:
             out["weight"] = torch.einsum("btp,btd->bpd", g, a.to(g.dtype))
         if "bias" in names:
-            out["bias"] = g.sum(1)
+            out["bias"] = g.sum(1, dtype=accumulation_dtype(g.dtype))
         return out
 
     def weight_factors(self, module, ops):
@@ -55,8 +66,8 @@ class LinearRule(LayerRule):
         a, g = ops
         out = {}
         if "weight" in factors:
-            weighted = g * factors["weight"].to(g.dtype)[:, None, None]
+            weighted = scale_samples(g, factors["weight"])
             out["weight"] = weighted.reshape(-1, g.shape[-1]).t() @ a.reshape(-1, a.shape[-1]).to(g.dtype)
         if "bias" in factors:
-            out["bias"] = factors["bias"].to(g.dtype) @ g.sum(1)
+            out["bias"] = weighted_sum(factors["bias"], g.sum(1, dtype=accumulation_dtype(g.dtype)))
         return out

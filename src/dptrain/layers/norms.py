@@ -13,11 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LayerDims, LayerRule, register_layer
+from .base import LayerDims, LayerRule, accumulation_dtype, float32_at_least, register_layer, weighted_sum
 
 
 class _AffineNormRule(LayerRule):
-    """Operands are (xhat * g, g) as [B, T, n] with n = the parameter's size."""
+    """Operands are the per-sample sums over positions (sum_t xhat * g, sum_t g) as [B, 1, n], with
+    n = the parameter's size: the per-sample gradients themselves, one row per call.
+
+    They are formed in float32 (or wider) from low-precision activations and output gradients, as
+    torch's own normalisation kernels accumulate them, and are tiny, so nothing of size T is kept.
+    """
 
     def normalized(self, module, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -28,14 +33,15 @@ class _AffineNormRule(LayerRule):
 
     def operands(self, module, activation, grad_output):
         x = activation
-        xhat = self.normalized(module, x).to(grad_output.dtype)
+        xhat = self.normalized(module, x)
+        acc = accumulation_dtype(xhat.dtype, grad_output.dtype)
         B = x.shape[0]
 
-        def tokens(t):
+        def summed(t):
             t = self.channels_last(module, t)
-            return t.reshape(B, math.prod(t.shape[1:-1]), t.shape[-1])
+            return t.reshape(B, math.prod(t.shape[1:-1]), t.shape[-1]).sum(1, keepdim=True, dtype=acc)
 
-        return tokens(xhat * grad_output), tokens(grad_output)
+        return summed(xhat.to(acc) * grad_output.to(acc)), summed(grad_output)
 
     def per_sample_grads(self, module, ops, names):
         scaled, g = ops
@@ -48,7 +54,7 @@ class _AffineNormRule(LayerRule):
 
     def clipped_grads(self, module, ops, factors):
         per_sample = self.per_sample_grads(module, ops, set(factors))
-        return {n: torch.tensordot(factors[n].to(t.dtype), t, dims=1) for n, t in per_sample.items()}
+        return {n: weighted_sum(factors[n], t) for n, t in per_sample.items()}
 
 
 class _TrailingDimsNorm(_AffineNormRule):
@@ -76,8 +82,8 @@ class _TrailingDimsNorm(_AffineNormRule):
 class LayerNormRule(_TrailingDimsNorm):
     module_types = (nn.LayerNorm,)
 
-    def normalized(self, module, x):
-        return F.layer_norm(x, module.normalized_shape, eps=module.eps)
+    def normalized(self, module, x):  # statistics in float32 for bf16/fp16 inputs, as torch's kernel
+        return F.layer_norm(float32_at_least(x), module.normalized_shape, eps=module.eps)
 
 
 if hasattr(nn, "RMSNorm"):  # torch >= 2.4
@@ -88,6 +94,10 @@ if hasattr(nn, "RMSNorm"):  # torch >= 2.4
         param_names = ("weight",)
 
         def normalized(self, module, x):
+            # torch computes in float32 for bf16/fp16 inputs, and its default eps is that of the
+            # computation dtype (float32), not finfo(bfloat16).eps = 2^-7 (which, on activations of
+            # small scale, would change the normalised values far beyond rounding)
+            x = float32_at_least(x)
             eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
             dims = tuple(range(x.dim() - len(module.normalized_shape), x.dim()))
             return x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
@@ -111,7 +121,7 @@ class GroupNormRule(_ChannelNorm):
         return inputs[0].detach()
 
     def normalized(self, module, x):
-        return F.group_norm(x, module.num_groups, eps=module.eps)
+        return F.group_norm(float32_at_least(x), module.num_groups, eps=module.eps)
 
 
 @register_layer
@@ -128,4 +138,4 @@ class InstanceNormRule(_ChannelNorm):
         return x.detach()
 
     def normalized(self, module, x):
-        return F.instance_norm(x, eps=module.eps)
+        return F.instance_norm(float32_at_least(x), eps=module.eps)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import base as _base
-from .base import LayerDims, LayerRule, register_layer
+from .base import LayerDims, LayerRule, accumulation_dtype, register_layer, weighted_sum
 from .hf import TokenParamsRule, _check_positions
 from .norms import GroupNormRule, LayerNormRule, _AffineNormRule, _TrailingDimsNorm
 
@@ -122,10 +122,10 @@ class _ScaleRule(LayerRule):
         return (prod.reshape(prod.shape[0], -1, module.gamma.numel()),)
 
     def per_sample_grads(self, module, ops, names):
-        return {"gamma": ops[0].sum(1)}
+        return {"gamma": ops[0].sum(1, dtype=accumulation_dtype(ops[0].dtype))}
 
     def clipped_grads(self, module, ops, factors):
-        return {"gamma": factors["gamma"].to(ops[0].dtype) @ ops[0].sum(1)}
+        return {"gamma": weighted_sum(factors["gamma"], self.per_sample_grads(module, ops, {"gamma"})["gamma"])}
 
 
 @register_layer
@@ -307,7 +307,7 @@ class _ProductScaleRule(LayerRule):
 
     def clipped_grads(self, module, ops, factors):
         per_sample = self.per_sample_grads(module, ops, set(factors))
-        return {n: torch.tensordot(factors[n].to(t.dtype), t, dims=1) for n, t in per_sample.items()}
+        return {n: weighted_sum(factors[n], t) for n, t in per_sample.items()}
 
 
 @register_layer
@@ -421,7 +421,7 @@ class BeitAttentionRule(LayerRule):
 
     def clipped_grads(self, module, ops, factors):
         per_sample = self.per_sample_grads(module, ops, set(factors))
-        return {n: torch.tensordot(factors[n].to(t.dtype), t, dims=1) for n, t in per_sample.items()}
+        return {n: weighted_sum(factors[n], t) for n, t in per_sample.items()}
 
 
 @register_layer

@@ -56,17 +56,27 @@ def losses_fn(model, tokens, labels):
 
 
 def train(model, engine_model, mode: str, style, steps: int, micro: int, sigma: float, rank: int, world: int,
-          max_grad_norm: float = 0.05, seed: int = 0, use_engine_backward: bool = True):
-    """Train; rank r takes rows r, r + world, ... of every global micro-batch."""
+          max_grad_norm: float = 0.05, seed: int = 0, use_engine_backward: bool = True, empty_first: int = -1):
+    """Train; rank r takes rows r, r + world, ... of every global micro-batch.
+
+    ``empty_first``: the rank whose first micro-batch is empty (its rows drop out of the
+    global batch); with ``world == 1`` the rows of that rank's share are dropped instead.
+    """
     engine = dptrain.PrivacyEngine(
         engine_model, batch_size=GLOBAL_BATCH, sample_size=SAMPLE_SIZE, max_grad_norm=max_grad_norm,
         noise_multiplier=sigma, clipping_mode=mode, clipping_style=style, seed=seed,
     )
     opt = torch.optim.SGD(model.parameters() if engine_model is model else engine_model.parameters(), lr=0.5)
     engine.attach(opt)
-    for step in global_batches(steps, micro):
-        for tokens, labels in step:
+    for k, step in enumerate(global_batches(steps, micro)):
+        for j, (tokens, labels) in enumerate(step):
             local = (tokens[rank::world], labels[rank::world])
+            if k == j == 0 and empty_first >= 0:
+                if world > 1 and rank == empty_first:
+                    local = (tokens[:0], labels[:0])
+                elif world == 1:
+                    keep = torch.arange(len(labels)) % 2 != empty_first
+                    local = (tokens[keep], labels[keep])
             if use_engine_backward:
                 engine.backward(losses_fn(engine_model, *local))
             else:
@@ -102,7 +112,7 @@ def _shard(model: nn.Module) -> nn.Module:
 
 
 def run_training(rank: int, world: int, port: int, engine_kind: str, mode: str, style, steps: int, micro: int,
-                 sigma: float, out: str, plain_backward: bool = False) -> None:
+                 sigma: float, out: str, plain_backward: bool = False, empty_first: int = -1) -> None:
     """Train under DDP or FSDP2 and save the final full parameters (from every rank)."""
     _init(rank, world, port)
     try:
@@ -112,7 +122,7 @@ def run_training(rank: int, world: int, port: int, engine_kind: str, mode: str, 
         else:
             wrapped = _shard(model)
         engine = train(wrapped, wrapped, mode, style, steps, micro, sigma, rank, world,
-                       use_engine_backward=not plain_backward)
+                       use_engine_backward=not plain_backward, empty_first=empty_first)
         torch.save({"params": full_params(wrapped), "steps": engine.steps_taken, "epsilon": engine.get_epsilon()},
                    f"{out}.rank{rank}")
     finally:
@@ -184,5 +194,32 @@ def run_wrong_use(rank: int, world: int, port: int, out: str) -> None:
             dptrain.PrivacyEngine(build_model(), batch_size=8, sample_size=64, noise_multiplier=1.0)
         messages["unwrapped"] = " | ".join(str(w.message) for w in caught)
         torch.save(messages, f"{out}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_scaler_overflow(rank: int, world: int, port: int, out: str) -> None:
+    """DDP + GradScaler where only rank 1's batch overflows: every rank skips the step, and counts it."""
+    _init(rank, world, port)
+    try:
+        model = build_model().float()
+        initial = full_params(model)
+        ddp = nn.parallel.DistributedDataParallel(model)
+        engine = dptrain.PrivacyEngine(ddp, batch_size=GLOBAL_BATCH, sample_size=SAMPLE_SIZE, noise_multiplier=1.0,
+                                       seed=0)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.5)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        engine.attach(opt, grad_scaler=scaler)
+        (tokens, labels), = global_batches(1)[0]
+        losses = F.cross_entropy(ddp(tokens[rank::world]), labels[rank::world], reduction="none")
+        if rank == 1:
+            losses = losses * float("inf")  # an fp16 overflow on this rank only
+        engine.backward(scaler.scale(losses))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        unchanged = all(torch.equal(full_params(ddp)[n], initial[n]) for n in initial)
+        torch.save({"unchanged": unchanged, "steps": engine.steps_taken, "scale": scaler.get_scale()},
+                   f"{out}.rank{rank}")
     finally:
         dist.destroy_process_group()

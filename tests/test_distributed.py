@@ -86,6 +86,21 @@ def test_plain_loss_backward_under_data_parallel(tmp_path, engine_kind):
 
 
 @pytest.mark.parametrize("engine_kind", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_a_rank_with_an_empty_poisson_batch_still_steps(tmp_path, engine_kind, mode):
+    # Rank 1's first batch is empty (Poisson sampling allows it): it must still take part in the
+    # collectives (FSDP2 gathers parameters in the backward), and its rows drop out of the sum.
+    out = tmp_path / "run"
+    _launch(W.run_training, engine_kind, mode, "all-layer", 2, 1, 0.0, str(out), False, 1)
+    model = W.build_model()
+    W.train(model, model, mode, "all-layer", 2, 1, 0.0, rank=0, world=1, empty_first=1)
+    expected = W.full_params(model)
+    for r in _results(out):
+        for name, ref in expected.items():
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("engine_kind", ["ddp", "fsdp2"])
 def test_noise_is_added_once_with_std_sigma_r_over_global_batch(tmp_path, engine_kind):
     sigma, R = 1.5, 0.1
     out = tmp_path / "run"
@@ -108,6 +123,13 @@ def test_noise_is_added_once_with_std_sigma_r_over_global_batch(tmp_path, engine
     # Noise twice (once per rank) would have std sqrt(2) sigma R; once per rank divided by sqrt(world)
     # would be indistinguishable here, which is why the engine draws each coordinate on one rank only:
     # under DDP all of it on rank 0, under FSDP2 each shard on its owner (checked by the equal grads).
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
+    out = tmp_path / "run"
+    _launch(W.run_scaler_overflow, str(out))
+    for r in _results(out):
+        assert r["unchanged"] and r["steps"] == 1 and r["scale"] == 2.0**9
 
 
 def test_unsupported_wrappers_get_clear_errors(tmp_path):

@@ -149,7 +149,7 @@ class PrivacyEngine:
         self._scaler = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._step_handle = None
-        self._phase = "idle"  # idle | single | first-pass | second-pass
+        self._phase = "idle"  # idle | single | first-pass | second-pass | discard (an empty batch)
         self._callback_queued = False
         self._ready: dict[int, _ReadyLayer] = {}
         self._second_pass_calls: dict[int, list[Call]] = {}
@@ -292,6 +292,15 @@ class PrivacyEngine:
             raise ValueError(f"non-finite per-sample losses at batch positions {bad[:10]}: nothing was accumulated")
         B = losses.shape[0]
         if B == 0 or not losses.requires_grad:
+            if B == 0 and losses.requires_grad and isinstance(self._parallel, distributed.FSDP2Gradients):
+                # FSDP2 gathers parameters inside each backward: a rank with an empty batch runs as many.
+                self._phase = "discard"
+                passes = 1 + self._num_groups if self.recipe.two_pass else 1
+                try:
+                    for k in range(passes):
+                        torch.autograd.backward(losses.sum(), retain_graph=k < passes - 1)
+                finally:
+                    self._phase = "idle"
             self._forget_calls()
             if B > 0:
                 raise ValueError("the losses do not depend on any trainable parameter (did the forward run under no_grad?)")
@@ -343,6 +352,8 @@ class PrivacyEngine:
             self._second_pass_calls.clear()
 
     def _on_output_grad(self, state: LayerState, call: Call, grad: torch.Tensor) -> None:
+        if self._phase == "discard":
+            return
         if self._phase == "second-pass":
             call.grad = grad.detach()
             return
@@ -542,8 +553,9 @@ class PrivacyEngine:
 
     def _gradient_stage(self, p: nn.Parameter, work: _ParamWork, factor: torch.Tensor) -> None:
         """Module 5 (weighted sum of kept per-sample gradients) or 2b(C) (book-keeping) for one parameter."""
-        if work.per_sample is not None:
-            self._accumulate(p, torch.tensordot(factor.to(work.per_sample.dtype), work.per_sample, dims=1))
+        if work.per_sample is not None:  # factors stay float32: rounding them to bf16 would exceed R by 2^-8
+            per_sample = _float32(work.per_sample)
+            self._accumulate(p, torch.tensordot(factor.to(per_sample.dtype), per_sample, dims=1))
         for state, name, ops in work.book:
             self._accumulate(p, state.rule.clipped_grads(state.module, ops, {name: factor})[name])
 

@@ -152,6 +152,28 @@ def test_secure_rng_refuses_a_seed_and_draws_fresh_noise():
     assert not torch.equal(grads[0], grads[1])
 
 
+def test_secure_noise_combines_independent_streams_and_is_standard_gaussian(monkeypatch):
+    from dptrain.noise import GaussianNoise
+
+    # torch's CPU generator keeps 32 bits of a seed: the secure noise must not hinge on one such seed.
+    import os
+
+    drawn = []
+    real = os.urandom
+    monkeypatch.setattr(os, "urandom", lambda n: drawn.append(real(n)) or drawn[-1])
+    noise = GaussianNoise(secure=True)
+    x = noise.sample(torch.empty(200_000), std=2.0)
+    # GaussianNoise's own default seed draw, then one fresh OS seed per stream: 4 x 32 usable bits.
+    assert GaussianNoise.SECURE_STREAMS >= 4
+    assert len(drawn) >= GaussianNoise.SECURE_STREAMS
+    assert len({(int.from_bytes(b, "little") >> 1) % 2**32 for b in drawn[-GaussianNoise.SECURE_STREAMS:]}) == 4
+    # N(0, 4): sample std within 1 % (about 3.2 standard errors at n = 200k), mean and kurtosis as a Gaussian's.
+    assert abs(float(x.std()) - 2.0) < 0.02
+    assert abs(float(x.mean())) < 5 * 2.0 / 200_000**0.5
+    kurtosis = float(((x / x.std()) ** 4).mean())
+    assert abs(kurtosis - 3.0) < 0.1
+
+
 def test_shuffling_loader_warns_once_and_mismatched_poisson_loader_is_refused():
     dataset = make_data()
     engine = dptrain.PrivacyEngine(make_model(), batch_size=16, sample_size=N, noise_multiplier=1.0)

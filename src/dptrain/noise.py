@@ -1,6 +1,7 @@
 """Gaussian noise for the private gradient, from a seeded or an OS-entropy generator."""
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -12,7 +13,14 @@ class GaussianNoise:
     ``secure=True`` seeds every generator from the operating system's entropy
     (``os.urandom``) and refuses a fixed seed: the mode for production runs.
     One generator per device keeps the draws on the device (no host-device copy).
+
+    torch's CPU generator keeps only the low 32 bits of a seed, too few to stop a search
+    over seeds that would recover the noise; secure noise is therefore the sum of
+    ``SECURE_STREAMS`` independent streams, each seeded with fresh OS entropy, divided by
+    the square root of their number: exactly Gaussian, with 4 x 32 seed bits on any device.
     """
+
+    SECURE_STREAMS = 4
 
     def __init__(self, seed: int | None = None, secure: bool = False):
         if secure and seed is not None:
@@ -20,6 +28,18 @@ class GaussianNoise:
         self.secure = secure
         self._seed = seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
         self._generators: dict[torch.device, torch.Generator] = {}
+        self._secure_streams: dict[torch.device, list[torch.Generator]] = {}
+
+    def _secure_generators(self, device: torch.device) -> list[torch.Generator]:
+        gens = self._secure_streams.get(device)
+        if gens is None:
+            gens = []
+            for _ in range(self.SECURE_STREAMS):
+                gen = torch.Generator(device=device)
+                gen.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+                gens.append(gen)
+            self._secure_streams[device] = gens
+        return gens
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -33,6 +53,12 @@ class GaussianNoise:
     def sample(self, like: torch.Tensor, std: float) -> torch.Tensor:
         """Noise shaped like ``like`` (float32 or wider), times ``std``."""
         dtype = like.dtype if like.dtype in (torch.float32, torch.float64) else torch.float32
+        if self.secure:
+            gens = self._secure_generators(like.device)
+            out = torch.randn(like.shape, generator=gens[0], device=like.device, dtype=dtype)
+            for gen in gens[1:]:
+                out.add_(torch.randn(like.shape, generator=gen, device=like.device, dtype=dtype))
+            return out.mul_(std / math.sqrt(len(gens)))
         out = torch.randn(like.shape, generator=self._generator(like.device), device=like.device, dtype=dtype)
         return out.mul_(std)
 

@@ -190,3 +190,28 @@ def test_fp16_autocast_with_a_scaler_tracks_the_float64_oracle():
         ref = reference[name].float() / BATCH
         # fp16 keeps 11 significant bits: relative error a few 1e-3 of the largest entry.
         assert float((p.grad - ref).abs().max()) <= 1e-2 * float(ref.abs().max()), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("mode", ["bk-mixopt", "bk", "ghost", "per-sample"])
+def test_cuda_fp16_autocast_with_a_scaler_tracks_the_float64_oracle(mode):
+    torch.manual_seed(0)
+    model = _model()
+    x, y = _batches(1)[0]
+    reference = dptrain.testing.reference_clipped_gradient(
+        copy.deepcopy(model).double(), lambda m, a, b: F.cross_entropy(m(a), b, reduction="none"),
+        (x.double(), y), max_grad_norm=0.1)
+    model = model.cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cuda")
+    engine = _engine(model, mode).attach(opt, grad_scaler=scaler)
+    with torch.autocast("cuda", dtype=torch.float16):
+        losses = F.cross_entropy(model(x.cuda()), y.cuda(), reduction="none")
+    engine.backward(scaler.scale(losses))
+    scaler.step(opt)
+    scaler.update()
+    assert engine.steps_taken == 1
+    for name, p in model.named_parameters():
+        assert p.grad.dtype == torch.float32
+        ref = reference[name].float() / BATCH
+        assert float((p.grad.cpu() - ref).abs().max()) <= 1e-2 * float(ref.abs().max()), name

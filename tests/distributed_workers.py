@@ -223,3 +223,41 @@ def run_scaler_overflow(rank: int, world: int, port: int, out: str) -> None:
                    f"{out}.rank{rank}")
     finally:
         dist.destroy_process_group()
+
+
+class Leaky(nn.Module):
+    """Uses fc2's weight a second time outside fc2's own call: its gradient would escape clipping."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(6, 6)
+        self.fc2 = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.fc2(torch.tanh(self.fc1(x)))
+        return h + F.linear(h, self.fc2.weight)
+
+
+def run_leak(rank: int, world: int, port: int, out: str) -> None:
+    """FSDP2 with a parameter used outside its layer: refused on every rank, nothing applied."""
+    _init(rank, world, port)
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        torch.manual_seed(0)
+        model = fully_shard(Leaky().double())  # root only: every weight is unsharded during the forward
+        initial = full_params(model)
+        engine = dptrain.PrivacyEngine(model, batch_size=GLOBAL_BATCH, sample_size=SAMPLE_SIZE, noise_multiplier=0.0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        engine.attach(opt)
+        x = torch.randn(GLOBAL_BATCH, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+        message = ""
+        try:  # FSDP2 calls the parameter's post-accumulate-grad hooks after its reduce-scatter
+            engine.backward(model(x[rank::world]).square().sum(1))
+            opt.step()
+        except RuntimeError as e:
+            message = str(e)
+        unchanged = all(torch.equal(full_params(model)[n], initial[n]) for n in initial)
+        torch.save({"message": message, "unchanged": unchanged}, f"{out}.rank{rank}")
+    finally:
+        dist.destroy_process_group()

@@ -45,7 +45,7 @@ def _single_process(mode, style, steps, micro, plain_backward=False) -> dict[str
 
 
 @pytest.mark.parametrize("engine_kind", ["ddp", "fsdp2"])
-@pytest.mark.parametrize("mode", ["bk-mixopt", "bk", "ghost"])
+@pytest.mark.parametrize("mode", dptrain.CLIPPING_MODES)
 def test_sigma_zero_equals_one_process_on_the_whole_batch(tmp_path, engine_kind, mode):
     # 3 steps of 2 micro-batches each: clipping binds (R = 0.05), so a wrong sum or divisor shows.
     out = tmp_path / "run"
@@ -132,6 +132,16 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
         assert r["unchanged"] and r["steps"] == 1 and r["scale"] == 2.0**9
 
 
+def test_fsdp2_refuses_a_parameter_used_outside_its_layer(tmp_path):
+    # Under FSDP2 autograd's gradient reaches the sharded p.grad through FSDP's reduce-scatter, which
+    # then runs the parameter's post-accumulate-grad hooks: the engine's hook refuses it as on one device.
+    out = tmp_path / "run"
+    _launch(W.run_leak, str(out))
+    for r in _results(out):
+        assert "fc2.weight" in r["message"] and "outside the forward call of its own layer" in r["message"]
+        assert r["unchanged"]
+
+
 def test_unsupported_wrappers_get_clear_errors(tmp_path):
     out = tmp_path / "run"
     _launch(W.run_wrong_use, str(out))
@@ -146,5 +156,10 @@ def test_data_parallel_and_deepspeed_are_refused():
         dptrain.PrivacyEngine(torch.nn.DataParallel(model), batch_size=8, sample_size=64, noise_multiplier=1.0)
     # A DeepSpeed engine is recognised by its class's module, without importing deepspeed.
     DeepSpeedEngine = type("DeepSpeedEngine", (torch.nn.Module,), {"__module__": "deepspeed.runtime.engine"})
-    with pytest.raises(NotImplementedError, match="DeepSpeed engines are not supported"):
+    with pytest.raises(NotImplementedError, match="DeepSpeed .DeepSpeedEngine. is not supported"):
         dptrain.PrivacyEngine(DeepSpeedEngine(), batch_size=8, sample_size=64, noise_multiplier=1.0)
+    # A ZeRO optimizer wrapping a torch optimizer is refused at attach, before any step.
+    ZeroOptimizer = type("DeepSpeedZeroOptimizer", (torch.optim.SGD,), {"__module__": "deepspeed.runtime.zero.stage_1_and_2"})
+    engine = dptrain.PrivacyEngine(model, batch_size=8, sample_size=64, noise_multiplier=1.0)
+    with pytest.raises(NotImplementedError, match="DeepSpeedZeroOptimizer"):
+        engine.attach(ZeroOptimizer(model.parameters(), lr=0.1))

@@ -46,15 +46,19 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-def refuse_unsupported(model: nn.Module) -> None:
-    """Clear errors for wrappers whose gradient handling the engine cannot take over."""
-    names = _qualified_names(model)
-    if any(n.startswith("deepspeed.") for n in names):
+def refuse_deepspeed(obj) -> None:
+    """DeepSpeed engines and optimizers, recognised by their classes' module (deepspeed is not imported)."""
+    if any(n.startswith("deepspeed.") for n in _qualified_names(obj)):
         raise NotImplementedError(
-            "DeepSpeed engines are not supported yet: dptrain clips inside the model's backward and "
-            "DeepSpeed's ZeRO stages own the gradient buffers. Train with torch DistributedDataParallel "
+            f"DeepSpeed ({type(obj).__name__}) is not supported yet: dptrain clips inside the model's backward "
+            "and DeepSpeed's ZeRO stages own the gradient buffers. Train with torch DistributedDataParallel "
             "or FSDP2 (torch.distributed.fsdp.fully_shard) instead"
         )
+
+
+def refuse_unsupported(model: nn.Module) -> None:
+    """Clear errors for wrappers whose gradient handling the engine cannot take over."""
+    refuse_deepspeed(model)
     if isinstance(model, nn.DataParallel):
         raise NotImplementedError(
             "nn.DataParallel runs replicas of the model on threads, which the engine's hooks cannot follow: "

@@ -197,9 +197,8 @@ class PrivacyEngine:
             self._check_loader(data_loader)
         if self._optimizer is not None:
             raise RuntimeError("this engine is already attached; call detach() first")
+        distributed.refuse_deepspeed(optimizer)
         if not isinstance(optimizer, torch.optim.Optimizer):
-            if any(n.startswith("deepspeed.") for n in distributed._qualified_names(optimizer)):
-                distributed.refuse_unsupported(optimizer)
             raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "is_enabled")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
@@ -640,9 +639,10 @@ class PrivacyEngine:
         self.steps_taken += 1
 
     def _refuse_foreign_grads(self) -> None:
-        """Under FSDP2 a gradient autograd produced reaches ``p.grad`` by its reduce-scatter, not
-        by accumulation (the engine's hook does not fire): any gradient the engine did not give
-        came from a use of the parameter outside its layer's call."""
+        """Backstop under data parallelism: a gradient the engine did not give came from a use of the
+        parameter outside its layer's call. (FSDP2 writes autograd's gradients to the sharded ``p.grad``
+        by its reduce-scatter; recent torch then runs the post-accumulate-grad hook, which refuses them
+        during the backward, but nothing guarantees every version does.)"""
         for p in self._step_params:
             if p.grad is not None and p.grad is not self._given_grads.get(p) and p.grad is not self._marker:
                 name = next(f"{s.name}.{n}" if s.name else n for s, n in self._users[p])

@@ -6,6 +6,7 @@
 Each rank Poisson-samples its shard of scikit-learn's digits with the *global* rate
 q = batch_size / len(dataset); the engine clips each rank's samples, sums the clipped
 gradients across ranks once per step and adds the noise once. Rank 0 prints the result.
+Needs scikit-learn for the data (pip install -e '.[cli]'); FSDP2 needs torch >= 2.6.
 """
 from __future__ import annotations
 

@@ -614,22 +614,29 @@ class PrivacyEngine:
             self._refuse_foreign_grads()
         std = self.noise_multiplier * self.max_grad_norm
 
+        # In place on the engine's own sums, one parameter at a time: the step needs no more
+        # memory than the gradients themselves (plus one parameter's noise).
         def add_noise(t: torch.Tensor) -> torch.Tensor:
-            return t + self._noise.sample(t, std) if std > 0 else t
+            return t.add_(self._noise.sample(t, std)) if std > 0 else t
 
-        local = []
-        for p in self._step_params:
+        def take_sum(p: nn.Parameter) -> torch.Tensor:
             summed = self._summed.pop(p, None)
-            local.append(summed if summed is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device))
-        if self._parallel is None:
-            noisy = [add_noise(t) for t in local]
-        else:  # the ranks' sums, with the noise added once
-            noisy = self._parallel.noisy_sum(self._step_params, local, add_noise)
+            return summed if summed is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+
         self._given_grads = {}
-        for p, t in zip(self._step_params, noisy):
-            grad = (t / self.batch_size).to(p.dtype)
+
+        def set_grad(p: nn.Parameter, t: torch.Tensor) -> None:
+            grad = t.div_(self.batch_size).to(p.dtype)
             p.grad = self._parallel.as_grad(p, grad) if self._parallel is not None else grad
             self._given_grads[p] = p.grad
+
+        if self._parallel is None:
+            for p in self._step_params:
+                set_grad(p, add_noise(take_sum(p)))
+        else:  # the ranks' sums, with the noise added once
+            noisy = self._parallel.noisy_sum(self._step_params, [take_sum(p) for p in self._step_params], add_noise)
+            for p, t in zip(self._step_params, noisy):
+                set_grad(p, t)
         self._summed.clear()
         self._forget_calls()
         self._count_step()

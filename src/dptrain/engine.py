@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -228,7 +229,9 @@ class PrivacyEngine:
         self._marker_param = min(self._step_params, key=lambda p: p.numel())
         self._marker: torch.Tensor | None = None
         self._overflowed = False
-        self._given_grads: dict[nn.Parameter, torch.Tensor] = {}
+        # Weak references: holding the given gradients would keep a whole model's worth of memory
+        # alive after the user's zero_grad().
+        self._given_grads: dict[nn.Parameter, weakref.ref] = {}
         if self._parallel is not None:
             self._parallel.attach()
         return self
@@ -628,7 +631,7 @@ class PrivacyEngine:
         def set_grad(p: nn.Parameter, t: torch.Tensor) -> None:
             grad = t.div_(self.batch_size).to(p.dtype)
             p.grad = self._parallel.as_grad(p, grad) if self._parallel is not None else grad
-            self._given_grads[p] = p.grad
+            self._given_grads[p] = weakref.ref(p.grad)
 
         if self._parallel is None:
             for p in self._step_params:
@@ -651,7 +654,8 @@ class PrivacyEngine:
         by its reduce-scatter; recent torch then runs the post-accumulate-grad hook, which refuses them
         during the backward, but nothing guarantees every version does.)"""
         for p in self._step_params:
-            if p.grad is not None and p.grad is not self._given_grads.get(p) and p.grad is not self._marker:
+            given = self._given_grads.get(p)
+            if p.grad is not None and (given is None or given() is not p.grad) and p.grad is not self._marker:
                 name = next(f"{s.name}.{n}" if s.name else n for s, n in self._users[p])
                 p.grad = None
                 raise RuntimeError(

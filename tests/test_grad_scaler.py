@@ -119,11 +119,15 @@ def test_an_overflowed_step_is_skipped_and_still_counted(mode):
     assert engine.get_epsilon() > 0
 
 
-def test_overflow_in_one_micro_batch_skips_and_counts_the_logical_step_once():
+def _overflow_setup():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     scaler = _overflowing_scaler()
-    engine = _engine(model, "bk-mixopt").attach(opt, grad_scaler=scaler)
+    return model, opt, scaler, _engine(model, "bk-mixopt").attach(opt, grad_scaler=scaler)
+
+
+def test_overflow_in_one_micro_batch_skips_and_counts_the_logical_step_once():
+    model, opt, scaler, engine = _overflow_setup()
     x, y = _batches(1)[0]
     for xs, ys in zip(x.chunk(3), y.chunk(3)):
         engine.backward(scaler.scale(F.cross_entropy(model(xs), ys, reduction="none")))
@@ -142,10 +146,7 @@ def test_overflow_in_one_micro_batch_skips_and_counts_the_logical_step_once():
 
 
 def test_optimizer_step_after_an_overflow_applies_nothing_and_counts_once():
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    scaler = _overflowing_scaler()
-    engine = _engine(model, "bk-mixopt").attach(opt, grad_scaler=scaler)
+    model, opt, scaler, engine = _overflow_setup()
     x, y = _batches(1)[0]
     before = copy.deepcopy(model.state_dict())
     engine.backward(scaler.scale(F.cross_entropy(model(x), y, reduction="none")))

@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .distributed import is_dtensor
 from .layers.base import LayerDims, LayerRule
 
 
@@ -127,7 +128,7 @@ class Capture:
     def _current_params(state: LayerState) -> list[nn.Parameter]:
         """The parameter objects registered during this call (FSDP2's unsharded ones)."""
         params = [state.module.get_parameter(name) for name in state.params]
-        if any(type(p).__name__ == "DTensor" or hasattr(p, "device_mesh") for p in params):
+        if any(is_dtensor(p) for p in params):
             raise NotImplementedError(
                 f"{state.name!r} runs its forward with DTensor parameters (tensor parallelism): the engine's "
                 "rules need the full weight in every call. Shard with fully_shard (FSDP2) only"

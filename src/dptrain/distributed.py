@@ -35,7 +35,7 @@ def _qualified_names(obj) -> list[str]:
     return [f"{c.__module__}.{c.__qualname__}" for c in type(obj).__mro__]
 
 
-def _is_dtensor(t) -> bool:
+def is_dtensor(t) -> bool:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch < 2.5
@@ -76,9 +76,9 @@ def refuse_unsupported(model: nn.Module) -> None:
 class DataParallel:
     """What the engine needs from a data-parallel engine: rank, world and the noisy global sum."""
 
-    kind = ""
     rank = 0
     world_size = 1
+    group = None  # the process group of the collectives (None: the default group)
 
     def attach(self) -> None:
         """Called by ``PrivacyEngine.attach``."""
@@ -98,13 +98,13 @@ class DataParallel:
 
     def any(self, flag: bool, device: torch.device) -> bool:
         """True on every rank when ``flag`` is true on some rank."""
-        raise NotImplementedError
+        t = torch.tensor([1.0 if flag else 0.0], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(t.item() > 0)
 
 
 class DDPGradients(DataParallel):
     """DistributedDataParallel: noise on rank 0, one all_reduce per bucket of the flattened sums."""
-
-    kind = "DDP"
 
     def __init__(self, ddp: nn.parallel.DistributedDataParallel):
         if getattr(ddp, "static_graph", False):
@@ -142,22 +142,15 @@ class DDPGradients(DataParallel):
                 offset += t.numel()
         return local
 
-    def any(self, flag, device):
-        t = torch.tensor([1.0 if flag else 0.0], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(t.item() > 0)
-
 
 class FSDP2Gradients(DataParallel):
     """fully_shard: reduce-scatter of each local sum to the parameter's shard; noise per owned coordinate."""
 
-    kind = "FSDP2"
-
     def __init__(self, params: Sequence[nn.Parameter]):
         from torch.distributed.tensor import Shard
 
-        sharded = [p for p in params if _is_dtensor(p)]
-        plain = [p for p in params if not _is_dtensor(p)]
+        sharded = [p for p in params if is_dtensor(p)]
+        plain = [p for p in params if not is_dtensor(p)]
         if plain:
             raise NotImplementedError(
                 f"{len(plain)} trainable parameter(s) are not sharded by fully_shard while others are: apply "
@@ -193,10 +186,6 @@ class FSDP2Gradients(DataParallel):
         return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False,
                                   shape=p.shape, stride=p.stride())
 
-    def any(self, flag, device):
-        t = torch.tensor([1.0 if flag else 0.0], device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item() > 0)
 
 
 def data_parallel(model: nn.Module) -> tuple[nn.Module, DataParallel | None]:
@@ -205,11 +194,11 @@ def data_parallel(model: nn.Module) -> tuple[nn.Module, DataParallel | None]:
     if isinstance(model, nn.parallel.DistributedDataParallel):
         inner = model.module
         refuse_unsupported(inner)
-        if any(_is_dtensor(p) for p in inner.parameters()):
+        if any(is_dtensor(p) for p in inner.parameters()):
             raise NotImplementedError("DDP around a fully_shard model is not supported: use fully_shard alone")
         return inner, DDPGradients(model)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if any(_is_dtensor(p) for p in trainable):
+    if any(is_dtensor(p) for p in trainable):
         return model, FSDP2Gradients(trainable)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         warnings.warn(

@@ -161,6 +161,9 @@ class PrivacyEngine:
         self._last_decisions: list[LayerDecision] = []
         self.steps_taken = 0
         self._warned_loader = False
+        # Multiplies the noise actually drawn, never the accounted one: only dptrain.audit sets it,
+        # to show that the audit catches a run whose noise is smaller than its accounting claims.
+        self._audit_noise_scale = 1.0
 
     # ------------------------------------------------------------------ configuration
     def _resolve_noise_multiplier(self, sigma, target_epsilon, target_delta, epochs, steps, accountant_name):
@@ -615,7 +618,7 @@ class PrivacyEngine:
             return
         if self._parallel is not None:
             self._refuse_foreign_grads()
-        std = self.noise_multiplier * self.max_grad_norm
+        std = self.noise_multiplier * self.max_grad_norm * self._audit_noise_scale
 
         # In place on the engine's own sums, one parameter at a time: the step needs no more
         # memory than the gradients themselves (plus one parameter's noise).

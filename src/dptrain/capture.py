@@ -78,7 +78,7 @@ class Capture:
         for state in self.layers:
             self._handles.append(state.module.register_forward_pre_hook(self._make_pre_hook(state)))
             self._handles.append(
-                state.module.register_forward_hook(self._make_post_hook(state), always_call=True)
+                state.module.register_forward_hook(self._make_post_hook(state), always_call=True, with_kwargs=True)
             )
             if state.rule.captures_input:
                 for k, site in enumerate(state.rule.capture_sites(state.module)):
@@ -142,11 +142,11 @@ class Capture:
                 p.requires_grad_(True)
 
     def _make_post_hook(self, state: LayerState):
-        def post_hook(module, inputs, output):
+        def post_hook(module, args, kwargs, output):
             self._restore(module)
             if state.rule.captures_input or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
                 return None
-            return self._record(state, module, inputs, output)
+            return self._record(state, module, (args, kwargs), output)
 
         return post_hook
 
@@ -192,7 +192,8 @@ class Capture:
                 site: int | None = None) -> torch.Tensor:
         """Keep the activation, and hook the gradient of ``tensor`` (a layer output, or a hooked input)."""
         if site is None:
-            activation = state.rule.capture(module, inputs, tensor)
+            args, kwargs = inputs
+            activation = state.rule.capture_call(module, args, kwargs, tensor)
         else:
             activation = state.rule.capture_at(module, site, inputs, tensor)
         if not tensor.requires_grad:

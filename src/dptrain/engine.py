@@ -15,7 +15,7 @@ from . import accounting, data, distributed
 from .algorithms import RECIPES
 from .capture import Call, Capture, LayerState
 from .clipping import CLIPPING_FNS, build_groups, clipping_factors, group_threshold
-from .layers import find_rule
+from .layers import resolve_rule
 from .layers.base import LayerDims, layer_params, shared_sq_norm
 from .noise import GaussianNoise
 from .planning import DECISION_RULES, LayerDecision, decide
@@ -74,6 +74,7 @@ class PrivacyEngine:
         accountant: str = "pld",
         secure_rng: bool = False,
         seed: int | None = None,
+        allow_fallback: bool = True,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -115,10 +116,11 @@ class PrivacyEngine:
         # Under FSDP2 every rank draws the noise of its own shard: independent streams per rank.
         self._noise = GaussianNoise(seed=None if seed is None else seed + 7919 * rank, secure=secure_rng)
 
-        validate(model)
+        self.allow_fallback = bool(allow_fallback)
+        validate(model, allow_fallback=self.allow_fallback)
         covered = layer_params(model)  # own parameters, and descendants' ones a rule claims
         self._layers = [
-            LayerState(name, module, find_rule(module), covered[module])
+            LayerState(name, module, resolve_rule(module, self.allow_fallback), covered[module])
             for name, module in model.named_modules()
             if module in covered
         ]

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from .algorithms import RECIPES, GradVia, NormVia, Recipe
-from .layers.base import LayerDims, find_rule, layer_params
+from .layers import resolve_rule
+from .layers.base import LayerDims, layer_params
 
 DECISION_RULES = ("space", "time")
 
@@ -74,7 +75,7 @@ def decide(recipe: Recipe, dims: LayerDims, decision_rule: str, weight_trainable
 
 
 def plan(model: nn.Module, *example_args, clipping_mode: str = "bk-mixopt", decision_rule: str = "space",
-         **example_kwargs) -> list[LayerDecision]:
+         allow_fallback: bool = True, **example_kwargs) -> list[LayerDecision]:
     """What ``clipping_mode`` would do per trainable layer for inputs shaped like the example.
 
     Runs one forward pass without gradients; a module called several times is reported
@@ -88,13 +89,14 @@ def plan(model: nn.Module, *example_args, clipping_mode: str = "bk-mixopt", deci
     covered = layer_params(model)
     for name, module in model.named_modules():
         params = covered.get(module, {})
-        rule = find_rule(module) if params else None
+        rule = resolve_rule(module, allow_fallback) if params else None
         if rule is None:
             continue
 
         def record(mod, inputs, tensor, site=None, _name=name, _rule=rule, _params=params):
             if site is None:
-                activation = _rule.capture(mod, inputs, tensor)
+                args, kwargs = inputs
+                activation = _rule.capture_call(mod, args, kwargs, tensor)
             else:
                 activation = _rule.capture_at(mod, site, inputs, tensor)
             dims = _rule.dims(mod, activation, tensor)
@@ -119,7 +121,8 @@ def plan(model: nn.Module, *example_args, clipping_mode: str = "bk-mixopt", deci
                 handles.append(site.target.register_forward_pre_hook(at_target))
         else:
             handles.append(module.register_forward_hook(
-                lambda mod, inputs, output, _record=record: _record(mod, inputs, output)))
+                lambda mod, args, kwargs, output, _record=record: _record(mod, (args, kwargs), output),
+                with_kwargs=True))
     try:
         with torch.no_grad():
             model(*example_args, **example_kwargs)

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 from torch import nn
 
-from .layers import find_rule
+from .layers import resolve_rule
 from .layers.base import covering_base, layer_params
 
 
-def find_problems(model: nn.Module) -> list[str]:
-    """Every reason the engine would refuse ``model``, as readable sentences (empty if none)."""
+def find_problems(model: nn.Module, allow_fallback: bool = True) -> list[str]:
+    """Every reason the engine would refuse ``model``, as readable sentences (empty if none).
+
+    ``allow_fallback``: as the engine's option of that name (modules without a rule may use the
+    generic per-sample fallback)."""
     problems: list[str] = []
     covered = layer_params(model)  # own parameters, and descendants' ones a rule claims
     for name, module in model.named_modules():
@@ -29,7 +32,7 @@ def find_problems(model: nn.Module) -> list[str]:
             continue
         if not params:
             continue
-        rule = find_rule(module)
+        rule = resolve_rule(module, allow_fallback)
         base = covering_base(module) if rule is None else None
         if base is not None:
             problems.append(
@@ -59,8 +62,8 @@ def find_problems(model: nn.Module) -> list[str]:
     return problems
 
 
-def validate(model: nn.Module) -> None:
+def validate(model: nn.Module, allow_fallback: bool = True) -> None:
     """Raise ``ValueError`` listing every problem that stops private training of ``model``."""
-    problems = find_problems(model)
+    problems = find_problems(model, allow_fallback)
     if problems:
         raise ValueError("this model cannot be trained privately as it is:\n- " + "\n- ".join(problems))

@@ -14,6 +14,7 @@ From the operands a rule provides the paper primitives for its trainable paramet
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -94,6 +95,12 @@ class LayerRule:
     def capture(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> Any:
         """Keep what the backward needs from the forward call (usually the input tensor)."""
         return inputs[0].detach()
+
+    def capture_call(self, module: nn.Module, args: tuple, kwargs: dict, output: torch.Tensor) -> Any:
+        """``capture`` for a call with its keyword arguments; by default they are bound to the
+        forward's positional order (``layer(input=x)`` is ``layer(x)``). A rule that needs the whole
+        call (the per-sample fallback, which replays it) overrides this."""
+        return self.capture(module, positional_inputs(module, args, kwargs), output)
 
     def dims(self, module: nn.Module, activation: Any, output: torch.Tensor) -> LayerDims:
         raise NotImplementedError
@@ -245,6 +252,17 @@ def covering_base(module: nn.Module) -> type | None:
 
 def registered_rules() -> list[LayerRule]:
     return list(_REGISTRY)
+
+
+def positional_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """A call's arguments in the order of ``module.forward``'s signature (keywords bound to their place)."""
+    if not kwargs:
+        return args
+    try:
+        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    except TypeError as err:
+        raise TypeError(f"{type(module).__name__} was called with arguments its forward does not take: {err}") from None
+    return tuple(bound.arguments.values())
 
 
 def trainable_params(module: nn.Module) -> dict[str, nn.Parameter]:

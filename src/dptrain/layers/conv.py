@@ -1,12 +1,21 @@
 """nn.Conv1d/2d/3d: stride, dilation, groups, any padding and padding_mode.
 
-The input is unfolded into patches (im2col), which turns the convolution into a linear
-layer per group with T = number of output locations and d = C_in/groups * prod(kernel)
-(mixed-ghost paper, section 3).
+A convolution is a linear layer per group on unfolded patches (im2col), with T = number of
+output locations and d = C_in/groups * prod(kernel) (mixed-ghost paper, section 3). The
+patches are 9x the input for a 3x3 kernel, so they are never kept: the operands of a call are
+the layer input and the output gradient, the tensors autograd keeps anyway. From them:
+
+- the clipped gradient 2b(C) is the convolution's own weight-gradient kernel applied to the
+  output gradient scaled per sample by C_i (exact: the weight gradient is linear in it);
+- per-sample gradients (module 4) are that same kernel with the batch folded into the groups
+  (input [1, B*C_in, ...], gradient [1, B*C_out, ...], groups B*groups);
+- the ghost norm (module 3) needs the patches' Gram matrices: patches are formed there only,
+  a batch chunk at a time under ``ConvRule.workspace_bytes``, and freed at once.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +49,20 @@ def _explicit_padding(module: nn.modules.conv._ConvNd) -> list[int]:
     return [int(p) for i in reversed(range(n)) for p in (module.padding[i], module.padding[i])]
 
 
+def _padded_input(module: nn.modules.conv._ConvNd, x: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """(input, symmetric zero padding per dim) that a padding-only convolution sees as the module does.
+
+    Zero padding that is the same on both sides is left to the kernel (no copy); any other
+    padding_mode, and the asymmetric padding of 'same' with an even kernel, is applied here.
+    """
+    pads = _explicit_padding(module)
+    left, right = pads[0::2][::-1], pads[1::2][::-1]  # per spatial dim, first dim first
+    if module.padding_mode == "zeros" and left == right:
+        return x, left
+    mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+    return F.pad(x, pads, mode=mode), [0] * len(left)
+
+
 def unfold_patches(module: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
     """[B, C_in, *spatial] -> [B, C_in * prod(kernel), L] patches, channel-major like the weight."""
     n = len(module.kernel_size)
@@ -61,10 +84,50 @@ def unfold_patches(module: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Te
     return x.permute(perm).reshape(B, C * math.prod(module.kernel_size), math.prod(out_sizes))
 
 
+def weight_grad(module: nn.modules.conv._ConvNd, x: torch.Tensor, grad: torch.Tensor,
+                batch_groups: bool = False) -> torch.Tensor:
+    """The convolution's weight gradient for input ``x`` and output gradient ``grad``, summed over the batch.
+
+    ``batch_groups``: per-sample gradients [B, *weight.shape] instead, by folding the batch into
+    the groups (sample i's channels only meet sample i's). ``x`` must be in ``grad``'s dtype.
+    """
+    B = x.shape[0]
+    if B == 0:  # an empty Poisson batch: the kernel takes no empty batch folded into groups
+        return grad.new_zeros((0, *module.weight.shape) if batch_groups else module.weight.shape)
+    x, padding = _padded_input(module, x)
+    groups, shape = module.groups, tuple(module.weight.shape)
+    if batch_groups:
+        x, grad = x.reshape(1, -1, *x.shape[2:]), grad.reshape(1, -1, *grad.shape[2:])
+        groups, shape = B * groups, (B * shape[0], *shape[1:])
+    n = len(module.kernel_size)
+    # the kernel only reads the weight's shape: a broadcast scalar stands in for it
+    w = torch.ops.aten.convolution_backward(
+        grad, x, grad.new_empty(1).expand(shape), None, list(module.stride), padding, list(module.dilation),
+        False, [0] * n, groups, (False, True, False),
+    )[1]
+    return w.reshape(B, *module.weight.shape) if batch_groups else w
+
+
+class ConvCall(NamedTuple):
+    """One call's operands: the input as captured and the gradient of the output."""
+
+    input: torch.Tensor  # [B, C_in, *spatial]; cast to the gradient's dtype (autocast's rounding) where used
+    grad: torch.Tensor   # [B, C_out, *out_spatial]
+
+
 @register_layer
 class ConvRule(LayerRule):
     module_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-    token_dim = 3  # operands are [B, groups, features, L]
+
+    #: bytes of transient work (patches, Gram matrices, padded copies) a primitive may form at
+    #: once for one layer; batch chunks and Gram tiles are sized to stay under it. None: 32 MiB
+    #: on the CPU, 256 MiB on an accelerator (larger chunks, fewer kernel launches).
+    workspace_bytes: int | None = None
+
+    def workspace(self, like: torch.Tensor) -> int:
+        if self.workspace_bytes is not None:
+            return self.workspace_bytes
+        return (32 if like.device.type == "cpu" else 256) * 2**20
 
     def capture(self, module, inputs, output):
         x = inputs[0]
@@ -82,44 +145,113 @@ class ConvRule(LayerRule):
         return LayerDims(T=T, p=module.out_channels // g, d=d, blocks=g)
 
     def operands(self, module, activation, grad_output):
-        B, g = activation.shape[0], module.groups
-        # the input as the convolution saw it: rounded to the compute dtype under autocast
-        patches = unfold_patches(module, activation.to(grad_output.dtype))  # [B, C_in*K, L]
-        L = patches.shape[-1]
-        a = patches.reshape(B, g, patches.shape[1] // g, L)
-        grad = grad_output.reshape(B, g, module.out_channels // g, L)
-        return a, grad
+        # Nothing is derived here: the engine may keep operands until the clipping factors are
+        # known, and the input and output gradient are all that autograd keeps too.
+        return (ConvCall(activation, grad_output),)
 
+    def concat_calls(self, calls):
+        return tuple(call for ops in calls for call in ops)
+
+    # ------------------------------------------------------------------ module 3
     def ghost_sq_norm(self, module, ops):
-        a, grad = float32_at_least(ops[0]), float32_at_least(ops[1])
-        gram_a = torch.einsum("bgdt,bgds->bgts", a, a)
-        gram_g = torch.einsum("bgpt,bgps->bgts", grad, grad)
-        return (gram_a * gram_g).sum((1, 2, 3))
+        """sum over blocks of <A_i A_i^T, G_i G_i^T> with A the patches of all calls side by side."""
+        B, g = ops[0].grad.shape[0], module.groups
+        d = module.in_channels // g * math.prod(module.kernel_size)
+        p = module.out_channels // g
+        T = sum(math.prod(c.grad.shape[2:]) for c in ops)
+        acc = float32_at_least(ops[0].grad).dtype
+        size = torch.empty((), dtype=acc).element_size()
+        budget = self.workspace(ops[0].grad)
+        # Gram tiles of at most `tile` tokens: three [g, tile, tile] products per sample in the budget
+        tile = max(1, min(T, math.isqrt(max(1, budget // (6 * g * size)))))
+        per_sample = size * g * (d + p) * T + 3 * size * g * tile * tile
+        chunk = max(1, min(B, budget // per_sample))
+        norms = []
+        for start in range(0, B, chunk):
+            rows = slice(start, start + chunk)
+            a = torch.cat([self._patches(module, c.input[rows], c.grad.dtype, acc) for c in ops], dim=-1)
+            grad = torch.cat([c.grad[rows].reshape(a.shape[0], g, p, -1).to(acc) for c in ops], dim=-1)
+            norms.append(_tiled_gram_product(a.reshape(a.shape[0], g, d, T), grad, tile))
+            del a, grad  # the patches of this chunk go now, before the next chunk's are formed
+        if not norms:
+            return ops[0].grad.new_zeros(0, dtype=acc)
+        return torch.cat(norms)
 
+    @staticmethod
+    def _patches(module, x, dtype, acc):
+        # the input as the convolution saw it (rounded to the compute dtype under autocast), then widened
+        return unfold_patches(module, x.to(dtype)).to(acc)
+
+    # ------------------------------------------------------------------ module 4
     def per_sample_grads(self, module, ops, names):
-        a, grad = ops
-        B = a.shape[0]
+        B = ops[0].grad.shape[0]
         out = {}
         if "weight" in names:
-            w = torch.einsum("bgpt,bgdt->bgpd", grad, a.to(grad.dtype))
-            out["weight"] = w.reshape(B, *module.weight.shape)
+            # A chunk's transient copies: the input cast and padded, the output gradient made contiguous.
+            elem = ops[0].grad.element_size()
+            per_sample = elem * (module.weight.numel() + sum(
+                math.prod(c.input.shape[1:]) + math.prod(c.grad.shape[1:]) for c in ops))
+            chunk = max(1, min(B, self.workspace(ops[0].grad) // per_sample))
+            parts = []
+            for start in range(0, B, chunk):
+                rows = slice(start, start + chunk)
+                w = None
+                for c in ops:
+                    term = weight_grad(module, c.input[rows].to(c.grad.dtype), c.grad[rows], batch_groups=True)
+                    w = term if w is None else w + term
+                parts.append(w)
+            out["weight"] = torch.cat(parts) if parts else weight_grad(module, ops[0].input, ops[0].grad, True)
         if "bias" in names:
-            out["bias"] = grad.sum(3, dtype=accumulation_dtype(grad.dtype)).flatten(1)
+            out["bias"] = self._per_sample_bias(ops)
         return out
+
+    @staticmethod
+    def _per_sample_bias(ops):
+        total = None
+        for c in ops:
+            term = c.grad.flatten(2).sum(2, dtype=accumulation_dtype(c.grad.dtype))
+            total = term if total is None else total + term
+        return total
 
     def weight_factors(self, module, ops):
+        """(output gradients [B, T, C_out], patches [B, T, d]) of all calls, for a weight tied to another layer.
+
+        Forms the whole batch's patches: only used for shared convolution weights.
+        """
         if module.groups != 1:
             return None
-        a, grad = ops
-        return grad[:, 0].transpose(1, 2), a[:, 0].transpose(1, 2)
+        u = torch.cat([c.grad.flatten(2).transpose(1, 2) for c in ops], dim=1)
+        v = torch.cat([unfold_patches(module, c.input.to(c.grad.dtype)).transpose(1, 2) for c in ops], dim=1)
+        return u, v
 
+    # ------------------------------------------------------------------ module 2b(C)
     def clipped_grads(self, module, ops, factors):
-        a, grad = ops
         out = {}
         if "weight" in factors:
-            weighted = scale_samples(grad, factors["weight"])
-            w = torch.einsum("bgpt,bgdt->gpd", weighted, a.to(grad.dtype))
-            out["weight"] = w.reshape(module.weight.shape)
+            w = None
+            for c in ops:
+                # factors are applied in float32 and rounded once (scale_samples), then the conv's own kernel
+                term = weight_grad(module, c.input.to(c.grad.dtype), scale_samples(c.grad, factors["weight"]))
+                w = term if w is None else w + term
+            out["weight"] = w
         if "bias" in factors:
-            out["bias"] = weighted_sum(factors["bias"], grad.sum(3, dtype=accumulation_dtype(grad.dtype)).flatten(1))
+            out["bias"] = weighted_sum(factors["bias"], self._per_sample_bias(ops))
         return out
+
+
+def _tiled_gram_product(a: torch.Tensor, grad: torch.Tensor, tile: int) -> torch.Tensor:
+    """[b] sum over blocks and token pairs of (a^T a) * (grad^T grad), for a [b, g, d, T], grad [b, g, p, T].
+
+    Tiles of ``tile`` tokens bound the Gram matrices; the product is symmetric in the tiles, so
+    only tiles i <= j are formed and those off the diagonal count twice.
+    """
+    T = a.shape[-1]
+    total = a.new_zeros(a.shape[0])
+    for i in range(0, T, tile):
+        a_i, g_i = a[..., i : i + tile], grad[..., i : i + tile]
+        for j in range(i, T, tile):
+            gram_a = torch.einsum("bgdt,bgds->bgts", a_i, a[..., j : j + tile])
+            gram_g = torch.einsum("bgpt,bgps->bgts", g_i, grad[..., j : j + tile])
+            term = (gram_a * gram_g).sum((1, 2, 3))
+            total += term if i == j else 2 * term
+    return total

@@ -8,6 +8,11 @@ whose input does not require grad (the first trainable layer) then gets its outp
 attached to an engine-owned "origin" leaf, so back-propagation still reaches it. Outside
 its layer's call a parameter keeps requiring grad, so any other use of it reaches autograd
 and is caught by the engine instead of escaping clipping.
+
+The model's own call is hooked too: its input gives the batch size (read, never inferred
+from what a layer happens to see), a forward that raises drops what it recorded, and its
+output's gradient marks the start of a plain ``loss.backward()``. A layer call recorded
+while a backward pass runs is a recomputation (activation checkpointing) and is marked so.
 """
 from __future__ import annotations
 
@@ -16,9 +21,21 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_globals
 
 from .distributed import is_dtensor
 from .layers.base import LayerDims, LayerRule
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward pass on this thread."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def graph_task() -> int:
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task() if task is not None else -1
 
 
 @dataclass
@@ -29,7 +46,8 @@ class Call:
     dims: LayerDims
     batch_size: int
     version: int | None = None  # the activation's version counter when it was captured
-    forward_batch: int | None = None  # batch size of the model call this layer call belonged to
+    forward_id: int | None = None  # the model call it belongs to (None: outside one, or a recomputation)
+    recomputed: bool = False  # recorded during a backward pass (checkpointing recomputes the forward)
     grad: torch.Tensor | None = None
 
 
@@ -57,55 +75,157 @@ class _Origin(torch.autograd.Function):
         return None, None
 
 
-class Capture:
-    """Installs and removes the hooks on the covered modules; the engine reacts to gradients."""
+def _tensors(obj, depth: int = 0):
+    """The tensors in a model output (a tensor, tuple/list, dict or Hugging Face ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 3 and isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from _tensors(item, depth + 1)
+    elif depth < 3 and isinstance(obj, dict):
+        for item in obj.values():
+            yield from _tensors(item, depth + 1)
 
-    def __init__(self, model: nn.Module, layers: list[LayerState],
-                 on_grad: Callable[[LayerState, Call, torch.Tensor], None], params_by_name: bool = False):
+
+class Capture:
+    """Installs and removes the hooks; the engine reacts to what they record.
+
+    ``set_layers`` may be called again while installed (the trainable set changed): hooks
+    look up each module's current state, so a module that is no longer covered records
+    nothing, and newly covered modules are hooked.
+    """
+
+    def __init__(self, model: nn.Module, on_grad: Callable[[LayerState, Call, torch.Tensor], None], *,
+                 on_model_call: Callable[[], None], on_output_grad: Callable[[], None],
+                 params_by_name: bool = False, batch_first: bool = True):
         self.model = model
         self.params_by_name = params_by_name
-        self.layers = layers
+        self.batch_first = batch_first
         self.on_grad = on_grad
+        self.on_model_call = on_model_call
+        self.on_output_grad = on_output_grad
+        self.layers: list[LayerState] = []
+        self._state_of: dict[int, LayerState] = {}
+        self._hooked: set[int] = set()
         self._handles: list[Any] = []
+        self._own_ids: set[int] = set()  # ids of every hook the engine registered (for the order checks)
+        self._pre_ids: dict[int, int] = {}
+        self._pre_hook_fns: dict[int, Callable] = {}
+        self._post_ids: dict[int, int] = {}
         self._anchors: dict[torch.device, torch.Tensor] = {}
         self._switched: dict[int, list[list[nn.Parameter]]] = {}
         self._sources: dict[tuple[int, int], torch.Tensor] = {}  # capture-site activations awaiting their target
         #: batch size of the model's current forward call, read from its first tensor argument
         self.forward_batch: int | None = None
+        self._forward_count = 0
+        self._open_forward: int | None = None  # id of a model call that has not returned yet
+        self._finished_forward = False
 
-    def install(self, extra_checks: list[tuple[nn.Module, Callable]] = ()) -> None:
-        self._handles.append(self.model.register_forward_pre_hook(self._record_batch, with_kwargs=True))
-        for state in self.layers:
-            self._handles.append(state.module.register_forward_pre_hook(self._make_pre_hook(state)))
-            self._handles.append(
-                state.module.register_forward_hook(self._make_post_hook(state), always_call=True, with_kwargs=True)
-            )
-            if state.rule.captures_input:
-                for k, site in enumerate(state.rule.capture_sites(state.module)):
-                    if site.source is not None and site.source_input:
-                        hook = self._make_source_hook(state, k, from_input=True)
-                        self._handles.append(site.source.register_forward_pre_hook(hook))
-                    elif site.source is not None:
-                        hook = self._make_source_hook(state, k, from_input=False)
-                        self._handles.append(site.source.register_forward_hook(hook))
-                    self._handles.append(
-                        site.target.register_forward_pre_hook(self._make_input_hook(state, k, site.source is not None))
-                    )
+    # ------------------------------------------------------------------ install / remove
+    def install(self, layers: list[LayerState], extra_checks: list[tuple[nn.Module, Callable]] = ()) -> None:
+        self._keep(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True, prepend=True))
+        self._keep(self.model.register_forward_hook(self._model_post_hook, prepend=True))
+        self._keep(self.model.register_forward_hook(self._model_failed_hook, always_call=True))
         for module, check in extra_checks:
-            self._handles.append(module.register_forward_pre_hook(check))
+            self._keep(module.register_forward_pre_hook(check))
+        self.set_layers(layers)
+
+    def _keep(self, handle):
+        self._handles.append(handle)
+        self._own_ids.add(handle.id)
+        return handle
+
+    def set_layers(self, layers: list[LayerState]) -> None:
+        self.layers = layers
+        self._state_of = {id(s.module): s for s in layers}
+        for state in layers:
+            if id(state.module) in self._hooked:
+                continue
+            self._hooked.add(id(state.module))
+            module = state.module
+            self._pre_hook_fns[id(module)] = self._make_pre_hook(module)
+            pre = self._keep(module.register_forward_pre_hook(self._pre_hook_fns[id(module)]))
+            post = self._keep(module.register_forward_hook(
+                self._make_post_hook(module), always_call=True, with_kwargs=True, prepend=True))
+            self._pre_ids[id(module)], self._post_ids[id(module)] = pre.id, post.id
+            if state.rule.captures_input:
+                for k, site in enumerate(state.rule.capture_sites(module)):
+                    if site.source is not None and site.source_input:
+                        self._keep(site.source.register_forward_pre_hook(self._make_source_hook(module, k, True)))
+                    elif site.source is not None:
+                        self._keep(site.source.register_forward_hook(self._make_source_hook(module, k, False)))
+                    self._keep(site.target.register_forward_pre_hook(
+                        self._make_input_hook(module, k, site.source is not None)))
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._own_ids.clear()
+        self._hooked.clear()
+        self.restore_switched()
         for state in self.layers:
             state.calls.clear()
         self._sources.clear()
 
-    def _record_batch(self, module, args, kwargs):
-        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > 0), None)
-        self.forward_batch = first.shape[0] if first is not None else None
+    def restore_switched(self) -> None:
+        """Give back ``requires_grad`` to parameters of a layer call that never returned (an interrupt)."""
+        for stack in self._switched.values():
+            for switched in stack:
+                for p in switched:
+                    p.requires_grad_(True)
+        self._switched.clear()
 
+    # ------------------------------------------------------------------ the model's own call
+    def _model_pre_hook(self, module, args, kwargs):
+        if in_backward() or not torch.is_grad_enabled():  # a recomputation (checkpointing), or evaluation
+            return None
+        if self._open_forward is not None:
+            # The last model call never returned (an exception the always-called hook could not
+            # see, such as KeyboardInterrupt): drop what it recorded.
+            self.drop_forward(self._open_forward)
+        hooked = id(module) in self._hooked
+        self.on_model_call()
+        if not hooked and id(module) in self._hooked:  # the model became a layer: its pre-hook missed this call
+            self._pre_hook_fns[id(module)](module, args)
+        self._forward_count += 1
+        self._open_forward = self._forward_count
+        self._finished_forward = False
+        dim = 0 if self.batch_first else 1
+        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > dim), None)
+        self.forward_batch = first.shape[dim] if first is not None else None
+        return None
+
+    def _model_post_hook(self, module, args, output):
+        if in_backward() or self._open_forward is None:
+            return None
+        self._finished_forward = True
+        self._open_forward = None
+        if torch.is_grad_enabled():
+            for t in _tensors(output):
+                if t.requires_grad:
+                    t.register_hook(self._output_grad_hook)
+        return None
+
+    def _output_grad_hook(self, grad):
+        self.on_output_grad()
+
+    def _model_failed_hook(self, module, args, output):
+        if self._open_forward is not None and not self._finished_forward and not in_backward():
+            self.drop_forward(self._open_forward)  # the forward raised: nothing of it is kept
+            self._open_forward = None
+        return None
+
+    def drop_forward(self, forward_id: int) -> None:
+        self.restore_switched()
+        self._sources.clear()
+        for state in self.layers:
+            state.calls = [c for c in state.calls if c.forward_id != forward_id]
+
+    def model_call_open(self) -> bool:
+        return self._open_forward is not None
+
+    # ------------------------------------------------------------------ layer hooks
     def _anchor(self, device: torch.device) -> torch.Tensor:
         anchor = self._anchors.get(device)
         if anchor is None:
@@ -113,14 +233,43 @@ class Capture:
             self._anchors[device] = anchor
         return anchor
 
-    def _make_pre_hook(self, state: LayerState):
+    def _check_hook_order(self, module: nn.Module, state: LayerState) -> None:
+        """The engine's pre-hook must run last and its forward hook first: a user hook between them and the
+        forward could change the output the engine differentiates, or use the weight while autograd does not
+        track it (both would make the per-sample gradients silently wrong)."""
+        pre_ids = list(module._forward_pre_hooks)
+        mine = self._pre_ids[id(module)]
+        after = [k for k in pre_ids[pre_ids.index(mine) + 1:] if k not in self._own_ids] if mine in pre_ids else []
+        post_ids = list(module._forward_hooks)
+        mine = self._post_ids[id(module)]
+        before = [k for k in post_ids[: post_ids.index(mine)] if k not in self._own_ids] if mine in post_ids else []
+        foreign_global = [
+            h for h in _module_globals._global_forward_hooks.values()
+            if not getattr(h, "__module__", "").startswith("torch.")
+        ]
+        if after or before or foreign_global:
+            where = ("a global forward hook (register_module_forward_hook)" if foreign_global else
+                     "a forward pre-hook registered after engine.attach()" if after else
+                     "a forward hook registered with prepend=True after engine.attach()")
+            raise RuntimeError(
+                f"{state.name or '<root>'} ({type(module).__name__}) has {where}, which runs between the engine's "
+                "hooks and the layer's forward: it could change the output or use the weight where the engine "
+                "cannot see it, so the per-sample gradients could be silently wrong. Register your hooks on this "
+                "layer before engine.attach() (without prepend=True), or on another module"
+            )
+
+    def _make_pre_hook(self, module: nn.Module):
         def pre_hook(module, inputs):
-            if torch.is_grad_enabled():
-                params = self._current_params(state) if self.params_by_name else state.params.values()
-                switched = [p for p in params if p.requires_grad]
-                for p in switched:
-                    p.requires_grad_(False)
-                self._switched.setdefault(id(module), []).append(switched)
+            state = self._state_of.get(id(module))
+            if state is None or not torch.is_grad_enabled():
+                return None
+            self._check_hook_order(module, state)
+            params = self._current_params(state) if self.params_by_name else state.params.values()
+            switched = [p for p in params if p.requires_grad]
+            for p in switched:
+                p.requires_grad_(False)
+            self._switched.setdefault(id(module), []).append(switched)
+            return None
 
         return pre_hook
 
@@ -140,24 +289,32 @@ class Capture:
         if stack:
             for p in stack.pop():
                 p.requires_grad_(True)
+            if not stack:
+                del self._switched[id(module)]
 
-    def _make_post_hook(self, state: LayerState):
+    def _make_post_hook(self, module: nn.Module):
         def post_hook(module, args, kwargs, output):
             self._restore(module)
-            if state.rule.captures_input or not torch.is_grad_enabled() or not isinstance(output, torch.Tensor):
+            state = self._state_of.get(id(module))
+            if state is None or state.rule.captures_input or not torch.is_grad_enabled():
+                return None
+            if not isinstance(output, torch.Tensor):
                 return None
             return self._record(state, module, (args, kwargs), output)
 
         return post_hook
 
-    def _make_source_hook(self, state: LayerState, site: int, from_input: bool):
+    def _make_source_hook(self, module: nn.Module, site: int, from_input: bool):
         """Keeps a capture site's activation (its source's output or first input) until its target runs."""
 
         def keep(source, tensor):
+            state = self._state_of.get(id(module))
+            if state is None:
+                return
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{state.name}: the activation source {type(source).__name__} of capture site "
                                 f"{site} gave {type(tensor).__name__}, not a tensor")
-            self._sources[(id(state), site)] = tensor.detach()
+            self._sources[(id(module), site)] = tensor.detach()
 
         def source_pre_hook(source, inputs):
             if torch.is_grad_enabled():
@@ -169,15 +326,16 @@ class Capture:
 
         return source_pre_hook if from_input else source_hook
 
-    def _make_input_hook(self, state: LayerState, site: int = 0, has_source: bool = False):
+    def _make_input_hook(self, module: nn.Module, site: int = 0, has_source: bool = False):
         """For rules that read the gradient of a tensor entering a submodule (``capture_sites``)."""
 
         def input_hook(target, inputs):
-            if not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], torch.Tensor):
+            state = self._state_of.get(id(module))
+            if state is None or not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], torch.Tensor):
                 return None
             captured = inputs
             if has_source:
-                kept = self._sources.pop((id(state), site), None)
+                kept = self._sources.pop((id(module), site), None)
                 if kept is None:
                     raise RuntimeError(
                         f"{state.name}: {type(target).__name__} ran before the activation source of capture site "
@@ -191,20 +349,62 @@ class Capture:
     def _record(self, state: LayerState, module: nn.Module, inputs: tuple, tensor: torch.Tensor,
                 site: int | None = None) -> torch.Tensor:
         """Keep the activation, and hook the gradient of ``tensor`` (a layer output, or a hooked input)."""
+        if not self.batch_first:  # every layer sees [T, B, ...]: the rules get the batch first
+            inputs = _batch_to_front(inputs)
         if site is None:
             args, kwargs = inputs
-            activation = state.rule.capture_call(module, args, kwargs, tensor)
+            activation = state.rule.capture_call(module, args, kwargs, tensor if self.batch_first else
+                                                 _swap01(tensor))
         else:
-            activation = state.rule.capture_at(module, site, inputs, tensor)
+            activation = state.rule.capture_at(module, site, inputs, tensor if self.batch_first else _swap01(tensor))
         if not tensor.requires_grad:
             tensor = _Origin.apply(self._anchor(tensor.device), tensor)
-        if tensor.dim() and tensor.shape[0] == 1 and (self.forward_batch or 1) > 1:
-            expanded = state.rule.expand_batch(module, activation, tensor, self.forward_batch)
+        seen = tensor if self.batch_first else _swap01(tensor)
+        recomputed = in_backward()
+        forward_batch = self.forward_batch if self._open_forward is not None or recomputed else None
+        if seen.dim() and seen.shape[0] == 1 and (forward_batch or 1) > 1:
+            if not self.batch_first:
+                raise ValueError(
+                    f"{state.name or '<root>'} ({type(module).__name__}) got an input broadcast over the batch "
+                    "(batch size 1); expand it to the batch first"
+                )
+            expanded = state.rule.expand_batch(module, activation, tensor, forward_batch)
             if expanded is not None:
                 activation, tensor = expanded
-        dims = state.rule.dims(module, activation, tensor)
+                seen = tensor
+        batch = seen.shape[0] if seen.dim() else 0
+        if forward_batch is not None and batch != forward_batch:
+            axis = "first" if self.batch_first else "second"
+            raise ValueError(
+                f"{state.name or '<root>'} ({type(module).__name__}) saw a leading dimension of {batch} where the "
+                f"model was called with a batch of {forward_batch} (the {axis} dimension of its first tensor "
+                "argument). Per-sample clipping needs every trainable layer to get the batch as its "
+                + ("first" if self.batch_first else "second")
+                + " dimension: a model that folds another axis into the batch (x.reshape(B * T, d)) would be "
+                "clipped per row, not per sample; an input broadcast over the batch must be expanded to it "
+                "(x.expand(B, ...)); for sequence-first models pass batch_first=False to the engine"
+            )
+        dims = state.rule.dims(module, activation, seen)
         version = activation._version if isinstance(activation, torch.Tensor) else None
-        call = Call(activation, dims, tensor.shape[0] if tensor.dim() else 0, version, self.forward_batch)
+        forward_id = None if recomputed else self._open_forward
+        call = Call(activation, dims, batch, version, forward_id, recomputed)
         state.calls.append(call)
-        tensor.register_hook(lambda g: self.on_grad(state, call, g))
+        if self.batch_first:
+            tensor.register_hook(lambda g: self.on_grad(state, call, g))
+        else:
+            tensor.register_hook(lambda g: self.on_grad(state, call, _swap01(g)))
         return tensor
+
+
+def _swap01(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1) if isinstance(t, torch.Tensor) and t.dim() >= 2 else t
+
+
+def _batch_to_front(inputs):
+    if isinstance(inputs, torch.Tensor):
+        return _swap01(inputs)
+    if isinstance(inputs, tuple):
+        return tuple(_batch_to_front(x) for x in inputs)
+    if isinstance(inputs, dict):
+        return {k: _batch_to_front(v) for k, v in inputs.items()}
+    return inputs

@@ -13,7 +13,7 @@ from torch import nn
 
 from . import accounting, data, distributed
 from .algorithms import RECIPES
-from .capture import Call, Capture, LayerState
+from .capture import Call, Capture, LayerState, graph_task, in_backward
 from .clipping import CLIPPING_FNS, build_groups, clipping_factors, group_threshold
 from .layers import resolve_rule
 from .layers.base import LayerDims, layer_params, shared_sq_norm
@@ -22,6 +22,15 @@ from .planning import DECISION_RULES, LayerDecision, decide
 from .validation import validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
+BUDGETS = ("warn", "strict")
+
+# Engines attached right now, by the model they hook: a second engine on the same model (or on a part
+# of it) would see the first one's ghost-differentiated backward as ordinary gradients.
+_ATTACHED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+class PrivacyBudgetExceeded(RuntimeError):
+    """``budget="strict"``: the next step would spend more than ``target_epsilon``."""
 
 
 @dataclass
@@ -75,6 +84,8 @@ class PrivacyEngine:
         secure_rng: bool = False,
         seed: int | None = None,
         allow_fallback: bool = True,
+        batch_first: bool = True,
+        budget: str = "warn",
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -84,6 +95,7 @@ class PrivacyEngine:
         _check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
         _check_choice("decision_rule", decision_rule, DECISION_RULES)
         _check_choice("accountant", accountant, accounting.ACCOUNTANTS)
+        _check_choice("budget", budget, BUDGETS)
         if not (isinstance(batch_size, int) and batch_size > 0):
             raise ValueError(f"batch_size must be a positive int (the expected logical batch size), got {batch_size!r}")
         if not (isinstance(sample_size, int) and sample_size > 0):
@@ -106,7 +118,11 @@ class PrivacyEngine:
         self.clipping_gamma = float(clipping_gamma)
         self.loss_reduction = loss_reduction
         self.decision_rule = decision_rule
+        self.allow_fallback = bool(allow_fallback)
+        self.batch_first = bool(batch_first)
+        self.budget = budget
         self.target_delta = target_delta if target_delta is not None else accounting.default_delta(sample_size)
+        self.planned_steps: int | None = None
         self.noise_multiplier = self._resolve_noise_multiplier(
             noise_multiplier, target_epsilon, target_delta, epochs, steps, accountant
         )
@@ -115,54 +131,58 @@ class PrivacyEngine:
         rank = self._parallel.rank if self._parallel is not None else 0
         # Under FSDP2 every rank draws the noise of its own shard: independent streams per rank.
         self._noise = GaussianNoise(seed=None if seed is None else seed + 7919 * rank, secure=secure_rng)
+        self.clipping_style = clipping_style
 
-        self.allow_fallback = bool(allow_fallback)
-        validate(model, allow_fallback=self.allow_fallback)
-        covered = layer_params(model)  # own parameters, and descendants' ones a rule claims
-        self._layers = [
-            LayerState(name, module, resolve_rule(module, self.allow_fallback), covered[module])
-            for name, module in model.named_modules()
-            if module in covered
-        ]
+        # The trainable set, read again at every model call (staged fine-tuning freezes and unfreezes).
+        self._layers: list[LayerState] = []
+        self._users: dict[nn.Parameter, list[tuple[LayerState, str]]] = {}
+        self._group_of: dict[nn.Parameter, int] = {}
+        self._group_params: list[list[nn.Parameter]] = []
+        self._num_groups = 0
+        self._threshold = self.max_grad_norm
+        self._trainable: tuple[int, ...] = ()
+        self._build_layers()
         if not self._layers:
             raise ValueError("the model has no trainable parameters: nothing to train privately")
-        # A parameter shared by several layers (tied weights) is clipped once, its per-sample
-        # gradient being the sum of every layer's; its first user names it in clipping groups.
-        self._users: dict[nn.Parameter, list[tuple[LayerState, str]]] = {}
-        for state in self._layers:
-            for name, p in state.params.items():
-                self._users.setdefault(p, []).append((state, name))
-        param_of = {(users[0][0].name, users[0][1]): p for p, users in self._users.items()}
-        params = list(param_of)
-        groups = build_groups(clipping_style, [s.name for s in self._layers], params)
-        if self.recipe.two_pass and len(groups) > 1:
+        if self.recipe.two_pass and self._num_groups > 1:
             warnings.warn(
-                f"clipping_mode={clipping_mode!r} with {len(groups)} clipping groups re-weights the loss once per "
+                f"clipping_mode={clipping_mode!r} with {self._num_groups} clipping groups re-weights the loss once per "
                 "group (Lee & Kifer's second backward applies one factor per sample), so each step runs "
-                f"{len(groups)} extra backward passes; the book-keeping modes clip groups at no extra cost",
+                f"{self._num_groups} extra backward passes; the book-keeping modes clip groups at no extra cost",
                 stacklevel=2,
             )
-        self.clipping_style = clipping_style
-        self._group_of = {param_of[key]: k for k, group in enumerate(groups) for key in group}
-        self._group_params = [[param_of[key] for key in group] for group in groups]
-        self._num_groups = len(groups)
-        self._threshold = group_threshold(self.max_grad_norm, len(groups))
 
+        # Hooks and the optimizer (set by attach).
         self._capture: Capture | None = None
         self._scaler = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._step_handle = None
+        self._grad_handles: dict[nn.Parameter, Any] = {}
+        self._given_grads: dict[nn.Parameter, weakref.ref] = {}
+        self._marker: torch.Tensor | None = None
+        self._marker_param: nn.Parameter | None = None
+        self._overflowed = False
+        self._good_scale = 0.0  # the largest GradScaler scale known not to overflow
+
+        # One backward pass (the step's partial work; see _abort_backward for its every exit).
         self._phase = "idle"  # idle | single | first-pass | second-pass | discard (an empty batch)
         self._callback_queued = False
+        self._callback_task = -1
         self._ready: dict[int, _ReadyLayer] = {}
-        self._second_pass_calls: dict[int, list[Call]] = {}
-        self._forward_batches: set[int] = set()
         self._param_works: dict[nn.Parameter, _ParamWork] = {}
         self._decisions: dict[int, LayerDecision] = {}
+        self._reweighted: list[tuple[LayerState, Call]] = []
+        self._consumed: list[tuple[LayerState, Call]] | None = None  # kept only while a retry may need them
+        self._sums_created: list[nn.Parameter] = []
+        self._sums_added = False
+
+        # The step: clipped sums of the logical batch so far, and counters.
         self._summed: dict[nn.Parameter, torch.Tensor] = {}
         self._last_decisions: list[LayerDecision] = []
         self.steps_taken = 0
         self._warned_loader = False
+        self._warned_budget = False
+        self._budget_limit: int | None = None
         # Multiplies the noise actually drawn, never the accounted one: only dptrain.audit sets it,
         # to show that the audit catches a run whose noise is smaller than its accounting claims.
         self._audit_noise_scale = 1.0
@@ -186,6 +206,61 @@ class PrivacyEngine:
             target_epsilon, self.target_delta, self.sample_rate, planned, accountant=accountant_name
         )
 
+    def _trainable_key(self) -> tuple[int, ...]:
+        return tuple(id(p) for p in self.model.parameters() if p.requires_grad)
+
+    def _build_layers(self) -> None:
+        """Covered layers, tied-parameter users and clipping groups for the parameters trainable now.
+
+        A parameter that became trainable is covered exactly by its rule, or refused (``validate``);
+        a frozen one drops out of the norms and is left untouched by the step.
+        """
+        validate(self.model, allow_fallback=self.allow_fallback)
+        covered = layer_params(self.model)  # own parameters, and descendants' ones a rule claims
+        previous = {id(s.module): s for s in self._layers}
+        layers = []
+        for name, module in self.model.named_modules():
+            if module not in covered:
+                continue
+            state = previous.get(id(module))
+            if state is None:
+                state = LayerState(name, module, resolve_rule(module, self.allow_fallback), covered[module])
+            else:
+                state.params = covered[module]
+            layers.append(state)
+        # A parameter shared by several layers (tied weights) is clipped once, its per-sample
+        # gradient being the sum of every layer's; its first user names it in clipping groups.
+        users: dict[nn.Parameter, list[tuple[LayerState, str]]] = {}
+        for state in layers:
+            for name, p in state.params.items():
+                users.setdefault(p, []).append((state, name))
+        param_of = {(u[0][0].name, u[0][1]): p for p, u in users.items()}
+        groups = build_groups(self.clipping_style, [s.name for s in layers], list(param_of)) if users else []
+        self._layers = layers
+        self._users = users
+        self._group_of = {param_of[key]: k for k, group in enumerate(groups) for key in group}
+        self._group_params = [[param_of[key] for key in group] for group in groups]
+        self._num_groups = len(groups)
+        self._threshold = group_threshold(self.max_grad_norm, max(1, len(groups)))
+        self._trainable = self._trainable_key()
+
+    def _follow_trainable(self) -> None:
+        """Re-read the trainable set (called at each model call with gradients enabled)."""
+        if self._trainable_key() == self._trainable:
+            return
+        self._build_layers()
+        if self._capture is not None:
+            self._capture.set_layers(self._layers)
+            self._sync_grad_hooks()
+
+    def _sync_grad_hooks(self) -> None:
+        for p in list(self._grad_handles):
+            if p not in self._users:
+                self._grad_handles.pop(p).remove()
+        for p in self._users:
+            if p not in self._grad_handles:
+                self._grad_handles[p] = p.register_post_accumulate_grad_hook(self._on_accumulated_grad)
+
     # ------------------------------------------------------------------ attach / detach
     def attach(self, optimizer: torch.optim.Optimizer, data_loader=None, grad_scaler=None) -> PrivacyEngine:
         """Install the hooks; ``optimizer.step()`` then applies the private gradient.
@@ -194,10 +269,11 @@ class PrivacyEngine:
         sample with ``q = batch_size / sample_size``; any other loader gets a warning, once,
         that the reported epsilon assumes Poisson sampling.
 
-        ``grad_scaler``: the ``torch.amp.GradScaler`` whose ``scale()`` multiplies the loss
-        (fp16 training). The engine removes its scale before clipping, and a backward whose
-        scaled gradients overflow makes ``scaler.step(optimizer)`` skip the step, which still
-        counts in the accountant.
+        ``grad_scaler``: the ``torch.amp.GradScaler`` whose ``scale()`` multiplies the losses
+        (fp16 training): pass ``engine.backward(scaler.scale(losses))``. The engine removes the
+        scale before clipping; where a backward overflows it finds a smaller scale by running
+        the backward again on the same batch, so no step is skipped (single process, through
+        ``engine.backward``). See the README's mixed-precision section.
         """
         if data_loader is not None:
             self._check_loader(data_loader)
@@ -208,38 +284,45 @@ class PrivacyEngine:
             raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "is_enabled")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
-        ours = {p for s in self._layers for p in s.params.values()}
-        model_params = {p for p in self.model.parameters()}
-        self._step_params = []
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p not in model_params:
-                    raise ValueError("the optimizer holds a parameter that is not in the model given to the engine")
-                if p in ours:
-                    self._step_params.append(p)
-        if not self._step_params:
+        self._refuse_second_engine()
+        self._follow_trainable()
+        model_params = set(self.model.parameters())
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(p not in model_params for p in held):
+            raise ValueError("the optimizer holds a parameter that is not in the model given to the engine")
+        if not any(p in self._users for p in held):
             raise ValueError("the optimizer holds none of the model's trainable parameters")
         # FSDP2 swaps the unsharded parameters in during each forward: hooks look them up by name.
-        self._capture = Capture(self.model, self._layers, self._on_output_grad,
-                                params_by_name=isinstance(self._parallel, distributed.FSDP2Gradients))
-        self._capture.install(extra_checks=_frozen_batchnorm_checks(self.model))
-        self._grad_handles = [
-            p.register_post_accumulate_grad_hook(self._on_accumulated_grad) for p in self._users
-        ]
+        self._capture = Capture(
+            self.model, self._on_output_grad, on_model_call=self._on_model_call,
+            on_output_grad=self._on_model_output_grad,
+            params_by_name=isinstance(self._parallel, distributed.FSDP2Gradients), batch_first=self.batch_first,
+        )
+        self._capture.install(self._layers, extra_checks=_frozen_batchnorm_checks(self.model))
+        self._sync_grad_hooks()
         self._step_handle = optimizer.register_step_pre_hook(self._before_step)
         self._optimizer = optimizer
         self._scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
-        # The scaler skips a step when it finds inf/NaN in the gradients it unscales; the engine's
-        # gradients exist only from the step on, so it shows the scaler one small marker gradient.
-        self._marker_param = min(self._step_params, key=lambda p: p.numel())
-        self._marker: torch.Tensor | None = None
         self._overflowed = False
-        # Weak references: holding the given gradients would keep a whole model's worth of memory
-        # alive after the user's zero_grad().
-        self._given_grads: dict[nn.Parameter, weakref.ref] = {}
+        self._marker = None
+        self._given_grads = {}
+        _ATTACHED[self.model] = weakref.ref(self)
         if self._parallel is not None:
             self._parallel.attach()
         return self
+
+    def _refuse_second_engine(self) -> None:
+        mine = set(self.model.modules())
+        for root, ref in list(_ATTACHED.items()):
+            other = ref()
+            if other is None or other is self or other._optimizer is None:
+                continue
+            if root in mine or self.model in set(root.modules()):
+                raise RuntimeError(
+                    f"another PrivacyEngine is attached to this model ({type(root).__name__}): two engines on one model "
+                    "would each see the other's backward as ordinary gradients. Use one engine (one optimizer with "
+                    "several parameter groups), or call detach() on the other first"
+                )
 
     def _check_loader(self, loader) -> None:
         if data.is_poisson_loader(loader):
@@ -260,19 +343,70 @@ class PrivacyEngine:
 
     def detach(self) -> None:
         """Remove every hook; the model and optimizer behave exactly as before ``attach``."""
+        self._abort_backward()
         if self._capture is not None:
             self._capture.remove()
         if self._step_handle is not None:
             self._step_handle.remove()
-        for handle in getattr(self, "_grad_handles", []):
+        for handle in self._grad_handles.values():
             handle.remove()
-        self._grad_handles = []
+        self._grad_handles = {}
         if self._parallel is not None and self._optimizer is not None:
             self._parallel.detach()
+        if _ATTACHED.get(self.model) is not None and _ATTACHED[self.model]() is self:
+            del _ATTACHED[self.model]
         self._capture, self._step_handle, self._optimizer = None, None, None
         self._forget_calls()
         self._summed.clear()
+
+    # ------------------------------------------------------------------ every exit of a backward
+    def _abort_backward(self) -> None:
+        """Drop everything a failed (or abandoned) forward/backward captured; the step's earlier sums stay.
+
+        Sums of completed micro-batches are kept intact, unless the failure hit while this micro-batch
+        was being added into them: then the whole step's sums are dropped (never a partial sum).
+        """
+        if self._sums_added:
+            self._summed.clear()
+            warnings.warn("a backward failed while its clipped gradients were being added to the step's sums: the "
+                          "sums of this logical step were dropped as a whole (the step still adds noise)",
+                          stacklevel=3)
+        else:
+            for p in self._sums_created:
+                self._summed.pop(p, None)
+        self._sums_created, self._sums_added = [], False
+        self._callback_queued = False
         self._phase = "idle"
+        # A failed graph may outlive the engine's references (the user's tensors, a traceback): drop the
+        # activations and gradients from the calls themselves, so nothing large stays reachable from it.
+        for state, call in self._consumed or ():
+            call.activation, call.grad = None, None
+        self._consumed = None
+        for state, call in self._reweighted:
+            call.activation, call.grad = None, None
+        self._reweighted = []
+        for state in self._layers:
+            for call in state.calls:
+                call.activation, call.grad = None, None
+        if self._capture is not None:
+            self._capture.restore_switched()
+        self._forget_calls()
+
+    def _settle_failed_backward(self) -> None:
+        """A plain ``loss.backward()`` whose end-of-backward callback never ran has failed: drop its state."""
+        if self._callback_queued and not in_backward():
+            self._abort_backward()
+
+    def _on_model_call(self) -> None:
+        self._settle_failed_backward()
+        if torch.is_grad_enabled():
+            self._follow_trainable()
+
+    def _begin_sums(self) -> None:
+        self._sums_created, self._sums_added = [], False
+
+    def _commit_sums(self) -> None:
+        self._sums_created, self._sums_added = [], False
 
     # ------------------------------------------------------------------ backward
     def backward(self, losses: torch.Tensor) -> None:
@@ -288,6 +422,7 @@ class PrivacyEngine:
                 "F.cross_entropy(logits, y, reduction='none'); got a scalar. For a scalar loss use loss.backward() "
                 "in a single-backward mode"
             )
+        self._settle_failed_backward()
         if losses.dim() > 1:
             losses = losses.flatten(1).sum(1)
         if not torch.isfinite(losses).all():
@@ -295,9 +430,17 @@ class PrivacyEngine:
                 self._forget_calls()
                 self._after_backward(overflow=True)
                 return
+            self._forget_calls()
             bad = (~torch.isfinite(losses)).nonzero().flatten().tolist()
             raise ValueError(f"non-finite per-sample losses at batch positions {bad[:10]}: nothing was accumulated")
         B = losses.shape[0]
+        forward_batch = self._capture.forward_batch
+        if B and forward_batch is not None and B != forward_batch and losses.requires_grad:
+            self._forget_calls()
+            raise ValueError(
+                f"engine.backward got {B} per-sample losses but the model was last called with a batch of "
+                f"{forward_batch}: give one loss per sample of that call (reduction='none')"
+            )
         if B == 0 or not losses.requires_grad:
             if B == 0 and losses.requires_grad and isinstance(self._parallel, distributed.FSDP2Gradients):
                 # FSDP2 gathers parameters inside each backward: a rank with an empty batch runs as many.
@@ -315,54 +458,110 @@ class PrivacyEngine:
             return  # an empty batch contributes nothing; the step still adds noise and counts
         overflow = False
         try:
-            if self.recipe.two_pass:
-                self._two_pass_backward(losses)
-            else:
-                self._phase = "single"
-                torch.autograd.backward(losses.sum())
-                self._finish_backward(expected_batch=B, scale=1.0 / self._loss_scale())
-        except _Overflow:
-            overflow = True
+            overflow = self._scaled_backward(losses)
+        except BaseException:
+            self._abort_backward()
+            raise
         finally:
             self._phase = "idle"
         self._after_backward(overflow)
 
-    def _two_pass_backward(self, losses: torch.Tensor) -> None:
+    def _scaled_backward(self, losses: torch.Tensor) -> bool:
+        """One backward (both passes in the two-pass modes); True if it overflowed and the step is skipped.
+
+        Without a GradScaler the objective is ``sum_i L_i``. With one, ``losses`` carry its scale S and
+        the objective is their mean, as in ordinary fp16 training (a sum would be B times larger and
+        overflow); where it overflows anyway, the same batch is back-propagated again at half the scale
+        (single process): finding the scale costs a backward, never a skipped step or privacy budget.
+        """
+        B = losses.shape[0]
+        if self._scaler is None:
+            self._one_backward(losses, 1.0, 1.0, retain=False)
+            return False
+        scale = self._loss_scale()
+        retry = self._parallel is None and (self.recipe.two_pass or scale > self._good_scale)
+        attempt = 1.0
+        while True:
+            try:
+                self._consumed = [] if retry else None
+                self._one_backward(losses, attempt / B, scale * attempt / B, retain=retry)
+                break
+            except _Overflow:
+                if not retry or scale * attempt <= 1.0:  # below scale 1 a smaller scale no longer helps: a real NaN
+                    return True
+                self._reset_for_retry()
+                attempt *= 0.5
+            finally:
+                self._consumed = None
+        self._good_scale = scale * attempt
+        if attempt != 1.0:
+            self._scaler.update(scale * attempt)  # the scale that worked, for the next steps
+        return False
+
+    def _one_backward(self, losses: torch.Tensor, factor: float, kappa: float, retain: bool) -> None:
+        """Back-propagate ``factor * sum_i losses_i``; ``kappa`` is that objective's factor on the true losses."""
+        objective = losses.sum() if factor == 1.0 else losses.sum() * factor
+        if self.recipe.two_pass:
+            self._two_pass_backward(losses, objective, factor, kappa)
+        else:
+            self._phase = "single"
+            torch.autograd.backward(objective, retain_graph=retain)
+            self._finish_backward(expected_batch=losses.shape[0], scale=1.0 / kappa)
+
+    def _reset_for_retry(self) -> None:
+        """Give the calls of an overflowed attempt back (their graph is kept) and drop its partial work."""
+        for state, call in self._consumed or ():
+            if not call.recomputed:
+                call.grad = None
+                state.calls.append(call)
+        self._drop_recomputed()
+        self._ready.clear()
+        self._param_works.clear()
+        self._decisions.clear()
+        self._reweighted = []
+
+    def _two_pass_backward(self, losses: torch.Tensor, objective: torch.Tensor, factor: float, kappa: float) -> None:
         """Lee & Kifer: norms from a first backward of sum_i L_i, then back-propagate sum_i C_i L_i.
 
         Both passes only produce output gradients (ghost differentiation); the second pass's
         parameter gradients (module 2b) are a^T g of its re-weighted output gradients, one
-        pass per clipping group.
+        pass per clipping group. The output gradients of the second pass are those that reach
+        a layer call during it: the forward's calls, or their recomputations under activation
+        checkpointing.
         """
         self._phase = "first-pass"
-        try:
-            torch.autograd.backward(losses.sum(), retain_graph=True)
-            loss_scale = self._loss_scale()
-            factors = self._finish_backward(expected_batch=losses.shape[0], scale=1.0 / loss_scale)
-            # The re-weighted losses carry the GradScaler's scale too: removed from a^T g'.
-            ones = torch.full_like(factors[0], 1.0 / loss_scale)
-            self._phase = "second-pass"
-            for k, params in enumerate(self._group_params):
-                reweighted = (losses * factors[k].to(losses.dtype)).sum()
-                torch.autograd.backward(reweighted, retain_graph=k < len(self._group_params) - 1)
-                for p in params:
-                    for state, name in self._users[p]:
-                        calls = [c for c in self._second_pass_calls.get(id(state), []) if c.grad is not None]
-                        if calls:
-                            ops = self._operands(state, calls)
-                            self._accumulate(p, state.rule.clipped_grads(state.module, ops, {name: ones})[name])
-                for calls in self._second_pass_calls.values():
-                    for c in calls:
-                        c.grad = None
-        finally:
-            self._phase = "idle"
-            self._second_pass_calls.clear()
+        torch.autograd.backward(objective, retain_graph=True)
+        factors = self._finish_backward(expected_batch=losses.shape[0], scale=1.0 / kappa)
+        ones = torch.full_like(factors[0], 1.0 / kappa)
+        self._phase = "second-pass"
+        self._begin_sums()
+        for k, params in enumerate(self._group_params):
+            reweighted = (losses * factors[k].to(losses.dtype)).sum()
+            if factor != 1.0:
+                reweighted = reweighted * factor
+            self._reweighted = []
+            torch.autograd.backward(reweighted, retain_graph=k < len(self._group_params) - 1)
+            by_layer: dict[int, list[Call]] = {}
+            for state, call in self._reweighted:
+                by_layer.setdefault(id(state), []).append(call)
+            for p in params:
+                for state, name in self._users[p]:
+                    calls = by_layer.get(id(state))
+                    if calls:
+                        ops = self._operands(state, calls)
+                        self._accumulate(p, state.rule.clipped_grads(state.module, ops, {name: ones})[name])
+            for _, call in self._reweighted:
+                call.grad = None
+            self._reweighted = []
+            self._drop_recomputed()
+        self._commit_sums()
 
     def _on_output_grad(self, state: LayerState, call: Call, grad: torch.Tensor) -> None:
         if self._phase == "discard":
             return
         if self._phase == "second-pass":
             call.grad = grad.detach()
+            self._reweighted.append((state, call))
             return
         if self._phase == "idle":
             if self.recipe.two_pass:
@@ -370,9 +569,13 @@ class PrivacyEngine:
                     f"clipping_mode={self.clipping_mode!r} needs two backward passes: call "
                     "engine.backward(per_sample_losses) instead of loss.backward()"
                 )
-            if not self._callback_queued:
-                self._callback_queued = True
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish_plain_backward)
+            self._begin_plain_backward(from_layer=call)
+        if not any(c is call for c in state.calls):
+            raise RuntimeError(
+                f"{state.name or '<root>'}: a layer call received a second output gradient (the same forward was "
+                "back-propagated twice, e.g. with retain_graph=True): each sample may enter a step once. Run a new "
+                "forward for each backward"
+            )
         call.grad = grad.detach()
         # A layer called once, whose parameters no other layer shares, is reduced right away,
         # freeing its activation and output gradient during the backward pass.
@@ -381,6 +584,28 @@ class PrivacyEngine:
             for name, p in state.params.items():
                 self._norm_stage(p)
             self._release_layer(state)
+
+    def _on_model_output_grad(self) -> None:
+        """The gradient reached the model's output: a backward starts (on the outermost graph task)."""
+        if self._phase == "idle" and not self.recipe.two_pass:
+            self._begin_plain_backward(from_layer=None)
+
+    def _begin_plain_backward(self, from_layer: Call | None) -> None:
+        """Queue the end-of-backward callback of a plain ``loss.backward()`` once, on the outermost task."""
+        task = graph_task()
+        if self._callback_queued:
+            if from_layer is not None or task == self._callback_task:
+                return
+            self._abort_backward()  # a new backward reached the model's output: the queued one died
+        elif from_layer is not None and from_layer.recomputed and any(
+            not c.recomputed and c.grad is None for s in self._layers for c in s.calls
+        ):
+            # A recomputation's nested backward (reentrant checkpointing) ends before the outer one: queue
+            # when the outer backward reaches a layer of the forward.
+            return
+        self._callback_queued = True
+        self._callback_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_plain_backward)
 
     def _on_accumulated_grad(self, p: nn.Parameter) -> None:
         """Autograd reached a covered parameter: it was used outside its own layer's forward call."""
@@ -394,21 +619,15 @@ class PrivacyEngine:
 
     def _finish_plain_backward(self) -> None:
         self._callback_queued = False
-        batch = self._batch_size_of_backward(expected=None)
-        model_batch = max(self._forward_batches, default=1)
-        if batch == 1 and model_batch > 1:
-            self._forward_batches.clear()
-            self._param_works.clear()
-            raise ValueError(
-                f"every trainable layer saw a batch of 1 while the model was called with a batch of "
-                f"{model_batch}: an input broadcast over the batch loses the per-sample "
-                "gradients. Expand it to the batch (x.expand(B, ...)), or use engine.backward(losses)"
-            )
-        scale = float(batch) if self.loss_reduction == "mean" else 1.0
         try:
+            batch = self._batch_size_of_backward(expected=None)
+            scale = float(batch) if self.loss_reduction == "mean" else 1.0
             self._finish_backward(expected_batch=batch, scale=scale / self._loss_scale())
         except _Overflow:
             self._after_backward(overflow=True)
+        except BaseException:
+            self._abort_backward()
+            raise
         else:
             self._after_backward(overflow=False)
 
@@ -423,14 +642,15 @@ class PrivacyEngine:
         state.calls = [c for c in state.calls if c.grad is None]
         if not calls:
             return
-        if self._phase == "first-pass":  # kept, with their activations, for the re-weighted pass
-            self._second_pass_calls.setdefault(id(state), []).extend(calls)
-        self._forward_batches.update(c.forward_batch for c in calls if c.forward_batch is not None)
+        if self._consumed is not None:
+            self._consumed.extend((state, c) for c in calls)
         dims = calls[0].dims
         if len(calls) > 1:
             dims = LayerDims(T=sum(c.dims.T for c in calls), p=dims.p, d=dims.d, blocks=dims.blocks,
                              ghost_supported=dims.ghost_supported)
         self._ready[id(state)] = _ReadyLayer(state, self._operands(state, calls), dims, calls[0].batch_size)
+        for c in calls:  # the operands hold what is needed; a second pass sets new gradients
+            c.grad = None
 
     def _operands(self, state: LayerState, calls: list[Call]) -> tuple:
         sizes = {c.batch_size for c in calls}
@@ -502,6 +722,12 @@ class PrivacyEngine:
         if all(p in self._param_works for p in state.params.values()):
             self._ready.pop(id(state), None)
 
+    def _drop_recomputed(self) -> None:
+        """Recomputed calls (checkpointing) are used in the backward that made them, or never."""
+        for state in self._layers:
+            if any(c.recomputed for c in state.calls):
+                state.calls = [c for c in state.calls if not c.recomputed]
+
     def _batch_size_of_backward(self, expected: int | None) -> int:
         for state in self._layers:
             if state.calls:
@@ -509,6 +735,7 @@ class PrivacyEngine:
         for p in self._users:
             self._norm_stage(p)
         self._ready.clear()
+        self._drop_recomputed()
         sizes = {}
         for p, work in self._param_works.items():
             sizes.setdefault(self._users[p][0][0].name, work.batch_size)
@@ -547,16 +774,19 @@ class PrivacyEngine:
                     "accumulated for this batch; check the inputs, the learning rate, or use float32"
                 )
             factors = [clipping_factors(n, self._threshold, self.clipping_fn, self.clipping_gamma) for n in norms]
+            if not factors:  # nothing trainable was reached
+                factors = [torch.ones(batch)]
             self._last_decisions = [self._decisions[id(s)] for s in self._layers if id(s) in self._decisions]
             if not self.recipe.two_pass:
+                self._begin_sums()
                 for p, work in self._param_works.items():
                     self._gradient_stage(p, work, factors[work.group] * scale)
+                self._commit_sums()
             return factors
         finally:
             self._param_works.clear()
             self._decisions.clear()
             self._ready.clear()
-            self._forward_batches.clear()
 
     def _gradient_stage(self, p: nn.Parameter, work: _ParamWork, factor: torch.Tensor) -> None:
         """Module 5 (weighted sum of kept per-sample gradients) or 2b(C) (book-keeping) for one parameter."""
@@ -568,10 +798,13 @@ class PrivacyEngine:
 
     def _accumulate(self, p: nn.Parameter, g: torch.Tensor) -> None:
         g = g.to(p.dtype)
-        if p in self._summed:
-            self._summed[p].add_(g)
-        else:
+        summed = self._summed.get(p)
+        if summed is None:
             self._summed[p] = g  # always a fresh tensor from the rules or autograd.grad
+            self._sums_created.append(p)
+        else:
+            self._sums_added = True
+            summed.add_(g)
 
     def _forget_calls(self) -> None:
         for s in self._layers:
@@ -585,41 +818,75 @@ class PrivacyEngine:
         """The GradScaler's current scale (the factor on this step's loss), or 1."""
         return float(self._scaler.get_scale()) if self._scaler is not None else 1.0
 
+    def _held_trainable(self) -> list[nn.Parameter]:
+        """The covered trainable parameters the optimizer holds; refuses trainable ones it does not hold."""
+        held = [p for group in self._optimizer.param_groups for p in group["params"]]
+        held_set = set(held)
+        missing = [p for p in self._users if p.requires_grad and p not in held_set]
+        if missing:
+            names = [f"{s.name}.{n}" if s.name else n for p in missing for s, n in self._users[p][:1]]
+            raise RuntimeError(
+                f"trainable parameters {names[:5]}{' ...' if len(names) > 5 else ''} are not held by the optimizer "
+                "the engine is attached to: their private gradients would be lost (a second optimizer never "
+                "receives any). Put every trainable parameter into this optimizer (parameter groups can set their "
+                "own learning rates), or freeze them"
+            )
+        return [p for p in held if p in self._users and p.requires_grad]
+
     def _after_backward(self, overflow: bool) -> None:
         """With a GradScaler: show it the marker gradient it checks (inf makes it skip the step).
 
-        The first overflow of a logical step counts the step in the accountant right away:
-        skipping is a decision that looked at the data, and ``optimizer.step()`` (where
-        steps are counted otherwise) will not run.
+        A skipped step (the plain ``loss.backward()`` path, or data parallelism, where the engine
+        cannot run the backward again) counts in the accountant right away: skipping is a decision
+        that looked at the data, and ``optimizer.step()`` (where steps are counted otherwise) will
+        not run.
         """
         if self._scaler is None:
             return
         if self._parallel is not None:  # every rank skips, or none
-            overflow = self._parallel.any(overflow, self._marker_param.device)
-        p = self._marker_param
+            overflow = self._parallel.any(overflow, next(iter(self._users)).device)
+        params = self._held_trainable()
+        p = min(params, key=lambda q: q.numel()) if params else next(iter(self._users))
         if self._overflowed and not (p.grad is self._marker and bool(torch.isinf(p.grad).any())):
             self._overflowed = False  # zero_grad() cleared the marker: the skipped step is over
         if overflow or self._overflowed:
             self._summed.clear()  # nothing of a skipped step is ever applied
             if not self._overflowed:
                 self._overflowed = True
+                self._check_budget()
                 self._count_step()
+                warnings.warn(
+                    "fp16 overflow: this step is skipped and still counts in the privacy accountant. Through "
+                    "engine.backward(scaler.scale(losses)) in one process the engine finds a working scale without "
+                    "skipping", stacklevel=3)
             self._marker = torch.full_like(p, math.inf)
             p.grad = self._marker
         elif p.grad is None:
             self._marker = torch.zeros_like(p)
             p.grad = self._marker
+        self._marker_param = p
 
     def _before_step(self, optimizer, args, kwargs) -> None:
+        self._settle_failed_backward()
         if self._overflowed:  # optimizer.step() without scaler.step(): the counted, overflowed step applies nothing
-            for p in self._step_params:
+            for p in self._held_trainable():
                 p.grad = None
             self._overflowed = False
             self._summed.clear()
             self._forget_calls()
             return
+        step_params = self._held_trainable()
+        self._leave_frozen_untouched()
+        try:
+            self._check_budget()
+        except PrivacyBudgetExceeded:
+            for p in step_params:
+                p.grad = None
+            self._summed.clear()
+            self._forget_calls()
+            raise
         if self._parallel is not None:
-            self._refuse_foreign_grads()
+            self._refuse_foreign_grads(step_params)
         std = self.noise_multiplier * self.max_grad_norm * self._audit_noise_scale
 
         # In place on the engine's own sums, one parameter at a time: the step needs no more
@@ -639,26 +906,72 @@ class PrivacyEngine:
             self._given_grads[p] = weakref.ref(p.grad)
 
         if self._parallel is None:
-            for p in self._step_params:
+            for p in step_params:
                 set_grad(p, add_noise(take_sum(p)))
         else:  # the ranks' sums, with the noise added once
-            noisy = self._parallel.noisy_sum(self._step_params, [take_sum(p) for p in self._step_params], add_noise)
-            for p, t in zip(self._step_params, noisy):
+            noisy = self._parallel.noisy_sum(step_params, [take_sum(p) for p in step_params], add_noise)
+            for p, t in zip(step_params, noisy):
                 set_grad(p, t)
         self._summed.clear()
         self._forget_calls()
         self._count_step()
 
+    def _leave_frozen_untouched(self) -> None:
+        """A parameter frozen after the engine gave it gradients keeps none (the optimizer then skips it)."""
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad and p.grad is not None:
+                    given = self._given_grads.get(p)
+                    if given is not None and given() is p.grad or p.grad is self._marker:
+                        p.grad = None
+
     def _count_step(self) -> None:
         self.accountant.step(self.noise_multiplier, self.sample_rate)
         self.steps_taken += 1
 
-    def _refuse_foreign_grads(self) -> None:
+    def _check_budget(self) -> None:
+        """Warn once when the next step passes ``target_epsilon``; ``budget="strict"`` refuses it."""
+        if self.target_epsilon is None or self.steps_taken + 1 <= self.planned_steps:
+            return
+        if self._budget_limit is None:
+            self._budget_limit = self._steps_within_budget()
+        if self.steps_taken + 1 <= self._budget_limit:
+            return
+        spent = self._epsilon_after(self.steps_taken + 1)
+        message = (f"step {self.steps_taken + 1} would spend epsilon = {spent:.4g} at delta = {self.target_delta:.3g}, "
+                   f"past target_epsilon = {self.target_epsilon:g} (the noise was calibrated for "
+                   f"{self.planned_steps} steps; at most {self._budget_limit} fit the target)")
+        if self.budget == "strict":
+            raise PrivacyBudgetExceeded(message + ": nothing was applied (budget='strict')")
+        if not self._warned_budget:
+            self._warned_budget = True
+            warnings.warn(message + "; training goes on (budget='strict' refuses such steps)", stacklevel=4)
+
+    def _epsilon_after(self, steps: int) -> float:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return accounting.compute_epsilon(self.noise_multiplier, self.sample_rate, steps, self.target_delta,
+                                              accountant=self.accountant.name)
+
+    def _steps_within_budget(self) -> int:
+        """The largest number of steps whose epsilon stays within ``target_epsilon`` (at least the plan)."""
+        low, high = self.planned_steps, self.planned_steps + 1
+        while self._epsilon_after(high) <= self.target_epsilon:
+            low, high = high, 2 * high
+        while high - low > 1:
+            mid = (low + high) // 2
+            if self._epsilon_after(mid) <= self.target_epsilon:
+                low = mid
+            else:
+                high = mid
+        return low
+
+    def _refuse_foreign_grads(self, step_params: list[nn.Parameter]) -> None:
         """Backstop under data parallelism: a gradient the engine did not give came from a use of the
         parameter outside its layer's call. (FSDP2 writes autograd's gradients to the sharded ``p.grad``
         by its reduce-scatter; recent torch then runs the post-accumulate-grad hook, which refuses them
         during the backward, but nothing guarantees every version does.)"""
-        for p in self._step_params:
+        for p in step_params:
             given = self._given_grads.get(p)
             if p.grad is not None and (given is None or given() is not p.grad) and p.grad is not self._marker:
                 name = next(f"{s.name}.{n}" if s.name else n for s, n in self._users[p])
@@ -684,7 +997,9 @@ class PrivacyEngine:
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
             "steps": self.steps_taken,
+            "planned_steps": self.planned_steps,
             "epsilon": self.get_epsilon(delta),
+            "target_epsilon": self.target_epsilon,
             "delta": delta,
             "accountant": self.accountant.name,
             "max_grad_norm": self.max_grad_norm,

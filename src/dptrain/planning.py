@@ -49,7 +49,7 @@ class LayerDecision:
     d: int
     ghost_cost: int
     instantiate_cost: int
-    norm: str   # "ghost" or "instantiate"
+    norm: str   # "ghost", "instantiate", or "fallback" (instantiated by replaying the call, torch.func)
     grad: str   # "book-keeping", "weighted-sum" or "second-pass"
 
     def as_dict(self) -> dict:
@@ -71,7 +71,7 @@ def decide(recipe: Recipe, dims: LayerDims, decision_rule: str, weight_trainable
         grad = "weighted-sum"
     else:
         grad = "book-keeping"
-    return ("ghost" if ghost else "instantiate"), grad
+    return ("ghost" if ghost else "fallback" if dims.fallback else "instantiate"), grad
 
 
 def plan(model: nn.Module, *example_args, clipping_mode: str = "bk-mixopt", decision_rule: str = "space",

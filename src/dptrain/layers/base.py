@@ -30,7 +30,8 @@ class LayerDims:
     ``T`` is the number of token positions per sample, ``p`` the output width and ``d`` the
     input width of the weight seen as a matrix (``d = C_in * prod(kernel) / groups`` for a
     convolution), ``blocks`` the number of independent weight blocks (conv groups).
-    A rule without a ghost norm reports ``ghost_supported=False``.
+    A rule without a ghost norm reports ``ghost_supported=False``; the per-sample fallback
+    (``dptrain.layers.fallback``) reports ``fallback=True`` and ``p * d`` = its parameter count.
     """
 
     T: int
@@ -38,6 +39,7 @@ class LayerDims:
     d: int
     blocks: int = 1
     ghost_supported: bool = True
+    fallback: bool = False
 
     @property
     def ghost_cost(self) -> int:

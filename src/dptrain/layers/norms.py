@@ -13,7 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import LayerDims, LayerRule, accumulation_dtype, float32_at_least, register_layer, weighted_sum
+from .base import (
+    LayerDims, LayerRule, accumulation_dtype, float32_at_least, positional_inputs, register_layer, weighted_sum,
+)
 
 
 class _AffineNormRule(LayerRule):
@@ -139,3 +141,127 @@ class InstanceNormRule(_ChannelNorm):
 
     def normalized(self, module, x):
         return F.instance_norm(float32_at_least(x), eps=module.eps)
+
+
+# --------------------------------------------------------------------------- recognised RMS norms
+#: attribute names under which RMS-norm classes keep their epsilon (torch, timm, Hugging Face)
+_EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
+
+
+def _eps_of(module: nn.Module) -> float | None:
+    for name in _EPS_NAMES:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def recognise_rms_norm(module: nn.Module) -> RecognisedRMSNormRule | None:
+    """A rule for a module that looks like an RMS norm, or ``None``.
+
+    Recognised by structure, not by class name (``transformers`` alone has about a hundred RMS
+    norm classes): no submodules, one parameter ``weight`` of shape ``[d]``, and an epsilon
+    attribute. Whether it really computes ``w * x / rms(x)`` (or Gemma's ``(1 + w) * ...``) over
+    the last dim is checked numerically on its first call with each input shape.
+    """
+    if next(module.children(), None) is not None:
+        return None
+    params = dict(module.named_parameters(recurse=False))
+    if set(params) != {"weight"} or params["weight"].dim() != 1 or _eps_of(module) is None:
+        return None
+    return RecognisedRMSNormRule()
+
+
+class RecognisedRMSNormRule(_AffineNormRule):
+    """An RMS norm found by :func:`recognise_rms_norm`: ``s(w) * xhat`` with ``s(w) = w`` or ``1 + w``.
+
+    Both give the per-sample gradient ``sum_t xhat_i[t] * g_i[t]``. ``xhat`` is the module's own:
+    its forward replayed with the weight that makes ``s(w) = 1``, so every rounding it does
+    inside (statistics in float32, casts back) is reproduced exactly. One instance per module.
+    """
+
+    param_names = ("weight",)
+
+    def __init__(self):
+        self.one_plus: bool | None = None  # Gemma's (1 + w); decided by the first check
+        self._checked: set[tuple] = set()
+
+    def capture_call(self, module, args, kwargs, output):
+        inputs = positional_inputs(module, args, kwargs)
+        x = inputs[0] if inputs else None
+        d = module.weight.shape[0]
+        if len(inputs) != 1 or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-1] != d:
+            raise ValueError(
+                f"{type(module).__name__} was recognised as an RMS norm over a last dim of {d}, but it was called "
+                f"with {_describe_inputs(inputs)}: register a rule for it with dptrain.register_layer, or freeze its weight"
+            )
+        key = (tuple(x.shape), x.dtype, torch.is_autocast_enabled(x.device.type))
+        if key not in self._checked:
+            self._check(module, x, output)
+            self._checked.add(key)
+        return x.detach()
+
+    def _check(self, module, x, output):
+        """Numerical check of the structure: the module's output is s(w) * x / sqrt(mean(x^2) + eps)."""
+        from .fallback import replay
+
+        w = module.weight
+        with torch.no_grad():
+            at_zero = replay(module, (x,), {}, {"weight": torch.zeros_like(w)})
+            at_one = replay(module, (x,), {}, {"weight": torch.ones_like(w)})
+            one_plus = bool(at_zero.abs().max() > 0) if at_zero.numel() else bool(self.one_plus)
+            xhat, expected = (at_zero, (1 + w) * at_zero) if one_plus else (at_one, w * at_one)
+            xf = float32_at_least(x)
+            formula = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + _eps_of(module))
+            tol = max(16 * torch.finfo(torch.float32).eps, 4 * torch.finfo(output.dtype).eps)
+            problems = []
+            if not _close_to(xhat, formula, tol):
+                problems.append("its normalised input is not x / sqrt(mean(x^2) + eps) over the last dim")
+            if one_plus and not _close_to(at_one, 2 * at_zero, tol):
+                problems.append("its output is not affine in the weight")
+            if not _close_to(output, expected, tol):
+                problems.append(f"its output is not {'(1 + weight)' if one_plus else 'weight'} * that")
+            if self.one_plus is not None and one_plus != self.one_plus:
+                problems.append("it scaled by weight on one call and by (1 + weight) on another")
+        if problems:
+            raise ValueError(
+                f"{type(module).__name__} looks like an RMS norm (one weight of shape [{w.shape[0]}] and an epsilon), "
+                f"but {'; '.join(problems)}, so the RMS-norm rule would give wrong per-sample gradients: register a "
+                "rule for it with dptrain.register_layer, or freeze its weight"
+            )
+        self.one_plus = one_plus
+
+    def dims(self, module, activation, output):
+        n = module.weight.numel()
+        return LayerDims(T=activation.numel() // max(1, activation.shape[0] * n), p=n, d=1, ghost_supported=False)
+
+    def channels_last(self, module, t):
+        return t
+
+    def normalized(self, module, x):
+        from .fallback import replay
+
+        w = module.weight
+        identity = torch.zeros_like(w) if self.one_plus else torch.ones_like(w)
+        with torch.no_grad():
+            return replay(module, (x,), {}, {"weight": identity})
+
+
+def _close_to(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
+    """max |a - b| <= tol * max |b|, in float32 or wider; shapes and non-finite entries must agree."""
+    if a.shape != b.shape:
+        return False
+    acc = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    a, b = a.to(acc), b.to(acc)
+    if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
+        return False
+    finite = torch.isfinite(b)
+    if not bool(finite.any()):
+        return True
+    a, b = a[finite], b[finite]
+    return bool((a - b).abs().max() <= tol * b.abs().max())
+
+
+def _describe_inputs(inputs: tuple) -> str:
+    parts = [f"a tensor of shape {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__ for t in inputs]
+    return ", ".join(parts) if parts else "no arguments"

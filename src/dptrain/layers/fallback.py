@@ -1,0 +1,350 @@
+"""The per-sample fallback: exact per-sample gradients for any module that has no rule.
+
+A module with trainable parameters of its own and no registered rule (a subclass that
+overrides ``forward``, a module that uses a parameter directly, ``x * self.scale``, a layer
+from a library released after this one) keeps each call whole: its arguments (the batched
+tensors detached) and, in the backward, its output gradient ``g``. The per-sample gradients
+of the module's *own* parameters then come from ``torch.func``: a ``vmap`` over the batch of
+the ``vjp`` of the replayed call with respect to those parameters, with cotangent ``g_i``.
+Children take part in the replay as they are (their parameters used, not differentiated:
+their own rules handle them).
+
+This is instantiation only (modules 4 + 5 of the book-keeping paper): it costs one more
+forward of the module per call, vectorised over the batch, and a per-sample gradient of
+each of its own parameters (``B x`` their size), never a ghost norm.
+
+A replay is only exact when the module treats samples independently. On the first call per
+module, input shapes and mode the rule checks this twice and refuses otherwise: it perturbs
+one sample's input and checks that no other sample's output moves (and that the replay
+reproduces the recorded output at all, which random operations such as dropout break), and
+it checks that the per-sample gradients sum to the gradient of the whole batch.
+"""
+from __future__ import annotations
+
+import math
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .base import LayerDims, LayerRule, weighted_sum
+
+_state = threading.local()
+
+
+@contextmanager
+def replaying():
+    """Marks a replay of a recorded call: capture hooks must neither switch parameters nor record calls."""
+    _state.depth = getattr(_state, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _state.depth -= 1
+
+
+def in_replay() -> bool:
+    """True while the fallback (or a recognised norm's check) replays a module call."""
+    return getattr(_state, "depth", 0) > 0
+
+
+class _Bypass(nn.Module):
+    """Calls ``target.forward`` directly, so the target's own hooks (the engine's) do not run on a replay."""
+
+    def __init__(self, target: nn.Module):
+        super().__init__()
+        self.target = target
+
+    def forward(self, args, kwargs):
+        return self.target.forward(*args, **kwargs)
+
+
+def replay(module: nn.Module, args: tuple, kwargs: dict, params: dict[str, torch.Tensor] | None = None):
+    """``module(*args, **kwargs)`` with its own parameters replaced by ``params`` (name -> tensor).
+
+    Every other parameter of the subtree enters detached (the replay differentiates only
+    ``params``); buffers enter as copies, so a forward that updates them in place (running
+    statistics) leaves the module as it was.
+    """
+    params = params or {}
+    swapped: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        swapped[f"target.{name}"] = params[name] if name in params else p.detach()
+    for name, b in module.named_buffers(remove_duplicate=False):
+        swapped[f"target.{name}"] = b.clone()
+    with replaying():
+        return torch.func.functional_call(_Bypass(module), swapped, (args, kwargs), tie_weights=False)
+
+
+@dataclass
+class FallbackCall:
+    """One recorded call: its arguments as a flat list of leaves (``spec`` rebuilds args and kwargs)."""
+
+    leaves: list
+    spec: Any
+    batched: list[int]            # positions of the leaves that carry the batch in dim 0
+    batch: int
+    versions: list[tuple[int, int]]  # (leaf position, version counter) of the tensor leaves
+    autocast: tuple[str, bool, torch.dtype]
+    signature: tuple
+
+    def arguments(self, replaced: dict[int, torch.Tensor] | None = None) -> tuple[tuple, dict]:
+        leaves = list(self.leaves)
+        for k, t in (replaced or {}).items():
+            leaves[k] = t
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+@dataclass
+class FallbackOperands:
+    """The calls of one module in one backward with their output gradients; per-sample gradients once formed."""
+
+    calls: list[tuple[FallbackCall, torch.Tensor]]
+    per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance of the checks: a few roundings of the computation dtype."""
+    return 64 * torch.finfo(dtype).eps
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, scale=None) -> bool:
+    """``a`` equals ``b`` up to a few roundings of the less precise dtype, relative to ``scale``
+    (default: the largest entry of ``b``); non-finite entries must sit at the same places."""
+    if a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    tol = _tolerance(min_dtype(a.dtype, b.dtype))
+    acc = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    a, b = a.detach().to(acc), b.detach().to(acc)
+    finite = torch.isfinite(b)
+    if not torch.equal(finite, torch.isfinite(a)):
+        return False
+    if not bool(finite.any()):
+        return True
+    a, b = a[finite], b[finite]
+    scale = b.abs().max() if scale is None else scale
+    return bool((a - b).abs().max() <= tol * scale)
+
+
+def min_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """The least precise of the dtypes given (integer ones count as float32)."""
+    floats = [d if d.is_floating_point else torch.float32 for d in dtypes]
+    return max(floats, key=lambda d: torch.finfo(d).eps)
+
+
+class SampleMixingError(RuntimeError):
+    """A module given to the fallback does not treat the samples of a batch independently."""
+
+
+class FallbackRule(LayerRule):
+    """Per-sample gradients of a module's own trainable parameters by replaying its calls (``torch.func``).
+
+    One instance per module (``dptrain.layers.resolve_rule`` builds it); it is never registered.
+    """
+
+    fallback = True
+
+    def __init__(self, module: nn.Module, name: str | None = None):
+        self.param_names = tuple(n for n, _ in module.named_parameters(recurse=False))
+        self.label = name or type(module).__name__
+        self._forward_checked: set[tuple] = set()   # call signatures whose outputs were checked
+        self._backward_checked: set[tuple] = set()  # ... whose per-sample gradients were checked
+
+    # ------------------------------------------------------------------ forward: keep the call
+    def capture_call(self, module, args, kwargs, output):
+        if not isinstance(output, torch.Tensor) or output.dim() == 0:
+            raise ValueError(
+                f"{self._name(module)}: the per-sample fallback needs an output with the batch as its first "
+                f"dimension, got {_describe(output)}; register a rule for it with dptrain.register_layer, or freeze it"
+            )
+        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+        batch = output.shape[0]
+        kept, batched, versions = [], [], []
+        for k, leaf in enumerate(leaves):
+            if isinstance(leaf, torch.Tensor):
+                versions.append((k, leaf._version))
+                if leaf.dim() > 0 and leaf.shape[0] == batch:
+                    batched.append(k)
+                leaf = leaf.detach()
+            kept.append(leaf)
+        device = output.device.type
+        autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        signature = (
+            module.training, autocast,
+            tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in kept),
+        )
+        call = FallbackCall(kept, spec, batched, batch, versions, autocast, signature)
+        if signature not in self._forward_checked and batch > 1:
+            self._check_independence(module, call, output)
+            self._forward_checked.add(signature)
+        return call
+
+    def capture(self, module, inputs, output):  # everything goes through capture_call
+        raise NotImplementedError("FallbackRule keeps whole calls: use capture_call")
+
+    def expand_batch(self, module, activation, output, batch):
+        """A call with batch size 1 whose output broadcasts over the batch: every input is shared."""
+        activation.batched = []
+        activation.batch = batch
+        return activation, output.expand(batch, *output.shape[1:])
+
+    def dims(self, module, activation, output):
+        size = sum(p.numel() for p in module.parameters(recurse=False))
+        T = math.prod(output.shape[1:-1]) if output.dim() > 2 else 1
+        return LayerDims(T=T, p=size, d=1, ghost_supported=False, fallback=True)
+
+    # ------------------------------------------------------------------ backward
+    def operands(self, module, activation, grad_output):
+        call = activation
+        for k, version in call.versions:
+            if call.leaves[k]._version != version:
+                raise RuntimeError(
+                    f"an input of {self._name(module)} was modified in place after the call (e.g. `h += layer(h)`), "
+                    "so the per-sample fallback cannot replay it: use an out-of-place operation (`h = h + layer(h)`)"
+                )
+        return (FallbackOperands([(call, grad_output.detach())]),)
+
+    def concat_calls(self, calls):
+        # Several calls of one module: the per-sample gradient is the sum over its calls.
+        return (FallbackOperands([c for ops in calls for c in ops[0].calls]),)
+
+    def per_sample_grads(self, module, ops, names):
+        store = ops[0]
+        missing = set(names) - set(store.per_sample)
+        if missing:
+            wanted = sorted(missing | {n for n, p in module.named_parameters(recurse=False) if p.requires_grad})
+            for name, grad in self._per_sample(module, store.calls, wanted).items():
+                store.per_sample.setdefault(name, grad)
+        return {n: store.per_sample[n] for n in names}
+
+    def clipped_grads(self, module, ops, factors):
+        per_sample = self.per_sample_grads(module, ops, set(factors))
+        return {n: weighted_sum(factors[n], per_sample[n]) for n in factors}
+
+    # ------------------------------------------------------------------ the replay
+    def _per_sample(self, module, calls, names) -> dict[str, torch.Tensor]:
+        params = dict(module.named_parameters(recurse=False))
+        primals = {n: params[n].detach() for n in names}
+        total: dict[str, torch.Tensor] = {}
+        for call, g in calls:
+            grads = self._per_sample_of_call(module, call, g, primals)
+            for n, t in grads.items():
+                total[n] = t if n not in total else total[n] + t
+        return total
+
+    def _per_sample_of_call(self, module, call, g, primals) -> dict[str, torch.Tensor]:
+        batched = call.batched
+
+        def one_sample(batched_leaves, g_i):
+            args, kwargs = call.arguments({k: t.unsqueeze(0) for k, t in zip(batched, batched_leaves)})
+
+            def forward(p):
+                return replay(module, args, kwargs, p)
+
+            out, pullback = torch.func.vjp(forward, primals)
+            return pullback(g_i.unsqueeze(0).to(out.dtype))[0]
+
+        device, enabled, dtype = call.autocast
+        try:
+            with torch.autocast(device, dtype=dtype, enabled=enabled):
+                grads = torch.func.vmap(one_sample, randomness="error")([call.leaves[k] for k in batched], g)
+        except SampleMixingError:
+            raise
+        except (RuntimeError, ValueError) as err:
+            raise RuntimeError(
+                f"{self._name(module)}: the per-sample fallback could not replay this call one sample at a time "
+                f"({_first_line(err)}). Register a rule for {type(module).__name__} with dptrain.register_layer, "
+                "or freeze its parameters"
+            ) from err
+        if call.signature not in self._backward_checked:
+            self._check_gradient_sum(module, call, g, primals, grads)
+            self._backward_checked.add(call.signature)
+        return grads
+
+    # ------------------------------------------------------------------ checks, once per signature
+    def _check_independence(self, module, call, output):
+        """Forward check: the replay reproduces the output, and perturbing sample 0 moves no other sample."""
+        device, enabled, dtype = call.autocast
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            again = replay(module, *call.arguments())
+            if not isinstance(again, torch.Tensor) or not _close(again, output):
+                raise SampleMixingError(
+                    f"{self._name(module)}: replaying this call does not reproduce its output (random operations "
+                    "such as dropout in training mode, or state that changes from call to call), so the per-sample "
+                    f"fallback cannot compute its per-sample gradients. Register a rule for {type(module).__name__} "
+                    "with dptrain.register_layer, or freeze its parameters"
+                )
+            perturbed = {k: _perturb_first(call.leaves[k]) for k in call.batched}
+            if not perturbed:
+                return
+            moved = replay(module, *call.arguments(perturbed))
+            if moved.shape != again.shape or not _close(moved[1:], again[1:], again[1:].abs().max()):
+                raise SampleMixingError(
+                    f"{self._name(module)} mixes the samples of a batch: changing one sample's input changed the "
+                    "outputs of the others (batch statistics, as BatchNorm in training mode computes), so per-sample "
+                    "gradients do not exist. Use a per-sample normalisation (nn.GroupNorm, nn.LayerNorm), call "
+                    ".eval() on it, or freeze its parameters"
+                )
+
+    def _check_gradient_sum(self, module, call, g, primals, per_sample):
+        """Backward check: the per-sample gradients sum to the whole batch's gradient."""
+        device, enabled, dtype = call.autocast
+        args, kwargs = call.arguments()
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            out, pullback = torch.func.vjp(lambda p: replay(module, args, kwargs, p), primals)
+            if out.shape[0] != g.shape[0]:  # an output broadcast over the batch: its gradient sums over it
+                g = g.sum(0, keepdim=True)
+            whole = pullback(g.to(out.dtype))[0]
+        for name, batch_grad in whole.items():
+            summed = per_sample[name].sum(0)
+            scale = per_sample[name].abs().sum(0).max() if per_sample[name].numel() else 0.0
+            if not _close(summed, batch_grad, scale):
+                raise SampleMixingError(
+                    f"{self._name(module)} mixes the samples of a batch: its per-sample gradients of {name!r} do not "
+                    "sum to the gradient of the whole batch (batch statistics, or a backward that couples samples), "
+                    "so per-sample clipping would be wrong. Use a per-sample normalisation (nn.GroupNorm, "
+                    "nn.LayerNorm), register a rule for it with dptrain.register_layer, or freeze its parameters"
+                )
+
+    def _name(self, module) -> str:
+        return f"{self.label} ({type(module).__name__})" if self.label != type(module).__name__ else self.label
+
+
+def _perturb_first(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with sample 0 changed: shifted by noise of the data's scale (floats), or set to sample 1 (ids)."""
+    out = t.clone()
+    if t.is_floating_point() or t.is_complex():
+        gen = torch.Generator(device=t.device).manual_seed(12345)  # never the user's random stream
+        noise = torch.randn(t[0].shape, generator=gen, device=t.device, dtype=t.dtype)
+        out[0] += noise * (t.abs().max() + 1)
+    else:
+        out[0] = t[1]
+    return out
+
+
+def _describe(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def fallback_modules(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` whose trainable parameters the engine would give to the fallback."""
+    from . import resolve_rule  # the single place that chooses a module's rule
+    from .base import layer_params
+
+    covered = layer_params(model)
+    return [
+        name or "<root>" for name, module in model.named_modules()
+        if module in covered and isinstance(resolve_rule(module, True), FallbackRule)
+    ]

@@ -198,6 +198,32 @@ def build_parser() -> argparse.ArgumentParser:
                      help="only this accountant (repeatable; default: all)")
     eps.set_defaults(handler=_cmd_epsilon)
 
+    # Defaults live in dptrain.audit.AUDIT_DEFAULTS (absent options fall back to them); the help
+    # repeats them so that `dptrain --help` need not import torch (tests/test_audit.py checks both agree).
+    audit = commands.add_parser(
+        "audit",
+        help="check the privacy promise empirically: a lower bound on epsilon from one training run",
+        description="Train the digits CNN privately with gradient canaries, each in the training set with "
+        "probability 1/2, guess from the noisy gradients which were in, and turn the right guesses into a "
+        "lower bound on epsilon (Steinke, Nasr & Jagielski 2023). An honest run gives a bound below the "
+        "accountant's epsilon; see docs/audit.md.",
+        argument_default=argparse.SUPPRESS,
+    )
+    audit.add_argument("--epsilon", type=positive_float, help="the accountant's target epsilon (default 2)")
+    audit.add_argument("--delta", type=probability, help="delta (default 1e-05)")
+    audit.add_argument("--canaries", type=positive_int, help="gradient canaries (default 10000)")
+    audit.add_argument("--steps", type=positive_int, help="training steps (default 10)")
+    audit.add_argument("--sample-rate", type=sample_rate_type,
+                       help="Poisson sample rate over real samples and all canaries (default 0.5)")
+    audit.add_argument("--clipping-mode", choices=CLIPPING_MODES, help="(default bk-mixopt)")
+    audit.add_argument("--confidence", type=probability, help="confidence of the lower bound (default 0.95)")
+    audit.add_argument("--noise-scale", type=non_negative_float,
+                       help="draw this multiple of the accounted noise: a deliberately broken run, only to show "
+                       "that the audit catches it (default 1)")
+    audit.add_argument("--seed", type=int, help="seed of the coins, batches and noise (default: fresh entropy)")
+    audit.add_argument("--json", action="store_true", help="print JSON instead of text")
+    audit.set_defaults(handler=_cmd_audit)
+
     # `dptrain bench ...` is handed whole to dptrain.benchmarking (its own options: dptrain bench --help)
     commands.add_parser("bench", add_help=False,
                         help="time and memory of every clipping mode against non-private training and Opacus")
@@ -920,3 +946,13 @@ def _cmd_epsilon(args: argparse.Namespace) -> int:
         note = "  (central-limit approximation, not a guarantee)" if name == "gdp" else ""
         print(f"  {name}  {label} = {value:.4g}{note}")
     return 0
+
+
+# ====================================================================== audit
+
+
+def _cmd_audit(args: argparse.Namespace) -> int:
+    from .audit import run_command  # torch and scipy: imported only when an audit runs
+
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "handler", "json")}
+    return run_command(options, json_output=getattr(args, "json", False))

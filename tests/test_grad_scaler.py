@@ -85,20 +85,50 @@ def test_scaled_plain_backward_and_micro_batches(mode):
 
 
 def _overflowing_scaler() -> torch.amp.GradScaler:
-    # 2^127 times the gradients overflows float32 norms; one back-off brings the scale to 2^7.
-    return _scaler(2.0**127, backoff_factor=2.0**-120, growth_interval=1000)
+    # 2^120 times the gradients overflows their float32 squared norms (the scaled losses themselves stay
+    # finite); one back-off brings the scale to 2^7.
+    return _scaler(2.0**120, backoff_factor=2.0**-113, growth_interval=1000)
 
 
-@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
-def test_an_overflowed_step_is_skipped_and_still_counted(mode):
+@pytest.mark.parametrize("mode", MODES)
+def test_an_overflow_is_run_again_at_a_smaller_scale_without_skipping_the_step(mode):
     batches = _batches(2)
     model = _model()
-    initial = copy.deepcopy(model.state_dict())
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     scaler = _overflowing_scaler()
     engine = _engine(model, mode).attach(opt, grad_scaler=scaler)
+    for x, y in batches:
+        engine.backward(scaler.scale(F.cross_entropy(model(x), y, reduction="none")))
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert scaler.get_scale() == 2.0**7  # the scale that worked, found on the first batch
+    assert engine.steps_taken == 2  # no step skipped, none counted twice
+    expected, _ = _train(mode, batches)
+    for p, q in zip(expected.parameters(), model.parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6)
+
+
+def _plain_overflow_setup(mode="bk-mixopt"):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = _overflowing_scaler()
+    return model, opt, scaler, _engine(model, mode, loss_reduction="sum").attach(opt, grad_scaler=scaler)
+
+
+def _plain_backward(model, scaler, x, y):
+    scaler.scale(F.cross_entropy(model(x), y, reduction="sum")).backward()
+
+
+@pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
+def test_a_plain_backward_that_overflows_skips_the_step_and_counts_it(mode):
+    # loss.backward() cannot be run again by the engine: the scaler skips the step, which counts.
+    batches = _batches(2)
+    model, opt, scaler, engine = _plain_overflow_setup(mode)
+    initial = copy.deepcopy(model.state_dict())
     x, y = batches[0]
-    engine.backward(scaler.scale(F.cross_entropy(model(x), y, reduction="none")))
+    with pytest.warns(UserWarning, match="fp16 overflow"):
+        _plain_backward(model, scaler, x, y)
     assert engine.steps_taken == 1  # counted at the overflow: optimizer.step() will not run
     scaler.step(opt)
     scaler.update()
@@ -109,7 +139,7 @@ def test_an_overflowed_step_is_skipped_and_still_counted(mode):
     assert engine.steps_taken == 1
     # The next step runs normally with the reduced scale, and equals a private step from the start.
     x, y = batches[1]
-    engine.backward(scaler.scale(F.cross_entropy(model(x), y, reduction="none")))
+    _plain_backward(model, scaler, x, y)
     scaler.step(opt)
     scaler.update()
     assert engine.steps_taken == 2
@@ -119,18 +149,12 @@ def test_an_overflowed_step_is_skipped_and_still_counted(mode):
     assert engine.get_epsilon() > 0
 
 
-def _overflow_setup():
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    scaler = _overflowing_scaler()
-    return model, opt, scaler, _engine(model, "bk-mixopt").attach(opt, grad_scaler=scaler)
-
-
 def test_overflow_in_one_micro_batch_skips_and_counts_the_logical_step_once():
-    model, opt, scaler, engine = _overflow_setup()
+    model, opt, scaler, engine = _plain_overflow_setup()
     x, y = _batches(1)[0]
-    for xs, ys in zip(x.chunk(3), y.chunk(3)):
-        engine.backward(scaler.scale(F.cross_entropy(model(xs), ys, reduction="none")))
+    with pytest.warns(UserWarning, match="fp16 overflow"):
+        for xs, ys in zip(x.chunk(3), y.chunk(3)):
+            _plain_backward(model, scaler, xs, ys)
     assert engine.steps_taken == 1
     before = copy.deepcopy(model.state_dict())
     scaler.step(opt)
@@ -138,7 +162,7 @@ def test_overflow_in_one_micro_batch_skips_and_counts_the_logical_step_once():
     opt.zero_grad()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert engine.steps_taken == 1
-    engine.backward(scaler.scale(F.cross_entropy(model(x), y, reduction="none")))
+    _plain_backward(model, scaler, x, y)
     scaler.step(opt)
     scaler.update()
     assert engine.steps_taken == 2
@@ -146,13 +170,32 @@ def test_overflow_in_one_micro_batch_skips_and_counts_the_logical_step_once():
 
 
 def test_optimizer_step_after_an_overflow_applies_nothing_and_counts_once():
-    model, opt, scaler, engine = _overflow_setup()
+    model, opt, scaler, engine = _plain_overflow_setup()
     x, y = _batches(1)[0]
     before = copy.deepcopy(model.state_dict())
-    engine.backward(scaler.scale(F.cross_entropy(model(x), y, reduction="none")))
+    with pytest.warns(UserWarning, match="fp16 overflow"):
+        _plain_backward(model, scaler, x, y)
     opt.step()  # bypasses the scaler: the engine itself drops the overflowed step
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert engine.steps_taken == 1
+
+
+def test_a_backward_with_a_scale_that_worked_before_keeps_no_graph():
+    # The graph is kept (for a run at a smaller scale) only while the scale is above the last one that
+    # worked: afterwards a second backward through the same losses fails as in ordinary training.
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    scaler = _scaler(2.0**4)
+    engine = _engine(model, "bk").attach(opt, grad_scaler=scaler)
+    x, y = _batches(1)[0]
+    engine.backward(scaler.scale(F.cross_entropy(model(x), y, reduction="none")))
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    losses = scaler.scale(F.cross_entropy(model(x), y, reduction="none"))
+    engine.backward(losses)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        losses.sum().backward()
 
 
 def test_without_a_scaler_an_overflow_is_an_error():

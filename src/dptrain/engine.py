@@ -471,8 +471,9 @@ class PrivacyEngine:
 
         Without a GradScaler the objective is ``sum_i L_i``. With one, ``losses`` carry its scale S and
         the objective is their mean, as in ordinary fp16 training (a sum would be B times larger and
-        overflow); where it overflows anyway, the same batch is back-propagated again at half the scale
-        (single process): finding the scale costs a backward, never a skipped step or privacy budget.
+        overflow). Where a scale above the last one that worked overflows, the same batch is
+        back-propagated again at the scaler's back-off (single process): finding the scale costs a
+        backward, never a skipped step or privacy budget. The graph is kept for that only then.
         """
         B = losses.shape[0]
         if self._scaler is None:
@@ -490,7 +491,7 @@ class PrivacyEngine:
                 if not retry or scale * attempt <= 1.0:  # below scale 1 a smaller scale no longer helps: a real NaN
                     return True
                 self._reset_for_retry()
-                attempt *= 0.5
+                attempt *= self._scaler.get_backoff_factor()
             finally:
                 self._consumed = None
         self._good_scale = scale * attempt
@@ -500,7 +501,7 @@ class PrivacyEngine:
 
     def _one_backward(self, losses: torch.Tensor, factor: float, kappa: float, retain: bool) -> None:
         """Back-propagate ``factor * sum_i losses_i``; ``kappa`` is that objective's factor on the true losses."""
-        objective = losses.sum() if factor == 1.0 else losses.sum() * factor
+        objective = losses.sum() if factor == 1.0 else (losses * factor).sum()
         if self.recipe.two_pass:
             self._two_pass_backward(losses, objective, factor, kappa)
         else:
@@ -536,9 +537,8 @@ class PrivacyEngine:
         self._phase = "second-pass"
         self._begin_sums()
         for k, params in enumerate(self._group_params):
-            reweighted = (losses * factors[k].to(losses.dtype)).sum()
-            if factor != 1.0:
-                reweighted = reweighted * factor
+            weights = factors[k] if factor == 1.0 else factors[k] * factor
+            reweighted = (losses * weights.to(losses.dtype)).sum()
             self._reweighted = []
             torch.autograd.backward(reweighted, retain_graph=k < len(self._group_params) - 1)
             by_layer: dict[int, list[Call]] = {}

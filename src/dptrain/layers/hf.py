@@ -5,11 +5,13 @@ the optional ``transformers`` extra are covered when present and nothing is paid
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
 
 from .base import LayerDims, LayerRule, register_layer, weighted_sum
+from .embedding import EmbeddingRule
 from .linear import LinearRule
 from .norms import _AffineNormRule
 
@@ -42,12 +44,13 @@ class Conv1DRule(LinearRule):
 
 @register_layer
 class HFRMSNormRule(_AffineNormRule):
-    """T5's and Llama's RMS norms: weight * x / sqrt(mean(x^2) + eps), statistics in float32."""
+    """T5's RMS norm: weight * x / sqrt(mean(x^2) + eps), statistics in float32, x kept in its dtype.
 
-    module_types = (
-        "transformers.models.t5.modeling_t5.T5LayerNorm",
-        "transformers.models.llama.modeling_llama.LlamaRMSNorm",
-    )
+    Llama's and the other decoder families' RMS norms normalise x itself in float32; they are
+    recognised by structure (``norms.recognise_rms_norm``), which reproduces that rounding.
+    """
+
+    module_types = ("transformers.models.t5.modeling_t5.T5LayerNorm",)
     param_names = ("weight",)
 
     def dims(self, module, activation, output):
@@ -65,6 +68,57 @@ class HFRMSNormRule(_AffineNormRule):
         xhat = x * torch.rsqrt(variance + module.variance_epsilon)
         return xhat.to(module.weight.dtype) if module.weight.dtype in (torch.float16, torch.bfloat16) else xhat
 
+
+
+@register_layer
+class FalconLinearRule(LinearRule):
+    """Falcon's ``FalconLinear``: ``input @ weight.T + bias``, an ``nn.Linear`` written out."""
+
+    module_types = ("transformers.models.falcon.modeling_falcon.FalconLinear",)
+
+
+@register_layer
+class ScaledEmbeddingRule(EmbeddingRule):
+    """Gemma's ``GemmaTextScaledWordEmbedding`` (and its copies in later families): an ``nn.Embedding``
+    whose output is multiplied by the buffer ``embed_scale`` (sqrt of the width), so the gradient of
+    the table is that of an embedding whose output gradient is ``g * embed_scale``."""
+
+    module_types = (
+        "transformers.models.gemma.modeling_gemma.GemmaTextScaledWordEmbedding",
+        "transformers.models.gemma2.modeling_gemma2.Gemma2TextScaledWordEmbedding",
+        "transformers.models.gemma3.modeling_gemma3.Gemma3TextScaledWordEmbedding",
+    )
+
+    def operands(self, module, activation, grad_output):
+        scale = module.embed_scale.to(module.weight.dtype)  # the forward multiplies by exactly this
+        return super().operands(module, activation, grad_output * scale.to(grad_output.dtype))
+
+
+@register_layer
+class OPTPositionalEmbeddingRule(EmbeddingRule):
+    """OPT's learned positions: an ``nn.Embedding`` called with the attention mask, whose ids are
+    ``position_ids + 2`` (given, or the running count of attended tokens minus one, from
+    ``cache_length`` on). The ids are formed as its forward forms them, then it is an embedding."""
+
+    module_types = ("transformers.models.opt.modeling_opt.OPTLearnedPositionalEmbedding",)
+
+    def capture_call(self, module, args, kwargs, output):
+        try:
+            bound = inspect.signature(module.forward).bind(*args, **kwargs)
+        except TypeError as err:
+            raise TypeError(f"{type(module).__name__} was called with arguments its forward does not take: {err}") from None
+        bound.apply_defaults()
+        attention_mask = bound.arguments.get("attention_mask")
+        cache_length = bound.arguments.get("cache_length", 0)
+        position_ids = bound.arguments.get("position_ids")
+        if position_ids is None:
+            if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+                raise ValueError(
+                    f"{type(module).__name__} needs an attention mask [B, T] or position_ids: got {attention_mask!r}"
+                )
+            positions = torch.cumsum(attention_mask, dim=1)
+            position_ids = (positions * attention_mask - 1).long()[:, cache_length:]
+        return self.capture(module, (position_ids + module.offset,), output)
 
 
 class TokenParamsRule(LayerRule):

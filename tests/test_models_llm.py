@@ -1,0 +1,192 @@
+"""Today's open decoder LLM families, from tiny configs with random weights, against the oracle.
+
+Llama, Mistral, Qwen2, Phi-3, Gemma, OPT, Falcon and GPT-NeoX, fully trainable and with LoRA
+adapters: every clipping mode through engine.backward(per-sequence losses), and the
+single-backward modes through Hugging Face's own loss (``labels=...``) and a plain
+``loss.backward()``. They need no fallback: their RMS norms are recognised by structure, and
+OPT's positions, Gemma's scaled embedding and Falcon's linear layers have rules (so every
+test here also runs with ``allow_fallback=False``).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import dptrain
+from dptrain.layers import FallbackRule, resolve_rule
+from dptrain.losses import sequence_losses
+from dptrain.testing import reference_clipped_gradient, trainable_named_parameters
+from helpers import MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, reference, spread_init, split_max_grad_norm
+from test_fallback import check_against_oracle
+
+T = pytest.importorskip("transformers")
+
+B, L, V = 4, 6, 48  # B a power of two: Hugging Face's token mean over the batch scales without rounding
+
+_COMMON = dict(vocab_size=V, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=32,
+               attn_implementation="sdpa")
+_ROPE = dict(intermediate_size=32, num_key_value_heads=1)  # grouped-query attention: 2 query heads, 1 kv head
+
+FAMILIES = {
+    # name: (config class, model class, config kwargs, LoRA target modules)
+    "llama": (T.LlamaConfig, T.LlamaForCausalLM, _ROPE, ["q_proj", "v_proj"]),
+    "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(_ROPE, sliding_window=4), ["q_proj", "v_proj"]),
+    "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, _ROPE, ["q_proj", "v_proj"]),
+    "phi3": (T.Phi3Config, T.Phi3ForCausalLM, dict(_ROPE, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0,
+                                                   bos_token_id=1, eos_token_id=2), ["qkv_proj"]),
+    "gemma": (T.GemmaConfig, T.GemmaForCausalLM, dict(_ROPE, head_dim=8), ["q_proj", "v_proj"]),
+    "opt": (T.OPTConfig, T.OPTForCausalLM, dict(ffn_dim=32, dropout=0.0, layerdrop=0.0, word_embed_proj_dim=16,
+                                                pad_token_id=1), ["q_proj", "v_proj"]),
+    "falcon": (T.FalconConfig, T.FalconForCausalLM, dict(hidden_dropout=0.0, new_decoder_architecture=False,
+                                                         multi_query=True, bias=True, alibi=False),
+               ["query_key_value"]),
+    "gpt-neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, dict(intermediate_size=32, hidden_dropout=0.0),
+                 ["query_key_value"]),
+}
+
+# OPT's decoder layers fold the tokens into the batch for their feed-forward block
+# (hidden_states.reshape(-1, d) before final_layer_norm, fc1 and fc2): the engine refuses those
+# layers while trainable (they would be clipped per token, not per sequence), so OPT is tested
+# with them frozen (its learned positions stay trainable) and with LoRA on the attention.
+FOLDED_FFN = ("final_layer_norm", "fc1", "fc2")
+VARIANTS = [(name, "frozen-ffn" if name == "opt" else "full") for name in FAMILIES] + [
+    (name, "lora") for name in FAMILIES]
+
+# Their RMS norms compute in float32 inside a float64 model: a second backward of sum_i C_i L_i rounds
+# C_i-scaled gradients there (see tests/test_fallback.py, check_against_oracle).
+FLOAT32_INSIDE = {"llama", "mistral", "qwen2", "phi3", "gemma"}
+# Gemma's norm scales by (1 + weight) in float32, so autograd (the oracle) sums its weight gradient
+# over the tokens in float32; the rule sums the same products in float64. Only float32 rounding.
+FLOAT32_GRADIENT = {"gemma"}
+
+
+def _build(name: str, variant: str):
+    config_cls, model_cls, extra, targets = FAMILIES[name]
+    torch.manual_seed(hash(name) % 1000)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = model_cls(config_cls(**_COMMON, **extra, attention_dropout=0.0))
+    model = spread_init(model).double().train()
+    if variant == "frozen-ffn":
+        for pname, p in model.named_parameters():
+            p.requires_grad_(not any(f".{part}." in pname for part in FOLDED_FFN))
+    if variant == "lora":
+        peft = pytest.importorskip("peft")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
+                                                               target_modules=targets))
+        with torch.no_grad():  # PEFT starts lora_B at zero, which would make lora_A's gradients zero
+            for pname, p in model.named_parameters():
+                if "lora_B" in pname:
+                    p.normal_(0, 0.3)
+    return model
+
+
+def _sequence_losses(model, ids, mask, labels):
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    return sequence_losses(logits, labels, shift=True, reduction="mean")
+
+
+def _hf_loss(model, ids, mask, labels):
+    """Hugging Face's own causal-LM loss: the mean over every valid token of the batch."""
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def _batch(seed: int, padded: bool):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, V, (B, L), generator=g)
+    mask = torch.ones(B, L, dtype=torch.long)
+    labels = ids.clone()
+    if padded:  # right padding, and a prompt that is not trained on
+        mask[1, -2:] = 0
+        ids[1, -2:] = 1
+        labels = labels.masked_fill(mask == 0, -100)
+        labels[2, :2] = -100
+    return ids, mask, labels
+
+
+_built: dict[tuple, tuple] = {}
+
+
+def built(name: str, variant: str, hf_loss: bool = False):
+    """(case, R, oracle). With ``hf_loss`` every sequence has the same number of valid tokens, so
+    that Hugging Face's batch mean is the mean over sequences of each one's token mean."""
+    key = (name, variant, hf_loss)
+    if key not in _built:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            case = Case(_build(name, variant), _sequence_losses, _batch(len(name), padded=not hf_loss))
+            R = split_max_grad_norm(case, "all-layer")
+            if hf_loss:
+                ref = reference_clipped_gradient(case.model, _hf_loss, case.batch, max_grad_norm=R)
+            else:
+                ref = reference(case, max_grad_norm=R)
+            _built[key] = (case, R, ref)
+        finally:
+            torch.set_default_dtype(previous)
+    return _built[key]
+
+
+def _run(case: Case, mode: str, R: float, hf_loss: bool) -> dict:
+    model = copy.deepcopy(case.model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R, noise_multiplier=0.0,
+                                       clipping_mode=mode, allow_fallback=False)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    engine.attach(optimizer)
+    try:
+        if hf_loss:
+            _hf_loss(model, *case.batch).backward()
+        else:
+            engine.backward(case.losses(model))
+        optimizer.step()
+        return {n: p.grad.detach().clone() for n, (_, p) in trainable_named_parameters(model).items()}
+    finally:
+        engine.detach()
+
+
+def _check(name, case, R, ref, got, mode):
+    if name in FLOAT32_GRADIENT:
+        assert_matches(got, ref, rtol=1e-6, what=f"{name} {mode}: float32 sums inside the model only")
+        return
+    check_against_oracle(name, case, R, ref, got, mode, FLOAT32_INSIDE)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name, variant", VARIANTS)
+def test_engine_backward_matches_oracle(name, variant, mode):
+    case, R, ref = built(name, variant)
+    _check(name, case, R, ref, _run(case, mode, R, hf_loss=False), mode)
+
+
+@pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
+@pytest.mark.parametrize("name, variant", VARIANTS)
+def test_hugging_face_loss_backward_matches_oracle(name, variant, mode):
+    case, R, ref = built(name, variant, hf_loss=True)
+    _check(name, case, R, ref, _run(case, mode, R, hf_loss=True), mode)
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_no_module_needs_the_fallback(name):
+    model = _build(name, "full")
+    assert [n for n, m in model.named_modules() if isinstance(resolve_rule(m), FallbackRule)] == []
+    dptrain.validate(model, allow_fallback=False)
+
+
+def test_opt_feed_forward_folded_into_the_batch_is_refused_while_trainable():
+    model = _build("opt", "full")
+    engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, noise_multiplier=0.0)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    try:
+        with pytest.raises(ValueError, match="batch") as refused:
+            engine.backward(_sequence_losses(model, *_batch(0, padded=False)))
+    finally:
+        engine.detach()
+    assert any(part in str(refused.value) for part in FOLDED_FFN)
+    assert all(p.grad is None for p in model.parameters())

@@ -257,9 +257,18 @@ class PrivacyEngine:
         for p in list(self._grad_handles):
             if p not in self._users:
                 self._grad_handles.pop(p).remove()
+        # The hook lives in the parameter's C++ autograd data, where Python's gc cannot see it: a strong
+        # reference to the engine would keep the engine, the model and all its state alive forever.
+        engine = weakref.ref(self)
+
+        def on_accumulated_grad(p: nn.Parameter) -> None:
+            alive = engine()
+            if alive is not None:
+                alive._on_accumulated_grad(p)
+
         for p in self._users:
             if p not in self._grad_handles:
-                self._grad_handles[p] = p.register_post_accumulate_grad_hook(self._on_accumulated_grad)
+                self._grad_handles[p] = p.register_post_accumulate_grad_hook(on_accumulated_grad)
 
     # ------------------------------------------------------------------ attach / detach
     def attach(self, optimizer: torch.optim.Optimizer, data_loader=None, grad_scaler=None) -> PrivacyEngine:
@@ -439,7 +448,8 @@ class PrivacyEngine:
             self._forget_calls()
             raise ValueError(
                 f"engine.backward got {B} per-sample losses but the model was last called with a batch of "
-                f"{forward_batch}: give one loss per sample of that call (reduction='none')"
+                f"{forward_batch}: give one loss per sample of that call (reduction='none'). A model that takes "
+                "the batch in the second dimension of its input (sequence first) needs batch_first=False"
             )
         if B == 0 or not losses.requires_grad:
             if B == 0 and losses.requires_grad and isinstance(self._parallel, distributed.FSDP2Gradients):

@@ -1,0 +1,623 @@
+"""What users do outside the happy path: checkpointing, (un)freezing after attach, failed forwards and
+backwards, reshaped batches, user hooks, keyword calls, second optimizers and engines, the budget.
+
+Each hazard is checked two ways, in every mode and on both backward paths where it applies: against
+the one-sample-at-a-time oracle (float64, clipping binding), and at batch size 1 with noise 0, where
+the applied update must have norm <= R (the property the accountant relies on).
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import dptrain
+from dptrain.testing import reference_clipped_gradient
+from helpers import MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, assert_matches
+
+R = 0.3
+PATHS = [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES]
+
+
+def _losses(model, x, y):
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def _engine(model, mode, **kw):
+    kw.setdefault("noise_multiplier", 0.0)
+    return dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R, clipping_mode=mode, **kw)
+
+
+def _backward(engine, model, x, y, path):
+    if path == "engine":
+        engine.backward(_losses(model, x, y))
+    else:
+        _losses(model, x, y).sum().backward()
+
+
+def _clipped_sum(model, mode, path, batches, **kw) -> dict[str, torch.Tensor]:
+    """p.grad after one step over ``batches`` (micro-batches), with batch_size=1 and noise 0: the clipped sum."""
+    engine = _engine(model, mode, loss_reduction="sum", **kw)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    engine.attach(opt)
+    try:
+        for x, y in batches:
+            _backward(engine, model, x, y, path)
+        opt.step()
+        return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    finally:
+        engine.detach()
+
+
+def _reference(model, batches):
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    return reference_clipped_gradient(model, _losses, (x, y), max_grad_norm=R)
+
+
+def _update_norm(before: nn.Module, after: nn.Module) -> float:
+    return math.sqrt(sum(float((p - q).detach().square().sum()) for p, q in zip(before.parameters(), after.parameters())))
+
+
+def _one_sample_update(model, mode, path, x, y, lr=1.0, **kw) -> float:
+    """Norm of the update of one SGD step (lr 1, noise 0, batch_size 1) on one sample: at most R."""
+    before = copy.deepcopy(model)
+    engine = _engine(model, mode, loss_reduction="sum", **kw)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
+    engine.attach(opt)
+    _backward(engine, model, x, y, path)
+    opt.step()
+    engine.detach()
+    return _update_norm(before, model)
+
+
+def _data(B, d=6, classes=3, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, d, generator=g, dtype=torch.float64) * 3, torch.randint(0, classes, (B,), generator=g)
+
+
+# ---------------------------------------------------------------------------------------- checkpointing
+class Checkpointed(nn.Module):
+    """A first layer, a checkpointed block (a layer called twice inside it), and a head."""
+
+    def __init__(self, how: str | None):
+        super().__init__()
+        self.how = how
+        self.inp = nn.Linear(6, 8)
+        self.a = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def block(self, h):
+        return self.norm(torch.tanh(self.a(torch.tanh(self.a(h)))))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        if self.how is None:
+            h = self.block(h)
+        else:
+            h = checkpoint(self.block, h, use_reentrant=self.how == "reentrant")
+        return self.head(h)
+
+
+def _checkpointed(how, seed=0):
+    torch.manual_seed(seed)
+    return Checkpointed(how).double()
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_checkpointing_is_exact(float64, mode, path, how):
+    model = _checkpointed(how)
+    plain = _checkpointed(None)  # same weights: the oracle runs without checkpointing
+    batches = [_data(3, seed=1), _data(1, seed=2), _data(2, seed=3)]  # micro-batches of different sizes
+    got = _clipped_sum(model, mode, path, batches)
+    assert_matches(got, _reference(plain, batches), what=f"{how} checkpointing")
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_checkpointing_bounds_one_sample(float64, mode, path, how):
+    x, y = _data(1, seed=4)
+    assert _one_sample_update(_checkpointed(how), mode, path, x * 10, y) <= R * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("how", ["reentrant", "non-reentrant"])
+@pytest.mark.parametrize("mode", MODES)
+def test_recomputed_calls_are_not_kept(float64, mode, how):
+    model = _checkpointed(how)
+    engine = _engine(model, mode).attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    for seed in range(3):  # micro-batches: nothing of a recomputation waits for a gradient that never comes
+        engine.backward(_losses(model, *_data(2, seed=seed)))
+        assert sum(len(s.calls) for s in engine._layers) == 0
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+@pytest.mark.parametrize("mode,path", [("ghost", "engine"), ("bk-mixopt", "engine"), ("bk-mixopt", "plain"),
+                                       ("mix-ghost", "engine")])
+def test_hugging_face_gradient_checkpointing(float64, mode, path, reentrant):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=40, n_positions=12)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double()
+    model.config.use_cache = False
+    reference_model = copy.deepcopy(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train(), reference_model.train()
+    for m in (model, reference_model):  # dropout off: the oracle and the engine see the same function
+        for mod in m.modules():
+            if isinstance(mod, nn.Dropout):
+                mod.p = 0.0
+    ids = torch.randint(0, 40, (3, 7), generator=torch.Generator().manual_seed(5))
+
+    def losses_fn(m, ids):
+        logits = m(input_ids=ids).logits[:, :-1]
+        tokens = F.cross_entropy(logits.reshape(-1, 40), ids[:, 1:].reshape(-1), reduction="none")
+        return tokens.view(ids.shape[0], -1).sum(1)
+
+    reference = reference_clipped_gradient(reference_model, losses_fn, (ids,), max_grad_norm=R)
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    losses = losses_fn(model, ids)
+    engine.backward(losses) if path == "engine" else losses.sum().backward()
+    opt.step()
+    got = {}
+    for name, p in model.named_parameters():
+        got[name] = p.grad
+    ref = {n: reference[n] for n in got}
+    assert_matches(got, ref, rtol=1e-9, what="GPT-2 gradient checkpointing")
+
+
+# ---------------------------------------------------------------------------------------- (un)freezing
+def _three_layers(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_a_layer_unfrozen_after_attach_is_clipped_exactly(float64, mode, path):
+    model = _three_layers()
+    reference = _reference(model, [_data(4, seed=2)])  # every layer trainable
+    model[0].requires_grad_(False)
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)  # holds the frozen layer too (staged fine-tuning)
+    engine.attach(opt)
+    batch = _data(4, seed=2)
+    _backward(engine, model, *batch, path)
+    opt.step(), opt.zero_grad()
+    assert model[0].weight.grad is None
+    model[0].requires_grad_(True)
+    _backward(engine, model, *batch, path)
+    opt.step()
+    got = {n: p.grad for n, p in model.named_parameters()}
+    assert_matches(got, reference, what="unfrozen after attach")
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_a_layer_unfrozen_after_attach_bounds_one_sample(float64, mode, path):
+    model = _three_layers()
+    model[0].requires_grad_(False)
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(opt)
+    model[0].requires_grad_(True)
+    before = copy.deepcopy(model)
+    x, y = _data(1, seed=3)
+    _backward(engine, model, x * 10, y, path)
+    opt.step()
+    assert _update_norm(before, model) <= R * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_a_layer_frozen_after_attach_is_left_untouched_and_not_counted(float64, mode, path):
+    model = _three_layers()
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(opt)
+    batch = _data(4, seed=2)
+    _backward(engine, model, *batch, path)
+    opt.step()
+    model[2].requires_grad_(False)
+    frozen = copy.deepcopy(model[2].state_dict())
+    engine.detach()  # the oracle needs autograd's own parameter gradients
+    reference = _reference(model, [batch])  # the oracle counts trainable parameters only
+    engine.attach(opt)
+    opt.zero_grad(set_to_none=True)
+    _backward(engine, model, *batch, path)
+    opt.step()
+    for k, v in model[2].state_dict().items():
+        assert torch.equal(v, frozen[k]), k
+    assert model[2].weight.grad is None and model[2].bias.grad is None
+    assert_matches({n: p.grad for n, p in model.named_parameters() if p.requires_grad}, reference,
+                   what="frozen after attach")
+
+
+def test_a_newly_trainable_module_without_a_rule_is_refused(float64):
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)).double()
+    model[1].requires_grad_(False)
+    model[1].eval()
+    engine = _engine(model, "bk-mixopt")
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    engine.backward(_losses(model, *_data(4)))
+    model[1].requires_grad_(True)
+    with pytest.raises(ValueError, match="BatchNorm1d"):
+        model(_data(4)[0])
+
+
+# ---------------------------------------------------------------------------------------- failed backwards
+class Failing(nn.Module):
+    """Raises in its backward (or forward) when told to: an out-of-memory error, a NaN check, a Ctrl-C."""
+
+    def __init__(self):
+        super().__init__()
+        self.fail_backward: type[BaseException] | None = None
+        self.fail_forward: type[BaseException] | None = None
+
+    def forward(self, h):
+        if self.fail_forward is not None:
+            raise self.fail_forward("failed in the forward")
+        return _RaiseInBackward.apply(h, self)
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, owner):
+        ctx.owner = owner
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.owner.fail_backward is not None:
+            raise ctx.owner.fail_backward("failed in the backward")
+        return grad, None
+
+
+def _failing_model(seed=0):
+    torch.manual_seed(seed)
+    # The head is reduced before the failure point is reached; the first layers after it.
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), Failing(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_a_failed_backward_leaves_nothing_behind(float64, mode, path, error):
+    model = _failing_model()
+    reference_model = copy.deepcopy(model)
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    good1, bad, good2 = _data(3, seed=1), _data(4, seed=2), _data(2, seed=3)
+    _backward(engine, model, *good1, path)  # a completed micro-batch of the same logical step: kept
+    model[2].fail_backward = error
+    with pytest.raises(error):
+        _backward(engine, model, *bad, path)
+    model[2].fail_backward = None
+    _backward(engine, model, *good2, path)  # another batch size: nothing of the failed one is left
+    opt.step()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert_matches(got, _reference(reference_model, [good1, good2]), what="after a failed backward")
+    # The next step is exact too.
+    opt.zero_grad()
+    _backward(engine, model, *bad, path)
+    opt.step()
+    assert_matches({n: p.grad for n, p in model.named_parameters()}, _reference(reference_model, [bad]),
+                   what="the step after")
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_a_failed_backward_then_one_sample_is_bounded(float64, mode, path):
+    model = _failing_model()
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(opt)
+    model[2].fail_backward = RuntimeError
+    with pytest.raises(RuntimeError):
+        _backward(engine, model, *_data(4, seed=2), path)
+    model[2].fail_backward = None
+    opt.zero_grad()
+    before = copy.deepcopy(model)
+    x, y = _data(1, seed=5)
+    _backward(engine, model, x * 10, y, path)
+    opt.step()
+    assert _update_norm(before, model) <= R * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_a_failed_forward_leaves_nothing_behind(float64, mode, path, error):
+    model = _failing_model()
+    reference_model = copy.deepcopy(model)
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    model[2].fail_forward = error
+    with pytest.raises(error):
+        model(_data(4)[0])
+    model[2].fail_forward = None
+    assert all(p.requires_grad for p in model.parameters())  # ghost differentiation's switch was undone
+    batch = _data(3, seed=3)
+    _backward(engine, model, *batch, path)
+    opt.step()
+    assert_matches({n: p.grad for n, p in model.named_parameters()}, _reference(reference_model, [batch]),
+                   what="after a failed forward")
+
+
+@pytest.mark.parametrize("mode,path", [("bk-mixopt", "engine"), ("bk-mixopt", "plain"), ("ghost", "engine"),
+                                       ("per-sample", "plain")])
+def test_nothing_of_a_failed_backward_outlives_the_user_references(float64, mode, path):
+    model = _failing_model()
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    x, y = _data(64, seed=2)
+    big = weakref.ref(x)
+    model[2].fail_backward = RuntimeError
+    try:
+        _backward(engine, model, x, y, path)
+    except RuntimeError:
+        pass
+    engine_ref, model_ref = weakref.ref(engine), weakref.ref(model)
+    del engine, model, opt, x, y
+    gc.collect()
+    assert engine_ref() is None and model_ref() is None and big() is None
+
+
+def test_a_failure_while_adding_to_the_sums_drops_the_step_as_a_whole(float64, monkeypatch):
+    model = _three_layers()
+    engine = _engine(model, "bk", loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    engine.backward(_losses(model, *_data(3, seed=1)))
+    from dptrain.layers.linear import LinearRule
+    calls = []
+    real = LinearRule.clipped_grads
+
+    def fail_on_second(self, module, ops, factors):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return real(self, module, ops, factors)
+
+    monkeypatch.setattr(LinearRule, "clipped_grads", fail_on_second)
+    with pytest.warns(UserWarning, match="dropped as a whole"), pytest.raises(RuntimeError, match="out of memory"):
+        engine.backward(_losses(model, *_data(3, seed=2)))
+    monkeypatch.setattr(LinearRule, "clipped_grads", real)
+    opt.step()
+    assert all(float(p.grad.abs().max()) == 0.0 for p in model.parameters())  # noise 0: nothing applied
+
+
+# ---------------------------------------------------------------------------------------- the batch axis
+class FoldsTokens(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(6, 8)
+        self.l2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        h = torch.tanh(self.l1(x.reshape(B * T, 6)))
+        return self.l2(h).view(B, T, 3).sum(1)
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_a_model_that_folds_tokens_into_the_batch_is_refused(float64, mode, path):
+    model = FoldsTokens().double()
+    engine = _engine(model, mode, loss_reduction="sum")
+    engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    x = torch.randn(1, 20, 6)
+    with pytest.raises(ValueError, match="folds another axis into the batch"):
+        _backward(engine, model, x, torch.tensor([1]), path)
+
+
+class SequenceFirst(nn.Module):
+    """Takes [T, B, d] (like nn.LSTM or nn.Transformer without batch_first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.norm(torch.tanh(self.emb(x)))).sum(0)
+
+
+def _seq_first_losses(model, x, y):  # the batch is kept batch first; the model gets it sequence first
+    return F.cross_entropy(model(x.transpose(0, 1)), y, reduction="none")
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_sequence_first_models_with_batch_first_false(float64, mode, path):
+    torch.manual_seed(0)
+    model = SequenceFirst().double()
+    x, y = torch.randn(4, 5, 6) * 2, torch.randint(0, 3, (4,))
+    reference = reference_clipped_gradient(model, _seq_first_losses, (x, y), max_grad_norm=R)
+    trained = copy.deepcopy(model)
+    engine = _engine(trained, mode, loss_reduction="sum", batch_first=False)
+    opt = torch.optim.SGD(trained.parameters(), lr=0.0)
+    engine.attach(opt)
+    losses = _seq_first_losses(trained, x, y)
+    engine.backward(losses) if path == "engine" else losses.sum().backward()
+    opt.step()
+    assert_matches({n: p.grad for n, p in trained.named_parameters()}, reference, what="batch_first=False")
+    if path == "engine":
+        # With batch_first (the default) the engine reads the batch from dim 0 (T = 5 here), and the four
+        # losses give it away. A plain loss.backward() cannot tell: sequence-first models must say so.
+        other = copy.deepcopy(model)
+        engine = _engine(other, mode, loss_reduction="sum")
+        engine.attach(torch.optim.SGD(other.parameters(), lr=0.0))
+        with pytest.raises(ValueError, match="batch_first=False"):
+            engine.backward(_seq_first_losses(other, x, y))
+
+
+# ---------------------------------------------------------------------------------------- hooks and calls
+def _hooked_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_a_user_hook_registered_before_attach_is_exact(float64, mode, path):
+    model = _hooked_model()
+    # Changes the layer's output: the gradient reaches the layer through it, exactly.
+    model[0].register_forward_hook(lambda m, i, out: out * 2 + 1)
+    model[0].register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))
+    batch = _data(4)
+    reference = _reference(model, [batch])
+    assert_matches(_clipped_sum(model, mode, path, [batch]), reference, what="user hooks")
+
+
+@pytest.mark.parametrize("kind", ["prepend", "pre-hook after attach", "global"])
+def test_a_user_hook_between_the_engine_and_the_layer_is_refused(float64, kind):
+    model = _hooked_model()
+    engine = _engine(model, "bk-mixopt").attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    if kind == "prepend":
+        handle = model[0].register_forward_hook(lambda m, i, out: out * 2, prepend=True)
+    elif kind == "pre-hook after attach":
+        handle = model[0].register_forward_pre_hook(lambda m, args: (args[0] * m.weight.sum(),))
+    else:
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, out: None)
+    try:
+        with pytest.raises(RuntimeError, match="hook"):
+            model(_data(2)[0])
+    finally:
+        handle.remove()
+    engine.backward(_losses(model, *_data(2)))  # removing the hook makes the model usable again
+
+
+class KeywordCall(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.Linear(6, 8)
+        self.l2 = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.l2(input=torch.tanh(self.l1(input=x)))
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_layers_called_with_keyword_arguments(float64, mode, path):
+    torch.manual_seed(0)
+    model = KeywordCall().double()
+    batch = _data(4)
+    assert_matches(_clipped_sum(copy.deepcopy(model), mode, path, [batch]), _reference(model, [batch]),
+                   what="keyword call")
+
+
+def test_a_second_optimizer_is_refused_at_the_first_step(float64):
+    model = _hooked_model()
+    engine = _engine(model, "bk-mixopt")
+    o1 = torch.optim.SGD(model[0].parameters(), lr=0.1)
+    o2 = torch.optim.SGD(model[2].parameters(), lr=0.1)
+    engine.attach(o1)
+    with pytest.raises(RuntimeError, match="already attached"):
+        engine.attach(o2)
+    engine.backward(_losses(model, *_data(3)))
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match=r"\['2.weight', '2.bias'\] are not held by the optimizer"):
+        o1.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_second_engine_on_the_same_model_is_refused(float64):
+    model = _hooked_model()
+    _engine(model, "bk").attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    second = _engine(model, "bk")
+    with pytest.raises(RuntimeError, match="another PrivacyEngine is attached"):
+        second.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    part = _engine(model[0], "bk")
+    with pytest.raises(RuntimeError, match="another PrivacyEngine is attached"):
+        part.attach(torch.optim.SGD(model[0].parameters(), lr=0.1))
+
+
+def test_a_detached_engine_makes_room_for_another(float64):
+    model = _hooked_model()
+    first = _engine(model, "bk").attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    first.detach()
+    _engine(model, "bk").attach(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def test_a_forward_back_propagated_twice_is_refused(float64):
+    model = _hooked_model()
+    engine = _engine(model, "bk-mixopt").attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    loss = _losses(model, *_data(3)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="back-propagated twice"):
+        loss.backward()
+    assert engine.steps_taken == 0
+
+
+# ---------------------------------------------------------------------------------------- torch.compile
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("mode,path", [("bk-mixopt", "engine"), ("bk-mixopt", "plain"), ("ghost", "engine")])
+def test_torch_compile(float64, mode, path, backend):
+    model = _hooked_model()
+    batch = _data(4)
+    reference = _reference(model, [batch])
+    compiled = torch.compile(copy.deepcopy(model), backend=backend)
+    engine = _engine(compiled, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(compiled.parameters(), lr=0.0)
+    engine.attach(opt)
+    losses = _losses(compiled, *batch)
+    engine.backward(losses) if path == "engine" else losses.sum().backward()
+    opt.step()
+    got = {n.removeprefix("_orig_mod."): p.grad for n, p in compiled.named_parameters()}
+    assert_matches(got, reference, what=f"torch.compile({backend})")
+
+
+# ---------------------------------------------------------------------------------------- the budget
+def _budget_engine(model, **kw):
+    return dptrain.PrivacyEngine(model, batch_size=10, sample_size=100, max_grad_norm=1.0, target_epsilon=1.0,
+                                 steps=20, clipping_mode="bk", **kw)
+
+
+def _step(engine, model, opt):
+    engine.backward(_losses(model, *_data(3)))
+    opt.step()
+    opt.zero_grad()
+
+
+def test_passing_the_budget_warns_once(float64):
+    model = _hooked_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    engine = _budget_engine(model).attach(opt)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(30):
+            _step(engine, model, opt)
+    budget = [w for w in seen if "target_epsilon" in str(w.message)]
+    assert len(budget) == 1 and "past target_epsilon = 1" in str(budget[0].message)
+    report = engine.privacy_report()
+    assert report["planned_steps"] == 20 and report["steps"] == 30 and report["epsilon"] > 1.0
+
+
+def test_a_strict_budget_refuses_the_step_that_would_pass_it(float64):
+    model = _hooked_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    engine = _budget_engine(model, budget="strict").attach(opt)
+    taken = 0
+    with pytest.raises(dptrain.engine.PrivacyBudgetExceeded, match=r"nothing was applied") as refused:
+        for _ in range(40):
+            _step(engine, model, opt)
+            taken += 1
+    assert taken >= 20 and engine.steps_taken == taken
+    assert engine.get_epsilon() <= 1.0
+    assert f"step {taken + 1}" in str(refused.value)
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(dptrain.engine.PrivacyBudgetExceeded):
+        _step(engine, model, opt)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_budget_choice_is_checked():
+    with pytest.raises(ValueError, match="budget"):
+        _budget_engine(nn.Linear(2, 2), budget="loose")

@@ -99,6 +99,14 @@ def test_subclasses_of_recurrent_modules_are_left_for_validate_to_report():
 
 
 # ---------------------------------------------------------------------------- BatchNorm -> GroupNorm
+def test_batchnorm_refusal_gives_its_path_and_points_to_fix():
+    model = nn.Sequential(nn.Linear(3, 4), nn.Sequential(nn.ReLU(), nn.BatchNorm1d(4)))
+    with pytest.raises(ValueError, match=r"the submodule '1\.1' \(BatchNorm1d\).*dptrain\.fix\(model\)"):
+        dptrain.validate(model)
+    assert find_problems(nn.BatchNorm1d(4))[0].startswith("the model itself (BatchNorm1d)")
+    assert find_problems(fix(model)) == []
+
+
 def test_batchnorm_becomes_groupnorm_with_weights_carried():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Conv2d(3, 64, 3), nn.BatchNorm2d(64, eps=1e-3), nn.Conv2d(64, 6, 1), nn.BatchNorm2d(6),

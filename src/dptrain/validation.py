@@ -25,9 +25,11 @@ def find_problems(model: nn.Module, allow_fallback: bool = True) -> list[str]:
             )
             continue
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and params:
+            where = f"the submodule {name!r}" if name else "the model itself"  # its path, as named_modules() gives it
             problems.append(
-                f"{label} ({type(module).__name__}) normalises with statistics of the whole batch, which mixes "
-                "samples and breaks per-sample clipping: replace it with nn.GroupNorm"
+                f"{where} ({type(module).__name__}) normalises with statistics of the whole batch, which mixes "
+                "samples and breaks per-sample clipping: replace it with nn.GroupNorm, or train "
+                "dptrain.fix(model), a copy in which every BatchNorm is a GroupNorm"
             )
             continue
         if not params:

@@ -86,8 +86,14 @@ def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, capsys
 
     monkeypatch.setattr(cli.TrainingRun, "evaluate", evaluate_then_stop_in_epoch_3)
     status, _, err = run(args + ["--output", str(tmp_path / "cut")], capsys)
-    assert status == 130 and "--resume" in err
+    assert status == 130 and "--resume" in err and "report.json" in err
     monkeypatch.setattr(cli.TrainingRun, "evaluate", evaluate)
+    # The interrupted run leaves the report and plot of the two epochs in its checkpoint.
+    partial = report_of(tmp_path / "cut")
+    assert partial["interrupted"] is True and partial["finished_epochs"] == 2
+    assert partial["history"] == full["history"][:2] and partial["steps"] == 6
+    assert partial["epsilon"] == full["history"][1]["epsilon"]
+    assert (tmp_path / "cut" / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     status, out, err = run(["train", "--resume", str(tmp_path / "cut")], capsys)
     assert status == 0, err

@@ -32,11 +32,11 @@ import math
 import numbers
 import operator
 import warnings
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-import dp_accounting
-from dp_accounting import pld as dp_pld
-from dp_accounting import rdp as dp_rdp
+if TYPE_CHECKING:
+    import dp_accounting
+
 
 __all__ = [
     "ACCOUNTANTS",
@@ -60,7 +60,7 @@ MAX_NOISE_MULTIPLIER = 1e4
 # RDP orders: dp_accounting's defaults (1.1 ... 1024). Orders above 1024 only help when
 # epsilon is tiny (roughly < 0.02: large noise, small q), so they are added only then;
 # they cost ~0.15 s, more than all the others together.
-RDP_ORDERS = tuple(dp_rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+# (RDP_ORDERS is read from dp_accounting on first use: see __getattr__ at the end.)
 LARGE_RDP_ORDERS = (2048, 4096, 8192, 16384)
 _LARGE_ORDERS_BELOW_EPSILON = 0.1
 # Integer orders give a slightly looser but much cheaper bound (fractional orders are
@@ -172,7 +172,22 @@ def default_delta(sample_size: int) -> float:
 # ------------------------------------------------------------------ epsilon backends
 
 
+def _dp_accounting():
+    """dp_accounting with its pld and rdp modules, imported on first use: it pulls in scipy
+    (about 0.7 s), which a planning call, a non-private run or the CLI's --help never need."""
+    import dp_accounting
+    import dp_accounting.pld  # noqa: F401  (attributes of the package once imported)
+    import dp_accounting.rdp  # noqa: F401
+
+    return dp_accounting
+
+
+def _rdp_orders() -> tuple[float, ...]:
+    return tuple(_dp_accounting().rdp.rdp_privacy_accountant.DEFAULT_RDP_ORDERS)
+
+
 def _dp_event(history: Sequence[HistoryEntry]) -> dp_accounting.DpEvent:
+    dp_accounting = _dp_accounting()
     events = [
         dp_accounting.SelfComposedDpEvent(
             dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(sigma)), count
@@ -185,6 +200,7 @@ def _dp_event(history: Sequence[HistoryEntry]) -> dp_accounting.DpEvent:
 def _rdp_epsilon_for_orders(
     history: Sequence[HistoryEntry], delta: float, orders: Sequence[float]
 ) -> float:
+    dp_rdp = _dp_accounting().rdp
     accountant = dp_rdp.RdpAccountant(orders=list(orders))
     accountant.compose(_dp_event(history))
     epsilon = float(accountant.get_epsilon(delta))
@@ -197,7 +213,7 @@ def _rdp_epsilon_for_orders(
 
 
 def _rdp_epsilon(history: Sequence[HistoryEntry], delta: float) -> float:
-    return _rdp_epsilon_for_orders(history, delta, RDP_ORDERS)
+    return _rdp_epsilon_for_orders(history, delta, _rdp_orders())
 
 
 def pld_value_discretization(epsilon_upper_bound: float, total_steps: int) -> float:
@@ -220,7 +236,7 @@ def _pld_epsilon(history: Sequence[HistoryEntry], delta: float) -> float:
     if epsilon_upper_bound == 0.0:
         return 0.0
     total_steps = sum(count for _, _, count in history)
-    accountant = dp_pld.PLDAccountant(
+    accountant = _dp_accounting().pld.PLDAccountant(
         value_discretization_interval=pld_value_discretization(epsilon_upper_bound, total_steps)
     )
     accountant.compose(_dp_event(history))
@@ -506,3 +522,9 @@ def _gdp_noise_multiplier(target: float, delta: float, q: float, steps: int) -> 
         return MAX_NOISE_MULTIPLIER
     # mu = q * sqrt(T * (exp(1/sigma^2) - 1))  <=>  sigma = 1 / sqrt(log1p((mu / q)^2 / T))
     return 1.0 / math.sqrt(math.log1p((mu / q) ** 2 / steps))
+
+
+def __getattr__(name: str):
+    if name == "RDP_ORDERS":  # dp_accounting's defaults (1.1 ... 1024), without importing it at module load
+        return _rdp_orders()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,6 +3,9 @@
 ``main(argv)`` returns the exit status, so everything here can be run in-process by tests.
 An invalid value ends the command with one line on stderr and a non-zero status, never a
 traceback; an exception that is not a user error (a bug) still shows its traceback.
+
+torch and the parts of the library built on it are imported inside the functions that use
+them: ``dptrain --help`` and a usage error answer at once, without loading torch.
 """
 from __future__ import annotations
 
@@ -17,18 +20,16 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-from . import accounting
+from . import accounting  # light: dp_accounting is imported when an accountant first runs
 from .algorithms import CLIPPING_MODES
-from .clipping import CLIPPING_FNS
-from .models import MODEL_SPEC_HELP, build_image_model, build_text_model, parse_spec
-from .planning import DECISION_RULES, LayerDecision, plan
-from .validation import find_problems
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from .planning import LayerDecision
 
 
 class CLIError(Exception):
@@ -43,6 +44,17 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class _OtherCommandsOption(argparse.Action):
+    """An option that belongs to another subcommand: the error names the one meant here."""
+
+    def __init__(self, option_strings, dest, hint: str, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+        self.hint = hint
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string} is not an option of {parser.prog}; {self.hint}")
 
 
 def _number(kind: Callable[[str], Any], check: Callable[[Any], bool], requirement: str):
@@ -95,7 +107,14 @@ RESUME_MAY_CHANGE = ("epochs", "device", "threads", "data_dir", "output", "resum
 # Below this size a CPU step is many tiny operations, where handing work between threads
 # costs more than it saves (and stalls badly on a busy machine): one thread is faster.
 SMALL_MODEL_PARAMETERS = 1_000_000
-OPTIMIZERS = {"adam": torch.optim.Adam, "sgd": torch.optim.SGD}
+# Choices the parser needs before torch is imported; tests/test_cli.py checks that they are the
+# library's own (dptrain.clipping.CLIPPING_FNS, dptrain.planning.DECISION_RULES).
+CLIPPING_FNS = ("abadi", "automatic", "global")
+DECISION_RULES = ("space", "time")
+OPTIMIZERS = {"adam": "Adam", "sgd": "SGD"}  # --optimizer -> the torch.optim class
+IMAGE_MODELS_HELP = ("cnn, mlp, torchvision:NAME or timm:NAME (random weights; a model with a fixed input "
+                     "size is built for the dataset's)")
+PLAN_MODELS_HELP = "cnn, mlp, torchvision:NAME or timm:NAME (with --input-size), or hf:NAME (with --seq-len)"
 CHECKPOINT_NAME = "checkpoint.pt"
 REPORT_NAME = "report.json"
 PLOT_NAME = "training.png"
@@ -122,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="fixed noise multiplier sigma instead of a target epsilon")
     privacy.add_argument("--non-private", action="store_true",
                          help="the same run without DP (no clipping, no noise), for comparison")
+    train.add_argument("--target-epsilon", "--sigma", action=_OtherCommandsOption, dest="other_commands_option",
+                       hint="here the target is --epsilon E and a fixed noise is --noise-multiplier S")
     train.add_argument("--delta", type=probability, help=f"target delta (default {d['delta']:g})")
     train.add_argument("--epochs", type=positive_int, help=f"passes over the data (default {d['epochs']})")
     train.add_argument("--batch-size", type=positive_int,
@@ -137,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--clipping-mode", choices=CLIPPING_MODES, help=f"(default {d['clipping_mode']})")
     train.add_argument("--clipping-fn", choices=CLIPPING_FNS, help=f"(default {d['clipping_fn']})")
     train.add_argument("--accountant", choices=accounting.ACCOUNTANTS, help=f"(default {d['accountant']})")
-    train.add_argument("--model", help=f"{MODEL_SPEC_HELP[:-len(' or hf:NAME')]} (default {d['model']})")
+    train.add_argument("--model", help=f"{IMAGE_MODELS_HELP} (default {d['model']})")
     train.add_argument("--dataset", choices=DATASETS,
                        help=f"(default {d['dataset']}); all but digits are read from --data-dir, never "
                        "downloaded")
@@ -163,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Per trainable layer: T (positions), p (outputs), d (inputs), the per-sample space of the "
         "ghost norm (2T^2) and of instantiating the gradient (p*d), and the primitive --clipping-mode picks.",
     )
-    plan_cmd.add_argument("--model", default="cnn", help=f"{MODEL_SPEC_HELP} (default cnn)")
+    plan_cmd.add_argument("--model", default="cnn", help=f"{PLAN_MODELS_HELP} (default cnn)")
     shape = plan_cmd.add_mutually_exclusive_group()
     shape.add_argument("--input-size", type=positive_int, nargs=3, metavar=("C", "H", "W"),
                        help="image input size (default: 1 8 8 for the built-in models, 3 224 224 otherwise)")
@@ -173,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cmd.add_argument("--clipping-mode", choices=CLIPPING_MODES, default="bk-mixopt", help="(default bk-mixopt)")
     plan_cmd.add_argument("--decision-rule", choices=DECISION_RULES, default="space",
                           help="how the mixed modes choose: by space (2T^2 < p*d) or by time (default space)")
+    plan_cmd.add_argument("--fix", action="store_true",
+                          help="plan the model as dptrain train trains it, after dptrain.fix (BatchNorm -> GroupNorm, "
+                          "torch RNN/attention -> dptrain.nn); without it, the model as published")
     plan_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
     plan_cmd.set_defaults(handler=_cmd_plan)
 
@@ -187,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--sigma", "--noise-multiplier", dest="sigma", type=non_negative_float,
                       help="noise multiplier: print epsilon")
     what.add_argument("--target-epsilon", type=positive_float, help="print the noise multiplier needed")
+    eps.add_argument("--epsilon", action=_OtherCommandsOption, dest="other_commands_option",
+                     hint="here it is --target-epsilon E (the noise multiplier needed), or --sigma S (the epsilon "
+                     "of a run)")
     eps.add_argument("--sample-rate", type=sample_rate_type, help="Poisson sample rate q")
     eps.add_argument("--batch-size", type=positive_int, help="expected batch size (with --sample-size)")
     eps.add_argument("--sample-size", type=positive_int, help="dataset size")
@@ -313,12 +340,16 @@ class ImageData:
         return tuple(self.test_x.shape[1:])
 
     def preprocess(self, x: torch.Tensor) -> torch.Tensor:
+        import torch
+
         mean = torch.tensor(self.mean, device=x.device).view(1, -1, 1, 1)
         std = torch.tensor(self.std, device=x.device).view(1, -1, 1, 1)
         return (x.float() * self.scale - mean) / std
 
 
 def load_dataset(name: str, data_dir: str) -> ImageData:
+    import torch
+
     mean, std = _NORMALISATION[name]
     if name == "digits":
         from sklearn.datasets import load_digits
@@ -341,6 +372,8 @@ def load_dataset(name: str, data_dir: str) -> ImageData:
 
 
 def _read_torchvision(name: str, data_dir: str, train: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    import torch
+
     try:
         import torchvision.datasets as tvd
     except ImportError:
@@ -375,6 +408,8 @@ def _read_torchvision(name: str, data_dir: str, train: bool) -> tuple[torch.Tens
 
 
 def _resolve_device(spec: str) -> torch.device:
+    import torch
+
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -400,6 +435,8 @@ def _checkpoint_path(resume: str) -> Path:
 
 def _train_config(args: argparse.Namespace) -> tuple[dict, dict | None]:
     """The run's configuration (defaults < checkpoint < command line) and the checkpoint, if resuming."""
+    import torch
+
     given = {k: v for k, v in vars(args).items() if k not in ("command", "handler")}
     checkpoint = None
     config = dict(TRAIN_DEFAULTS)
@@ -435,6 +472,8 @@ def _train_config(args: argparse.Namespace) -> tuple[dict, dict | None]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    import torch
+
     config, checkpoint = _train_config(args)
     run = TrainingRun(config, checkpoint)
     threads = torch.get_num_threads()
@@ -442,8 +481,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         report = run.train()
     except KeyboardInterrupt:
         saved = run.saved_epoch if run.output else 0
-        hint = (f"; continue from the checkpoint ({_plural(saved, 'epoch')} done) with: dptrain train --resume "
-                f"{run.output}" if saved else "")
+        written = run.write_finished_epochs()
+        hint = (f"; {REPORT_NAME} and {PLOT_NAME} in {run.output} show the finished epochs" if written else "")
+        hint += (f"; continue from the checkpoint ({_plural(saved, 'epoch')} done) with: dptrain train --resume "
+                 f"{run.output}" if saved else "")
         print(f"\ndptrain train: interrupted{hint}", file=sys.stderr)
         return 130
     finally:
@@ -465,6 +506,11 @@ class TrainingRun:
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:
+        import torch
+
+        from .models import build_image_model
+        from .validation import find_problems
+
         c = self.config
         self.device = _resolve_device(c["device"])
         self.data = load_dataset(c["dataset"], c["data_dir"])
@@ -476,7 +522,8 @@ class TrainingRun:
         channels, height, _ = self.data.shape
         built = build_image_model(c["model"], channels, self.data.num_classes, height)
         self.model = built.model.to(self.device)
-        self.notes = built.notes
+        self.notes, self.fixed = built.notes, built.fixed
+        self._check_forward()
         problems = find_problems(self.model) if self.private else []
         if problems:
             raise CLIError(f"model {c['model']} cannot be trained privately: " + "; ".join(problems))
@@ -495,7 +542,7 @@ class TrainingRun:
         # The noise was calibrated for the first run's length; a resumed run may go further.
         self.planned_steps = self.checkpoint["planned_steps"] if self.checkpoint else self.total_steps
 
-        optimizer_cls = OPTIMIZERS[c["optimizer"]]
+        optimizer_cls = getattr(torch.optim, OPTIMIZERS[c["optimizer"]])
         self.optimizer = optimizer_cls(self.model.parameters(), lr=c["lr"])
         self.engine = None
         if self.private:
@@ -521,7 +568,24 @@ class TrainingRun:
         if self.checkpoint is not None:
             self._restore(self.checkpoint)
 
+    def _check_forward(self) -> None:
+        """One test image through the model: a model that cannot take this image size is one line."""
+        import torch
+
+        was_training = self.model.training
+        try:
+            with torch.no_grad():
+                self.model.eval()(self.data.preprocess(self.data.test_x[:1].to(self.device)))
+        except (RuntimeError, ValueError, AssertionError, IndexError) as err:
+            shape = "x".join(map(str, self.data.shape))
+            raise CLIError(f"model {self.config['model']} cannot take the {shape} images of {self.config['dataset']}: "
+                           f"{_one_line(err)}") from None
+        finally:
+            self.model.train(was_training)
+
     def _restore(self, ckpt: dict) -> None:
+        import torch
+
         self.model.load_state_dict(ckpt["model"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.loader.load_state_dict(ckpt["loader"])
@@ -532,6 +596,8 @@ class TrainingRun:
         self.previous_wall_time = ckpt["wall_time_s"]
 
     def _save_checkpoint(self, wall_time: float) -> None:
+        import torch
+
         state = {
             "format": "dptrain-train-checkpoint",
             "config": {k: v for k, v in self.config.items() if k not in ("output", "resume")},
@@ -551,7 +617,7 @@ class TrainingRun:
 
     # ------------------------------------------------------------------ loop
     def train(self) -> dict:
-        started = time.perf_counter()  # wall time counts the setup (data, model, calibration) too
+        started = self.started = time.perf_counter()  # wall time counts the setup (data, model, calibration) too
         self._setup()
         if self.output is not None:
             self.output.mkdir(parents=True, exist_ok=True)
@@ -609,8 +675,27 @@ class TrainingRun:
             _plot(self.history, report, self.output / PLOT_NAME)
         return report
 
+    def write_finished_epochs(self) -> bool:
+        """After an interruption: the report and plot of the epochs in the checkpoint (what --resume
+        continues from); True if written."""
+        history = getattr(self, "history", None)
+        if self.output is None or not history or not self.output.is_dir():
+            return False
+        epochs = [e for e in history["epochs"] if e["epoch"] <= self.saved_epoch]
+        if not epochs:
+            return False
+        last_step = epochs[-1]["step"]
+        report = self._report(last_step, self.previous_wall_time + time.perf_counter() - self.started, epochs)
+        report.update(interrupted=True, finished_epochs=epochs[-1]["epoch"])
+        (self.output / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+        finished = {"step_loss": [sl for sl in history["step_loss"] if sl[0] <= last_step], "epochs": epochs}
+        _plot(finished, report, self.output / PLOT_NAME)
+        return True
+
     def _step(self, logical: list) -> tuple[int, float]:
         """One optimizer step on a logical batch (a list of physical batches); (batch size, mean loss)."""
+        import torch.nn.functional as F
+
         size = sum(len(y) for _, y in logical)
         loss_total = 0.0
         for x, y in logical:
@@ -626,19 +711,25 @@ class TrainingRun:
         self.optimizer.zero_grad(set_to_none=True)
         return size, loss_total / max(size, 1)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
+        import torch
+
         self.model.eval()
         correct = 0
         for start in range(0, len(self.data.test_y), 1024):
             x = self.data.preprocess(self.data.test_x[start:start + 1024].to(self.device))
             y = self.data.test_y[start:start + 1024].to(self.device)
-            correct += int((self.model(x).argmax(1) == y).sum())
+            with torch.no_grad():
+                correct += int((self.model(x).argmax(1) == y).sum())
         self.model.train()
         return correct / len(self.data.test_y)
 
     # ------------------------------------------------------------------ reporting
     def _print_header(self) -> None:
+        import torch
+
+        from .models import parse_spec
+
         c, data = self.config, self.data
         n, shape = len(data.train), "x".join(map(str, data.shape))
         print(f"data: {c['dataset']}, {n} training / {len(data.test_y)} test images of {shape}, "
@@ -649,7 +740,7 @@ class TrainingRun:
         for note in self.notes:
             print(f"  note: {note}")
         q = c["batch_size"] / n
-        optimizer = ("DP-" if self.private else "") + {"adam": "Adam", "sgd": "SGD"}[c["optimizer"]]
+        optimizer = ("DP-" if self.private else "") + OPTIMIZERS[c["optimizer"]]
         print(f"training: {optimizer}, lr {c['lr']:g}, {_plural(c['epochs'], 'epoch')} x "
               f"{_plural(self.steps_per_epoch, 'step')}, "
               f"Poisson sampling with rate {q:.4g} (expected batch {c['batch_size']})"
@@ -673,17 +764,21 @@ class TrainingRun:
         decisions = self._layer_decisions()
         ghost = sum(d.norm == "ghost" for d in decisions)
         classes = "" if parse_spec(c["model"])[0] == "builtin" else f" --num-classes {data.num_classes}"
+        fix = " --fix" if self.fixed else ""  # plan the model this run trains, not the one as published
         print(f"per-layer norms ({c['clipping_mode']}): {ghost} by ghost norm, {len(decisions) - ghost} "
               f"instantiated, of {len(decisions)} layers (details: dptrain plan --model {c['model']} "
-              f"--input-size {' '.join(map(str, data.shape))}{classes})")
+              f"--input-size {' '.join(map(str, data.shape))}{classes}{fix})")
 
     def _layer_decisions(self) -> list[LayerDecision]:
+        from .planning import plan
+
         example = self.data.preprocess(self.data.test_x[:1].to(self.device))
         return plan(self.model, example, clipping_mode=self.config["clipping_mode"])
 
-    def _report(self, steps: int, wall_time: float) -> dict:
+    def _report(self, steps: int, wall_time: float, epochs: list[dict] | None = None) -> dict:
         c = self.config
-        last = self.history["epochs"][-1]
+        epochs = self.history["epochs"] if epochs is None else epochs
+        last = epochs[-1]
         report = {
             "test_accuracy": last["test_accuracy"],
             "epsilon": last["epsilon"],
@@ -710,7 +805,7 @@ class TrainingRun:
             "test_size": len(self.data.test_y),
             "seed": None if c["secure_rng"] else c["seed"],
             "device": str(self.device),
-            "history": self.history["epochs"],
+            "history": epochs,
         }
         return report
 
@@ -767,12 +862,18 @@ def _plot(history: dict, report: dict, path: Path) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from .layers.base import layer_params
+    from .models import build_image_model, build_text_model, parse_spec
+    from .validation import find_problems
+
     source, _ = parse_spec(args.model)
     if source == "hf":
         if args.input_size:
             raise CLIError("hf: models take --seq-len T, not --input-size")
         seq_len = args.seq_len or 128
-        build = lambda: build_text_model(args.model)  # noqa: E731
+        build = lambda: build_text_model(args.model, for_training=args.fix)  # noqa: E731
         example = lambda device: ((), {"input_ids": torch.zeros(1, seq_len, dtype=torch.long, device=device)})  # noqa: E731
         input_text = f"sequence length {seq_len}"
         input_shape = [seq_len]
@@ -781,7 +882,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             raise CLIError(f"--seq-len is for hf: models; {args.model} takes --input-size C H W")
         channels, height, width = args.input_size or ((1, 8, 8) if source == "builtin" else (3, 224, 224))
         num_classes = args.num_classes or (10 if source == "builtin" else 1000)
-        build = lambda: build_image_model(args.model, channels, num_classes, height, for_training=False)  # noqa: E731
+        build = lambda: build_image_model(args.model, channels, num_classes, height, for_training=args.fix)  # noqa: E731
         example = lambda device: ((torch.zeros(1, channels, height, width, device=device),), {})  # noqa: E731
         input_text = f"input {channels}x{height}x{width}"
         input_shape = [channels, height, width]
@@ -794,6 +895,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         **plan_report(decisions, ghost_available),
         "problems": find_problems(model),
     }
+    # Name what each row trains: the root's own parameters (a ViT's cls_token, pos_embed) have no module name.
+    covered, modules = layer_params(model), dict(model.named_modules())
+    for layer in report["layers"]:
+        layer["parameters"] = sorted(covered.get(modules.get(layer["name"]), {}))
     if args.json:
         print(json.dumps(report, indent=2))
     else:
@@ -809,6 +914,8 @@ def _plan_decisions(build, example, args):
     computes with values while building or in its forward (``.item()``, data-dependent
     branches) cannot run on meta tensors and is built on the CPU instead.
     """
+    import torch
+
     for device in (torch.device("meta"), torch.device("cpu")):
         try:
             with device:
@@ -826,6 +933,8 @@ def _plan_decisions(build, example, args):
 
 
 def _run_plans(model: nn.Module, example: tuple[tuple, dict], args) -> tuple[list[LayerDecision], list[bool]]:
+    from .planning import plan
+
     example_args, example_kwargs = example
     decisions = plan(model, *example_args, clipping_mode=args.clipping_mode, decision_rule=args.decision_rule,
                      **example_kwargs)
@@ -879,7 +988,8 @@ def _print_plan(report: dict, input_text: str, notes: list[str]) -> None:
         print(f"note: {note}")
     rows = [("layer", "type", "T", "p", "d", "ghost 2T^2", "inst p*d", f"{mode} does")]
     for layer in report["layers"]:
-        rows.append((layer["name"] or "<root>", layer["type"], f"{layer['T']:,}", f"{layer['p']:,}",
+        label = layer["name"] or ", ".join(layer.get("parameters", ())) or "<root>"
+        rows.append((label, layer["type"], f"{layer['T']:,}", f"{layer['p']:,}",
                      f"{layer['d']:,}", _short(layer["ghost_cost"]), _short(layer["instantiate_cost"]),
                      f"{layer['choice']} norm, {_GRADIENT_WORDS[layer['gradient']]}"
                      + ("" if layer["ghost_available"] else " (has no ghost norm)")))
@@ -899,7 +1009,8 @@ def _print_plan(report: dict, input_text: str, notes: list[str]) -> None:
     if report["problems"]:
         print(f"note: the engine refuses this model as built ({len(report['problems'])} problems, first: "
               f"{report['problems'][0]}). dptrain train applies dptrain.fixer.fix first (BatchNorm -> GroupNorm, "
-              "torch RNN/attention -> dptrain.nn); modules without a rule are not listed above")
+              "torch RNN/attention -> dptrain.nn; dptrain plan --fix shows that model); modules without a rule "
+              "are not listed above")
 
 
 # ====================================================================== epsilon

@@ -5,7 +5,8 @@ A model is named by a *spec*:
 - ``cnn``: a small convolutional network with GroupNorm (the default; sized for digits)
 - ``mlp``: a two-layer perceptron on the flattened image
 - ``torchvision:NAME`` (e.g. ``torchvision:resnet18``), ``timm:NAME``: image models with
-  random weights
+  random weights. A model made for one input size (vision transformers: their position
+  embedding has one entry per patch) is built for the data's image size.
 - ``hf:NAME``: a Hugging Face ``transformers`` model built from its config (random
   weights); NAME is a model type (``bert``, ``gpt2``, ...) or a config on the hub / disk.
 
@@ -24,6 +25,9 @@ from torch import nn
 BUILTIN_MODELS = ("cnn", "mlp")
 MODEL_SOURCES = ("torchvision", "timm", "hf")
 MODEL_SPEC_HELP = "cnn, mlp, torchvision:NAME, timm:NAME or hf:NAME"
+IMAGE_MODEL_HELP = "cnn, mlp, torchvision:NAME or timm:NAME"
+# torchvision builders of fixed-input-size models, and the keyword that sets the size
+_TORCHVISION_SIZE_KEYWORD = {"vit_": ("image_size", int), "maxvit_": ("input_size", lambda n: (n, n))}
 
 
 class ModelSpecError(ValueError):
@@ -84,15 +88,19 @@ class BuiltModel:
     model: nn.Module
     spec: str
     notes: list[str]
+    fixed: bool = False  # dptrain.fix changed something (BatchNorm, torch RNN/attention)
 
 
-def parse_spec(spec: str) -> tuple[str, str]:
-    """``"torchvision:resnet18"`` -> ``("torchvision", "resnet18")``; built-ins -> ``("builtin", name)``."""
+def parse_spec(spec: str, valid: str = MODEL_SPEC_HELP) -> tuple[str, str]:
+    """``"torchvision:resnet18"`` -> ``("torchvision", "resnet18")``; built-ins -> ``("builtin", name)``.
+
+    ``valid`` is what the error lists (image datasets take no ``hf:`` model).
+    """
     if spec in BUILTIN_MODELS:
         return "builtin", spec
     source, sep, name = spec.partition(":")
     if not sep or source not in MODEL_SOURCES or not name:
-        raise ModelSpecError(f"unknown model {spec!r}; valid: {MODEL_SPEC_HELP}")
+        raise ModelSpecError(f"unknown model {spec!r}; valid: {valid}")
     return source, name
 
 
@@ -113,7 +121,7 @@ def build_image_model(
     ``for_training`` applies ``dptrain.fixer.fix`` (see the module docstring); ``dptrain plan``
     keeps the model as published, so its numbers match the papers' tables.
     """
-    source, name = parse_spec(spec)
+    source, name = parse_spec(spec, IMAGE_MODEL_HELP)
     notes: list[str] = []
     if source == "builtin":
         if name == "cnn":
@@ -122,30 +130,55 @@ def build_image_model(
             model = MLP(in_channels * image_size * image_size, num_classes)
         return BuiltModel(model, spec, notes)
     if source == "hf":
-        raise ModelSpecError(f"{spec!r} is a text model; image datasets need cnn, mlp, torchvision:NAME or timm:NAME")
+        raise ModelSpecError(f"{spec!r} is a text model; image datasets need {IMAGE_MODEL_HELP}")
     if source == "torchvision":
         torchvision = _import_optional("torchvision", "vision")
         if name not in torchvision.models.list_models(module=torchvision.models):
             raise ModelSpecError(
                 f"torchvision has no classification model {name!r}; see torchvision.models.list_models()"
             )
-        model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+        size_keyword = next((kw for prefix, kw in _TORCHVISION_SIZE_KEYWORD.items() if name.startswith(prefix)), None)
+        if size_keyword is None:
+            model = torchvision.models.get_model(name, weights=None, num_classes=num_classes)
+        else:
+            keyword, value = size_keyword
+            model = _build_for_size(spec, image_size, lambda: torchvision.models.get_model(
+                name, weights=None, num_classes=num_classes, **{keyword: value(image_size)}))
         model_channels = 3
     else:
         timm = _import_optional("timm", "timm")
         if not timm.is_model(name):
             raise ModelSpecError(f"timm has no model {name!r}; see timm.list_models()")
-        model = timm.create_model(name, pretrained=False, num_classes=num_classes)
+        cfg = timm.models.get_pretrained_cfg(name)
+        if cfg is not None and cfg.fixed_input_size and tuple(cfg.input_size[1:]) != (image_size, image_size):
+            model = _build_for_size(spec, image_size, lambda: timm.create_model(
+                name, pretrained=False, num_classes=num_classes, img_size=image_size))
+            notes.append(f"built for {image_size}x{image_size} images (its default input is "
+                         f"{cfg.input_size[1]}x{cfg.input_size[2]})")
+        else:
+            model = timm.create_model(name, pretrained=False, num_classes=num_classes)
         model_channels = getattr(model, "default_cfg", {}).get("input_size", (3,))[0]
     if in_channels == 1 and model_channels == 3:
         model = GrayToRGB(model)
         notes.append("grayscale images are repeated over 3 channels for this RGB model")
     elif in_channels != model_channels:
         raise ModelSpecError(f"{spec} expects {model_channels}-channel images, the dataset has {in_channels}")
+    fix_notes: list[str] = []
     if for_training:
         model, fix_notes = _fix_for_training(model)
-        notes += fix_notes
-    return BuiltModel(model, spec, notes)
+    return BuiltModel(model, spec, notes + fix_notes, fixed=bool(fix_notes))
+
+
+def _build_for_size(spec: str, image_size: int, build):
+    """``build()`` for a model with a fixed input size; a size it cannot take is one line, not a traceback."""
+    try:
+        return build()
+    except (AssertionError, ValueError, RuntimeError, TypeError) as err:  # the libraries' own checks
+        reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise ModelSpecError(
+            f"{spec} takes images of one fixed size and cannot be built for {image_size}x{image_size} ({reason}); "
+            "use a model without a fixed input size (cnn, torchvision:resnet18, timm:resnet18, ...) or larger images"
+        ) from None
 
 
 def _fix_for_training(model: nn.Module) -> tuple[nn.Module, list[str]]:
@@ -162,8 +195,11 @@ def _fix_for_training(model: nn.Module) -> tuple[nn.Module, list[str]]:
     return fix(model, inplace=True), ["dptrain.fix replaced " + " and ".join(parts)]
 
 
-def build_text_model(spec: str) -> BuiltModel:
-    """A Hugging Face model from its config, with random weights (for ``dptrain plan``)."""
+def build_text_model(spec: str, *, for_training: bool = False) -> BuiltModel:
+    """A Hugging Face model from its config, with random weights (for ``dptrain plan``).
+
+    ``for_training`` applies ``dptrain.fixer.fix``, as for image models.
+    """
     source, name = parse_spec(spec)
     if source != "hf":
         raise ModelSpecError(f"--seq-len is for hf:NAME models; {spec!r} takes --input-size C H W")
@@ -179,4 +215,8 @@ def build_text_model(spec: str) -> BuiltModel:
                 f"cannot load the Hugging Face config {name!r} ({first_line}); give a model type such as "
                 "bert or gpt2, a cached hub id or a local directory"
             ) from None
-    return BuiltModel(transformers.AutoModel.from_config(config), spec, [])
+    model = transformers.AutoModel.from_config(config)
+    fix_notes: list[str] = []
+    if for_training:
+        model, fix_notes = _fix_for_training(model)
+    return BuiltModel(model, spec, fix_notes, fixed=bool(fix_notes))

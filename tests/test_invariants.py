@@ -412,12 +412,12 @@ class Shift(nn.Module):
         return x + self.offset
 
 
-def test_trainable_module_without_rule_is_refused_by_name():
+def test_trainable_module_without_rule_is_refused_by_name_without_the_fallback():
     model = nn.Sequential(OrderedDict(fc=nn.Linear(4, 5), shift=Shift(5), head=nn.Linear(5, 3)))
     with pytest.raises(ValueError, match=r"(?s)shift.*Shift.*offset.*register"):
-        make_engine(model)
+        make_engine(model, allow_fallback=False)
     model.shift.requires_grad_(False)  # the fix the message names
-    make_engine(model)
+    make_engine(model, allow_fallback=False)
 
 
 class TiedLM(nn.Module):
@@ -722,10 +722,10 @@ def test_subclass_of_linear_with_another_forward_is_exact_or_refused(mode):
     assert_matches(got, reference(case, max_grad_norm=R), what="ScaledLinear accepted, so must be exact")
 
 
-def test_unregistered_user_layer_is_refused():
+def test_unregistered_user_layer_is_refused_without_the_fallback():
     model = nn.Sequential(OrderedDict(fc=nn.Linear(4, 4), scale=UnregisteredScale(4)))
     with pytest.raises(ValueError, match=r"(?s)scale.*UnregisteredScale.*register_layer"):
-        make_engine(model)
+        make_engine(model, allow_fallback=False)
 
 
 @pytest.mark.parametrize("mode,path", mode_path_params())

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .layers import resolve_rule
+from .layers import fallback_refusal, resolve_rule
 from .layers.base import covering_base, layer_params
 
 
@@ -40,14 +40,21 @@ def find_problems(model: nn.Module, allow_fallback: bool = True) -> list[str]:
             problems.append(
                 f"{label} ({type(module).__name__}) subclasses {base.__name__} but overrides forward, so the "
                 f"{base.__name__} rule may not match what it computes: register a rule for "
-                f"{type(module).__name__} with dptrain.register_layer, or freeze its parameters"
+                f"{type(module).__name__} with dptrain.register_layer, freeze its parameters, or leave "
+                "allow_fallback=True (the per-sample fallback replays its calls with torch.func)"
             )
             continue
         if rule is None:
+            refusal = fallback_refusal(module)
+            fixes = "freeze them (requires_grad_(False)) or register a rule with dptrain.register_layer"
+            if refusal is None:  # only because the fallback is off
+                why = "and allow_fallback=False"
+                fixes += ", or leave allow_fallback=True (the per-sample fallback replays its calls with torch.func)"
+            else:
+                why = f"and the per-sample fallback cannot ({refusal})"
             problems.append(
                 f"{label} ({type(module).__name__}) has trainable parameters {sorted(params)} but no layer rule "
-                "computes its per-sample gradients: freeze them (requires_grad_(False)) or register a rule "
-                "with dptrain.register_layer"
+                f"computes its per-sample gradients {why}: {fixes}"
             )
             continue
         unknown = sorted(set(params) - set(rule.param_names))

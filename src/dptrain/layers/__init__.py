@@ -4,12 +4,12 @@ from torch import nn
 
 from .base import LayerDims, LayerRule, find_rule, register_layer, registered_rules, trainable_params
 from . import linear, conv, embedding, norms, hf, timm  # noqa: F401  (registers the built-in rules)
-from .fallback import FallbackRule, fallback_modules, in_replay
+from .fallback import FallbackRule, fallback_modules, fallback_refusal, in_replay
 from .norms import recognise_rms_norm
 
 __all__ = [
-    "FallbackRule", "LayerDims", "LayerRule", "fallback_modules", "find_rule", "in_replay", "resolve_rule",
-    "register_layer", "registered_rules", "trainable_params",
+    "FallbackRule", "LayerDims", "LayerRule", "fallback_modules", "fallback_refusal", "find_rule", "in_replay",
+    "register_layer", "registered_rules", "resolve_rule", "trainable_params",
 ]
 
 
@@ -24,6 +24,6 @@ def resolve_rule(module: nn.Module, allow_fallback: bool = True) -> LayerRule | 
     norm = recognise_rms_norm(module)
     if norm is not None:
         return norm
-    if allow_fallback and trainable_params(module):
+    if allow_fallback and trainable_params(module) and fallback_refusal(module) is None:
         return FallbackRule(module)
     return None

@@ -338,6 +338,25 @@ def _first_line(err: BaseException) -> str:
     return text[0] if text else type(err).__name__
 
 
+def fallback_refusal(module: nn.Module) -> str | None:
+    """Why the fallback does not take ``module`` (``None``: it does).
+
+    torch's recurrent layers and ``nn.MultiheadAttention`` return tuples, which the engine's capture
+    does not record; ``dptrain.fix`` swaps them for versions built from layers with exact rules. A
+    parameter container (``nn.ParameterDict``, as PEFT's embedding adapters use) is never called.
+    """
+    if isinstance(module, (nn.RNNBase, nn.MultiheadAttention)):
+        return (
+            f"its forward returns a tuple, which the per-sample fallback cannot replay; dptrain.fix(model) swaps "
+            f"{type(module).__name__} for a version with exact rules (dptrain.nn)"
+        )
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return "it normalises with statistics of the whole batch in training, which mixes samples"
+    if isinstance(module, (nn.ParameterDict, nn.ParameterList)):
+        return "its parameters are read by the module that holds it, never in a call of its own"
+    return None
+
+
 def fallback_modules(model: nn.Module) -> list[str]:
     """Names of the modules of ``model`` whose trainable parameters the engine would give to the fallback."""
     from . import resolve_rule  # the single place that chooses a module's rule

@@ -129,6 +129,29 @@ def run_training(rank: int, world: int, port: int, engine_kind: str, mode: str, 
         dist.destroy_process_group()
 
 
+def run_training_cuda(rank: int, world: int, port: int, mode: str, out: str) -> None:
+    """DDP over NCCL, one GPU per rank (spawned): 3 steps of 2 micro-batches, noise 0."""
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    try:
+        model = build_model().cuda(rank)
+        wrapped = nn.parallel.DistributedDataParallel(model, device_ids=[rank])
+        engine = dptrain.PrivacyEngine(wrapped, batch_size=GLOBAL_BATCH, sample_size=SAMPLE_SIZE, max_grad_norm=0.05,
+                                       noise_multiplier=0.0, clipping_mode=mode)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.5)
+        engine.attach(opt)
+        for step in global_batches(3, 2):
+            for tokens, labels in step:
+                engine.backward(losses_fn(wrapped, tokens[rank::world].cuda(rank), labels[rank::world].cuda(rank)))
+            opt.step()
+            opt.zero_grad()
+        torch.save({"params": {k: v.cpu() for k, v in full_params(wrapped).items()}}, f"{out}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
 class Wide(nn.Module):
     """Many coordinates for a statistical test of the noise."""
 

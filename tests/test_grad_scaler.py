@@ -259,3 +259,32 @@ def test_cuda_fp16_autocast_with_a_scaler_tracks_the_float64_oracle(mode):
         assert p.grad.dtype == torch.float32
         ref = reference[name].float() / BATCH
         assert float((p.grad.cpu() - ref).abs().max()) <= 1e-2 * float(ref.abs().max()), name
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp16_works_from_the_first_step_at_the_default_scale(mode):
+    # The reproduction of the CUDA failure on the CPU: at GradScaler's default 2^16, back-propagating the *sum*
+    # of 32 scaled losses overflowed fp16, so the first steps were skipped (and charged). The engine
+    # back-propagates their mean, as ordinary fp16 training does.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 4))
+    with torch.no_grad():  # confident, wrong predictions: an output gradient of ~2^16 for some samples
+        model[2].weight.mul_(8)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(32, 12, generator=g) * 4, torch.randint(0, 4, (32,), generator=g)
+    reference = dptrain.testing.reference_clipped_gradient(
+        copy.deepcopy(model).double(), lambda m, a, b: F.cross_entropy(m(a), b, reduction="none"),
+        (x.double(), y), max_grad_norm=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = torch.amp.GradScaler("cpu")
+    engine = dptrain.PrivacyEngine(model, batch_size=32, sample_size=320, max_grad_norm=0.1, noise_multiplier=0.0,
+                                   clipping_mode=mode).attach(opt, grad_scaler=scaler)
+    with torch.autocast("cpu", dtype=torch.float16):
+        losses = F.cross_entropy(model(x), y, reduction="none")
+    engine.backward(scaler.scale(losses))
+    scaler.step(opt)
+    scaler.update()
+    assert engine.steps_taken == 1 and scaler.get_scale() == 2.0**16  # nothing skipped, no scale search
+    for name, p in model.named_parameters():
+        ref = reference[name].float() / 32
+        assert float((p.grad - ref).abs().max()) <= 1e-2 * float(ref.abs().max()), name

@@ -174,13 +174,22 @@ def test_canary_model_rejects_a_bad_canary_count():
 SMALL = dict(canaries=300, steps=2, seed=0)
 
 
+@pytest.fixture(scope="module")
+def default_mode_audit():
+    return run_audit(**SMALL)
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_small_honest_audit_runs_in_every_mode_and_keeps_the_promise(mode):
+def test_small_honest_audit_runs_in_every_mode_and_finds_the_same_picture(mode, default_mode_audit):
     result = run_audit(clipping_mode=mode, **SMALL)
     assert result.clipping_mode == mode and result.canaries == 300 and result.steps == 2
     assert result.epsilon == pytest.approx(2.0, rel=0.02) and result.epsilon <= 2.0
     assert 0 <= result.epsilon_lower_bound <= result.epsilon
     assert result.consistent
+    # Same coins, batches and noise: every mode clips each canary to exactly R, so the
+    # auditor sees the same noisy gradients and makes the same guesses.
+    assert result.correct_guesses == default_mode_audit.correct_guesses
+    assert result.epsilon_lower_bound == default_mode_audit.epsilon_lower_bound
 
 
 def test_small_audit_catches_a_run_with_a_tenth_of_its_noise():
@@ -191,10 +200,13 @@ def test_small_audit_catches_a_run_with_a_tenth_of_its_noise():
     assert report.count("DELIBERATELY BREAKS ITS PRIVACY PROMISE") == 2 and "PROMISE BROKEN" in report
 
 
-def test_same_seed_same_audit():
-    first, second = run_audit(**SMALL), run_audit(**SMALL)
-    assert first.epsilon_lower_bound == second.epsilon_lower_bound
-    assert first.correct_guesses == second.correct_guesses
+def test_same_seed_same_audit_and_a_new_seed_new_coins(default_mode_audit):
+    again = run_audit(**SMALL)
+    assert (again.epsilon_lower_bound, again.correct_guesses, again.included_canaries) == (
+        default_mode_audit.epsilon_lower_bound, default_mode_audit.correct_guesses,
+        default_mode_audit.included_canaries)
+    other = run_audit(**{**SMALL, "seed": 1})
+    assert other.included_canaries != default_mode_audit.included_canaries
 
 
 def test_audit_rejects_bad_options_with_a_clear_message():

@@ -367,3 +367,16 @@ def fallback_modules(model: nn.Module) -> list[str]:
         name or "<root>" for name, module in model.named_modules()
         if module in covered and isinstance(resolve_rule(module, True), FallbackRule)
     ]
+
+
+def fallback_warning(names: list[str]) -> str | None:
+    """The engine's one-time warning for the layers that use the fallback (``None`` if none do)."""
+    if not names:
+        return None
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    return (
+        f"{len(names)} layer(s) have no rule and use the per-sample fallback: {shown}. It is exact but replays "
+        "each call with torch.func (one more forward of the layer and a per-sample gradient of its parameters, "
+        "B times their size); register a rule with dptrain.register_layer for speed, or pass "
+        "allow_fallback=False to refuse such layers"
+    )

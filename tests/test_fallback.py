@@ -407,3 +407,46 @@ def test_recognised_norm_reproduces_float32_statistics_in_bfloat16():
     want = torch.stack([torch.autograd.grad((norm(x[i:i + 1]).float() * g[i:i + 1].float()).sum(), norm.weight)[0]
                         for i in range(3)]).float()
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_replay_runs_under_the_autocast_of_the_recorded_call():
+    """bf16 autocast around the forward: the replay runs under it, its checks pass at bf16's precision,
+    and the per-sample gradients are autograd's one sample at a time under autocast."""
+    torch.manual_seed(0)
+    module = BareLinear(8, 6)
+    rule = resolve_rule(module)
+    x = torch.randn(4, 3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = module(x)
+        call = rule.capture_call(module, (x,), {}, out)
+    assert out.dtype == torch.bfloat16
+    g = torch.randn(out.shape).to(out.dtype)
+    got = rule.per_sample_grads(module, rule.operands(module, call, g), {"w", "b"})
+    for i in range(4):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out_i = module(x[i:i + 1])
+        want = torch.autograd.grad(out_i, [module.w, module.b], g[i:i + 1])
+        for name, w in zip(("w", "b"), want):
+            scale = w.abs().max().item()  # within two roundings of bf16 (2^-8 each) of the largest entry
+            torch.testing.assert_close(got[name][i], w, rtol=0, atol=2 ** -7 * scale, msg=f"{name}, sample {i}")
+
+
+def test_input_modified_in_place_after_the_call_is_refused():
+    torch.manual_seed(0)
+    module = Scale(4)
+    rule = resolve_rule(module)
+    x = torch.randn(3, 4)
+    out = module(x)
+    call = rule.capture_call(module, (x,), {}, out)
+    x.mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        rule.operands(module, call, torch.ones_like(out))
+
+
+def test_fallback_warning_names_the_modules():
+    from dptrain.layers.fallback import fallback_warning
+
+    assert fallback_warning([]) is None
+    text = fallback_warning(["scale", "bare"])
+    assert "scale, bare" in text and "allow_fallback=False" in text and "register_layer" in text
+    assert "and 2 more" in fallback_warning([f"m{k}" for k in range(10)])

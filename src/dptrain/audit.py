@@ -12,12 +12,13 @@ the accountant's epsilon proves that the run leaks more than it promises.
 
 How the canaries go through the engine's path (see docs/audit.md):
 
-* The audited model is wrapped in :class:`CanaryModel`, which adds a bias-free
-  ``nn.Linear(m, 1)`` *probe*. A batch element is ``(input, label, canary_id)`` with
-  ``canary_id = -1`` for real samples. The probe sees ``one_hot(canary_id)`` (zeros for
-  real samples), so canary ``i``'s per-sample gradient is ``2R`` on ``probe.weight[0, i]``
-  and zero elsewhere (its classification loss is masked out), and real samples give the
-  probe a zero gradient: canary directions are orthogonal to every real gradient.
+* The audited model is wrapped in :class:`CanaryModel`, which adds a *probe*, a
+  one-dimensional ``nn.Embedding(m + 1, 1)``. A batch element is ``(input, label,
+  canary_id)`` with ``canary_id = -1`` for real samples, which read the probe's constant
+  padding row. Canary ``i`` reads row ``i`` and its loss is ``2R`` times that row (its
+  classification loss is masked out), so its per-sample gradient is ``2R`` on
+  ``probe.weight[i, 0]`` and zero elsewhere, and real samples give the probe a zero
+  gradient: canary directions are orthogonal to every real gradient and to each other.
 * Canaries are ordinary samples to the engine: clipped (to exactly ``R``), summed,
   noised and sampled like the real ones.
 * The sampling rate is fixed before the coins are flipped, ``q = batch_size / (n + m)``,
@@ -36,7 +37,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -118,10 +119,9 @@ def _largest_rejected_epsilon(canaries: int, guesses: int, correct: int, delta: 
     if one_run_p_value(canaries, guesses, correct, 0.0, delta) >= level:
         return 0.0
     rejected, kept = 0.0, 1.0
+    # Terminates: past epsilon ~ 37, e^eps / (1 + e^eps) rounds to 1 and the p-value is 1.
     while one_run_p_value(canaries, guesses, correct, kept, delta) < level:
         rejected, kept = kept, 2 * kept
-        if kept > 1e3:  # every guess right and an absurd confidence: no finite epsilon is kept
-            return math.inf
     while kept - rejected > 1e-4:
         middle = (rejected + kept) / 2
         if one_run_p_value(canaries, guesses, correct, middle, delta) < level:
@@ -298,7 +298,6 @@ class AuditResult:
     train_size: int                 # real training samples
     seed: int
     wall_time_s: float
-    extra: dict = field(default_factory=dict)
 
     @property
     def consistent(self) -> bool:
@@ -307,7 +306,6 @@ class AuditResult:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        out.update(out.pop("extra"))
         out["consistent"] = self.consistent
         return out
 
@@ -492,6 +490,9 @@ def run_command(options: dict, *, json_output: bool = False) -> int:
                leave=False, dynamic_ncols=True)
     try:
         result = run_audit(**options, progress=lambda step, steps: bar.update(1))
+    except KeyboardInterrupt:
+        print("dptrain audit: interrupted", file=sys.stderr)
+        return 130
     finally:
         bar.close()
         torch.set_num_threads(threads)  # main() may run in-process

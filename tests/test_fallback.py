@@ -177,6 +177,7 @@ CASES = {
     "fallback-modules": fallback_case,
     "rms-norm-plain": lambda: norm_case("plain"),
     "rms-norm-one-plus": lambda: norm_case("one-plus"),
+    "rms-norm-check-fails": lambda: norm_case("mean-abs"),  # shaped like one, handed to the fallback
 }
 # the child's hooks must stay silent while the fallback replays its parent
 REPLAY_AWARE = hasattr(dptrain.capture, "in_replay")
@@ -381,14 +382,18 @@ def test_mixing_is_checked_per_input_shape():
         _one_step(model, x, y)
 
 
-def test_norm_whose_numerical_check_fails_is_refused_not_trusted():
+def test_norm_whose_numerical_check_fails_is_not_trusted():
+    """Refused without the fallback; with it, handed to the fallback (exact: see the 'rms-norm-check-fails'
+    case above) with a warning."""
     torch.manual_seed(0)
     model = NormNet(MeanAbsNorm(6))
-    assert isinstance(resolve_rule(model.norm), RecognisedRMSNormRule)
-    dptrain.validate(model)  # structurally it is one; only its first call can tell
+    assert isinstance(resolve_rule(model.norm, allow_fallback=False), RecognisedRMSNormRule)
+    dptrain.validate(model, allow_fallback=False)  # structurally it is one; only its first call can tell
     g = torch.Generator().manual_seed(4)
     x, y = torch.randn(4, 4, generator=g), torch.randint(0, 3, (4,), generator=g)
     with pytest.raises(ValueError, match=r"MeanAbsNorm looks like an RMS norm.*not x / sqrt\(mean\(x\^2\) \+ eps\)"):
+        _one_step(model, x, y, allow_fallback=False)
+    with pytest.warns(UserWarning, match="MeanAbsNorm looks like an RMS norm.*per-sample fallback instead"):
         _one_step(model, x, y)
 
 

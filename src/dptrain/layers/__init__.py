@@ -15,15 +15,15 @@ __all__ = [
 
 def resolve_rule(module: nn.Module, allow_fallback: bool = True) -> LayerRule | None:
     """The rule the engine uses for ``module``: its registered rule; else, for a module shaped like an
-    RMS norm, the norm rule (checked numerically on its first call); else, if allowed and the module
-    has trainable parameters of its own, the generic per-sample fallback (``torch.func``, instantiation
-    only); ``None`` when nothing covers it. Recognised norms and fallbacks are built per module."""
+    RMS norm, the norm rule (checked numerically on its first call, which hands a module that fails
+    to the fallback if allowed, else refuses it); else, if allowed and the module has trainable
+    parameters of its own, the generic per-sample fallback (``torch.func``, instantiation only);
+    ``None`` when nothing covers it. Recognised norms and fallbacks are built per module."""
     rule = find_rule(module)
     if rule is not None:
         return rule
-    norm = recognise_rms_norm(module)
-    if norm is not None:
-        return norm
+    fallback = None
     if allow_fallback and trainable_params(module) and fallback_refusal(module) is None:
-        return FallbackRule(module)
-    return None
+        fallback = FallbackRule(module)
+    norm = recognise_rms_norm(module, fallback)  # a module that fails its check goes to the fallback
+    return norm if norm is not None else fallback

@@ -8,6 +8,7 @@ section 5.5). None of them mixes samples: the statistics are per sample.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,7 @@ from torch import nn
 from .base import (
     LayerDims, LayerRule, accumulation_dtype, float32_at_least, positional_inputs, register_layer, weighted_sum,
 )
+from .fallback import FallbackCall, FallbackOperands, replay
 
 
 class _AffineNormRule(LayerRule):
@@ -156,20 +158,26 @@ def _eps_of(module: nn.Module) -> float | None:
     return None
 
 
-def recognise_rms_norm(module: nn.Module) -> RecognisedRMSNormRule | None:
+def recognise_rms_norm(module: nn.Module, fallback: LayerRule | None = None) -> RecognisedRMSNormRule | None:
     """A rule for a module that looks like an RMS norm, or ``None``.
 
     Recognised by structure, not by class name (``transformers`` alone has about a hundred RMS
     norm classes): no submodules, one parameter ``weight`` of shape ``[d]``, and an epsilon
     attribute. Whether it really computes ``w * x / rms(x)`` (or Gemma's ``(1 + w) * ...``) over
-    the last dim is checked numerically on its first call with each input shape.
+    the last dim is checked numerically on its first call with each input shape; a module that
+    fails the check is handed to ``fallback`` (the per-sample fallback, exact) or, without one,
+    refused.
     """
     if next(module.children(), None) is not None:
         return None
     params = dict(module.named_parameters(recurse=False))
     if set(params) != {"weight"} or params["weight"].dim() != 1 or _eps_of(module) is None:
         return None
-    return RecognisedRMSNormRule()
+    return RecognisedRMSNormRule(fallback)
+
+
+class NotAnRMSNorm(ValueError):
+    """A module recognised as an RMS norm by its structure failed the numerical check."""
 
 
 class RecognisedRMSNormRule(_AffineNormRule):
@@ -178,22 +186,40 @@ class RecognisedRMSNormRule(_AffineNormRule):
     Both give the per-sample gradient ``sum_t xhat_i[t] * g_i[t]``. ``xhat`` is the module's own:
     its forward replayed with the weight that makes ``s(w) = 1``, so every rounding it does
     inside (statistics in float32, casts back) is reproduced exactly. One instance per module.
+
+    A module that fails the check (a layer norm without bias, a gated norm taking two inputs) is
+    never trusted to the formula: from then on every call goes to ``fallback``, or is refused.
     """
 
     param_names = ("weight",)
 
-    def __init__(self):
+    def __init__(self, fallback: LayerRule | None = None):
+        self.fallback = fallback
+        self.failed: str | None = None  # why the check failed: the fallback has the module since
         self.one_plus: bool | None = None  # Gemma's (1 + w); decided by the first check
         self._checked: set[tuple] = set()
 
+    # Calls recorded after a failed check belong to the fallback: every method follows the call's kind.
     def capture_call(self, module, args, kwargs, output):
+        if self.failed is None:
+            try:
+                return self._capture_norm(module, args, kwargs, output)
+            except NotAnRMSNorm as err:
+                if self.fallback is None:
+                    raise ValueError(f"{err}: register a rule for it with dptrain.register_layer, freeze its "
+                                     "weight, or allow the per-sample fallback (allow_fallback=True)") from None
+                self.failed = str(err)
+                warnings.warn(f"{err}: it uses the per-sample fallback instead (exact, slower)", stacklevel=2)
+        return self.fallback.capture_call(module, args, kwargs, output)
+
+    def _capture_norm(self, module, args, kwargs, output):
         inputs = positional_inputs(module, args, kwargs)
         x = inputs[0] if inputs else None
         d = module.weight.shape[0]
         if len(inputs) != 1 or not isinstance(x, torch.Tensor) or x.dim() < 2 or x.shape[-1] != d:
-            raise ValueError(
-                f"{type(module).__name__} was recognised as an RMS norm over a last dim of {d}, but it was called "
-                f"with {_describe_inputs(inputs)}: register a rule for it with dptrain.register_layer, or freeze its weight"
+            raise NotAnRMSNorm(
+                f"{type(module).__name__} looks like an RMS norm over a last dim of {d}, but it was called with "
+                f"{_describe_inputs(inputs)}"
             )
         key = (tuple(x.shape), x.dtype, torch.is_autocast_enabled(x.device.type))
         if key not in self._checked:
@@ -203,18 +229,20 @@ class RecognisedRMSNormRule(_AffineNormRule):
 
     def _check(self, module, x, output):
         """Numerical check of the structure: the module's output is s(w) * x / sqrt(mean(x^2) + eps)."""
-        from .fallback import replay
-
         w = module.weight
+        problems = []
         with torch.no_grad():
-            at_zero = replay(module, (x,), {}, {"weight": torch.zeros_like(w)})
-            at_one = replay(module, (x,), {}, {"weight": torch.ones_like(w)})
+            try:
+                at_zero = replay(module, (x,), {}, {"weight": torch.zeros_like(w)})
+                at_one = replay(module, (x,), {}, {"weight": torch.ones_like(w)})
+            except (RuntimeError, ValueError, TypeError) as err:
+                raise NotAnRMSNorm(f"{type(module).__name__} looks like an RMS norm, but its forward could not be "
+                                   f"replayed with another weight ({err})") from None
             one_plus = bool(at_zero.abs().max() > 0) if at_zero.numel() else bool(self.one_plus)
             xhat, expected = (at_zero, (1 + w) * at_zero) if one_plus else (at_one, w * at_one)
             xf = float32_at_least(x)
             formula = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + _eps_of(module))
             tol = max(16 * torch.finfo(torch.float32).eps, 4 * torch.finfo(output.dtype).eps)
-            problems = []
             if not _close_to(xhat, formula, tol):
                 problems.append("its normalised input is not x / sqrt(mean(x^2) + eps) over the last dim")
             if one_plus and not _close_to(at_one, 2 * at_zero, tol):
@@ -224,23 +252,51 @@ class RecognisedRMSNormRule(_AffineNormRule):
             if self.one_plus is not None and one_plus != self.one_plus:
                 problems.append("it scaled by weight on one call and by (1 + weight) on another")
         if problems:
-            raise ValueError(
+            raise NotAnRMSNorm(
                 f"{type(module).__name__} looks like an RMS norm (one weight of shape [{w.shape[0]}] and an epsilon), "
-                f"but {'; '.join(problems)}, so the RMS-norm rule would give wrong per-sample gradients: register a "
-                "rule for it with dptrain.register_layer, or freeze its weight"
+                f"but {'; '.join(problems)}, so the RMS-norm rule would give wrong per-sample gradients"
             )
         self.one_plus = one_plus
 
     def dims(self, module, activation, output):
+        if isinstance(activation, FallbackCall):
+            return self.fallback.dims(module, activation, output)
         n = module.weight.numel()
         return LayerDims(T=activation.numel() // max(1, activation.shape[0] * n), p=n, d=1, ghost_supported=False)
+
+    def expand_batch(self, module, activation, output, batch):
+        if isinstance(activation, FallbackCall):
+            return self.fallback.expand_batch(module, activation, output, batch)
+        return None
+
+    def operands(self, module, activation, grad_output):
+        if isinstance(activation, FallbackCall):
+            return self.fallback.operands(module, activation, grad_output)
+        return super().operands(module, activation, grad_output)
+
+    def concat_calls(self, calls):
+        kinds = {isinstance(ops[0], FallbackOperands) for ops in calls}
+        if len(kinds) > 1:
+            raise RuntimeError(
+                f"a module recognised as an RMS norm failed its check on a later call of the same step ({self.failed}); "
+                "its earlier calls used the norm rule: run this step again (every call now uses the fallback)"
+            )
+        return self.fallback.concat_calls(calls) if True in kinds else super().concat_calls(calls)
+
+    def per_sample_grads(self, module, ops, names):
+        if isinstance(ops[0], FallbackOperands):
+            return self.fallback.per_sample_grads(module, ops, names)
+        return super().per_sample_grads(module, ops, names)
+
+    def clipped_grads(self, module, ops, factors):
+        if isinstance(ops[0], FallbackOperands):
+            return self.fallback.clipped_grads(module, ops, factors)
+        return super().clipped_grads(module, ops, factors)
 
     def channels_last(self, module, t):
         return t
 
     def normalized(self, module, x):
-        from .fallback import replay
-
         w = module.weight
         identity = torch.zeros_like(w) if self.one_plus else torch.ones_like(w)
         with torch.no_grad():

@@ -178,6 +178,72 @@ def test_torchvision_model_with_batchnorm_is_trained_with_groupnorm(tmp_path, ca
     assert "dptrain.fix replaced 34 BatchNorm layers -> GroupNorm" in out
     assert "grayscale images are repeated over 3 channels" in out
     assert report_of(tmp_path)["steps"] == 1
+    # The "details" hint plans the model this run trained (with the fix), not the one as published.
+    hint = re.search(r"details: (dptrain plan [^)]*)\)", out).group(1)
+    assert hint.endswith(" --fix")
+    ghost, n_layers = map(int, re.search(r"(\d+) by ghost norm, \d+ instantiated, of (\d+) layers", out).groups())
+    status, plan_out, err = run(hint.split()[1:], capsys)
+    assert status == 0, err
+    assert f"ghost norm on {ghost} of {n_layers} layers" in plan_out and "refuses" not in plan_out
+
+
+@pytest.fixture
+def few_digits(monkeypatch):
+    """digits with 64 training images: `--batch-size 64 --epochs 1` is one step on all of them."""
+    from dptrain import cli
+
+    load_dataset = cli.load_dataset
+
+    def load_few(name, data_dir):
+        data = load_dataset(name, data_dir)
+        x, y = data.train.tensors
+        data.train = torch.utils.data.TensorDataset(x[:64], y[:64])
+        return data
+
+    monkeypatch.setattr(cli, "load_dataset", load_few)
+
+
+@pytest.mark.parametrize("spec, refusal", [
+    ("cnn", None),
+    ("mlp", None),
+    ("torchvision:resnet18", None),  # BatchNorm -> GroupNorm by dptrain.fix
+    ("timm:resnet18", None),
+    ("torchvision:vit_b_16", "cannot be built for 8x8 (Input shape indivisible by patch size!)"),
+    ("timm:vit_tiny_patch16_224", "cannot take the 1x8x8 images of digits"),
+    ("hf:bert", "is a text model"),
+])
+def test_every_model_family_trains_on_digits_or_refuses_in_one_line(spec, refusal, few_digits, capsys):
+    source = spec.partition(":")[0]
+    pytest.importorskip({"hf": "transformers", "cnn": "torch", "mlp": "torch"}.get(source, source))
+    status, out, err = run(["train", "--model", spec, "--epochs", "1", "--batch-size", "64"], capsys)
+    if refusal is None:
+        assert status == 0, err
+        assert "steps: 1," in out
+    else:
+        assert status == 1 and "Traceback" not in err
+        assert err.startswith("dptrain train: error: ") and err.count("\n") == 1 and refusal in err
+
+
+def test_fixed_size_vision_transformer_is_built_for_the_data(few_digits, capsys):
+    """timm's ViTs have one position embedding per patch: built for 8x8 digits (patches of 8: one patch)."""
+    pytest.importorskip("timm")
+    status, out, err = run(["train", "--model", "timm:vit_small_patch8_224", "--epochs", "1", "--batch-size", "64"],
+                           capsys)
+    assert status == 0, err
+    assert "built for 8x8 images (its default input is 224x224)" in out and "steps: 1," in out
+
+
+@pytest.mark.parametrize("spec", ["timm:vit_tiny_patch16_224", "torchvision:vit_b_16"])
+def test_plan_builds_vision_transformers_for_the_input_size(spec, capsys):
+    pytest.importorskip(spec.partition(":")[0])
+    status, out, err = run(["plan", "--model", spec, "--input-size", "3", "32", "32", "--fix", "--json"], capsys)
+    assert status == 0, err
+    layers = json.loads(out)["layers"]
+    assert layers[0]["T"] == 2 * 2  # patches of 16 on a 32x32 image
+    # The model's own parameters are named (they have no submodule name).
+    root = [layer for layer in layers if layer["name"] == ""]
+    expected = ["cls_token", "pos_embed"] if spec.startswith("timm") else ["class_token"]
+    assert [layer["parameters"] for layer in root] == [expected]
 
 
 @pytest.mark.parametrize(

@@ -924,8 +924,10 @@ def _plan_decisions(build, example, args):
         except ValueError:
             raise  # a bad model spec or input: the same on any device
         except (NotImplementedError, RuntimeError) as err:
-            if device.type == "meta" and (isinstance(err, NotImplementedError) or "meta" in str(err).lower()):
-                continue  # something only real tensors can do: build on the CPU
+            if device.type == "meta":
+                # Something only real tensors can do (.item(), an autocast check, a kernel without a meta
+                # version), or a real error: the CPU tells which, and its message is the one to show.
+                continue
             args_, kwargs = example(device)  # a real error, e.g. an image too small for the model's pooling
             shape = tuple((args_ or tuple(kwargs.values()))[0].shape)
             raise CLIError(f"{args.model} fails on an input of shape {shape}: {_one_line(err)}") from None

@@ -12,7 +12,8 @@ Sections (each a table in benchmarks/results/audit.md, raw numbers in audit.json
 - ``honest``: `dptrain audit` at its defaults (digits CNN, epsilon 2, 10,000 canaries,
   10 steps at q = 0.5, bk-mixopt), over seeds: the bound must stay <= epsilon.
 - ``modes``: the same in all seven clipping modes.
-- ``broken``: ``--noise-scale`` 0.3 (and 0.5, 0.7): the bound must exceed epsilon at 0.3.
+- ``broken``: ``--noise-scale`` 0.3 (and 0.5, 0.7): the bound must exceed epsilon at 0.3;
+  and runs with clipping switched off (the engine patched to use clipping factors of 1).
 - ``curve``: bound against the claimed epsilon (0.5 ... 8) for noise scales 1, 0.5 and
   0.3; plotted to docs/audit.png.
 """
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 try:
@@ -76,11 +78,16 @@ def design(seeds: int) -> dict:
     return {"rows": out}
 
 
-def real(seed: int, **options) -> dict:
-    result = run_audit(seed=seed, **options)
-    row = result.to_dict()
-    print(f"{options}: seed {seed}: epsilon {row['epsilon']:.3f}, lower bound {row['epsilon_lower_bound']:.3f} "
-          f"({row['wall_time_s']:.1f} s)", flush=True)
+def real(seed: int, clipping_off: bool = False, **options) -> dict:
+    """One audit; ``clipping_off`` patches the engine so that every clipping factor is 1 (a broken run)."""
+    if clipping_off:
+        with mock.patch("dptrain.engine.clipping_factors", lambda norms, *args: torch.ones_like(norms)):
+            row = run_audit(seed=seed, **options).to_dict()
+    else:
+        row = run_audit(seed=seed, **options).to_dict()
+    row["clipping_off"] = clipping_off
+    print(f"{options}{' clipping off' if clipping_off else ''}: seed {seed}: epsilon {row['epsilon']:.3f}, "
+          f"lower bound {row['epsilon_lower_bound']:.3f} ({row['wall_time_s']:.1f} s)", flush=True)
     return row
 
 
@@ -100,14 +107,16 @@ def write_markdown(results: dict, path: Path) -> None:
         lines += [f"## {name}\n", "| clipping mode | noise scale | seed | epsilon | lower bound | right / guesses | "
                   "wall time (s) |", "|---|---|---|---|---|---|---|"]
         for r in results[name]:
-            lines.append(f"| {r['clipping_mode']} | {r['noise_scale']:g} | {r['seed']} | {r['epsilon']:.3f} | "
+            mode = r["clipping_mode"] + (" (clipping off)" if r.get("clipping_off") else "")
+            lines.append(f"| {mode} | {r['noise_scale']:g} | {r['seed']} | {r['epsilon']:.3f} | "
                          f"{r['epsilon_lower_bound']:.3f} | {r['correct_guesses']} / "
                          f"{r['guesses_in'] + r['guesses_out']} | {r['wall_time_s']:.1f} |")
-        bounds = [r["epsilon_lower_bound"] for r in results[name] if r["noise_scale"] == 1]
+        honest = [r for r in results[name] if r["noise_scale"] == 1 and not r.get("clipping_off")]
+        bounds = [r["epsilon_lower_bound"] for r in honest]
         if bounds and name in ("honest", "modes"):  # runs at one epsilon
             lines.append(f"\nhonest runs: bound mean {statistics.mean(bounds):.3f}, min {min(bounds):.3f}, "
                          f"max {max(bounds):.3f}; above epsilon: "
-                         f"{sum(r['epsilon_lower_bound'] > r['epsilon'] for r in results[name] if r['noise_scale'] == 1)}"
+                         f"{sum(r['epsilon_lower_bound'] > r['epsilon'] for r in honest)}"
                          f" of {len(bounds)}")
         lines.append("")
     path.write_text("\n".join(lines) + "\n")
@@ -174,6 +183,7 @@ def main(argv=None) -> int:
         results["modes"] = [real(seed, clipping_mode=mode) for mode in CLIPPING_MODES for seed in range(2)]
     if "broken" in args.sections:
         results["broken"] = [real(seed, noise_scale=scale) for scale in (0.3, 0.5, 0.7) for seed in range(3)]
+        results["broken"] += [real(seed, clipping_off=True) for seed in range(3)]
     if "curve" in args.sections:
         results["curve"] = [real(seed, epsilon=eps, noise_scale=scale) for scale in (1.0, 0.5, 0.3)
                             for eps in (0.5, 1.0, 2.0, 4.0, 8.0) for seed in range(2)]

@@ -12,6 +12,7 @@ import torch
 
 import dptrain
 from dptrain.audit import (
+    CANARY_NORM_OVER_R,
     CanaryModel,
     canary_losses,
     epsilon_lower_bound,
@@ -137,7 +138,7 @@ def test_canaries_through_the_engine_match_the_oracle_and_stay_orthogonal(mode, 
     R = 0.5
 
     def losses_fn(model, x, y, canary_id):
-        return canary_losses(*model(x, canary_id), y, canary_id, 2 * R)
+        return canary_losses(*model(x, canary_id), y, canary_id, CANARY_NORM_OVER_R * R)
 
     reference = reference_clipped_gradient(audited, losses_fn, (x, y, canary_id), max_grad_norm=R)
     optimizer = torch.optim.SGD(audited.parameters(), lr=0.0)
@@ -200,6 +201,14 @@ def test_small_audit_catches_a_run_with_a_tenth_of_its_noise():
     assert report.count("DELIBERATELY BREAKS ITS PRIVACY PROMISE") == 2 and "PROMISE BROKEN" in report
 
 
+def test_small_audit_catches_a_run_whose_clipping_is_switched_off(monkeypatch):
+    # Every clipping factor 1: each sampled canary adds 64 R to its coordinate where the
+    # promise allows R. (Patches the engine's own name for the clipping function.)
+    monkeypatch.setattr("dptrain.engine.clipping_factors", lambda norms, *args: torch.ones_like(norms))
+    result = run_audit(canaries=1000, steps=4, seed=0)
+    assert result.epsilon_lower_bound > result.epsilon
+
+
 def test_same_seed_same_audit_and_a_new_seed_new_coins(default_mode_audit):
     again = run_audit(**SMALL)
     assert (again.epsilon_lower_bound, again.correct_guesses, again.included_canaries) == (
@@ -207,6 +216,7 @@ def test_same_seed_same_audit_and_a_new_seed_new_coins(default_mode_audit):
         default_mode_audit.included_canaries)
     other = run_audit(**{**SMALL, "seed": 1})
     assert other.included_canaries != default_mode_audit.included_canaries
+    assert other.sample_rate == default_mode_audit.sample_rate  # q is fixed before the coins are flipped
 
 
 def test_audit_rejects_bad_options_with_a_clear_message():

@@ -15,8 +15,8 @@ How the canaries go through the engine's path (see docs/audit.md):
 * The audited model is wrapped in :class:`CanaryModel`, which adds a *probe*, a
   one-dimensional ``nn.Embedding(m + 1, 1)``. A batch element is ``(input, label,
   canary_id)`` with ``canary_id = -1`` for real samples, which read the probe's constant
-  padding row. Canary ``i`` reads row ``i`` and its loss is ``2R`` times that row (its
-  classification loss is masked out), so its per-sample gradient is ``2R`` on
+  padding row. Canary ``i`` reads row ``i`` and its loss is ``64 R`` times that row (its
+  classification loss is masked out), so its per-sample gradient is ``64 R`` on
   ``probe.weight[i, 0]`` and zero elsewhere, and real samples give the probe a zero
   gradient: canary directions are orthogonal to every real gradient and to each other.
 * Canaries are ordinary samples to the engine: clipped (to exactly ``R``), summed,
@@ -78,8 +78,10 @@ AUDIT_DEFAULTS: dict[str, Any] = {
     "accountant": "pld",
 }
 
-# A canary's gradient norm, in units of R: above R, so that clipping really acts on it.
-CANARY_NORM_OVER_R = 2.0
+# A canary's gradient norm, in units of R: far above R, so that a canary that escaped
+# clipping would stand out 64-fold, and a power of two, so that the clipping factor 1/64
+# and the clipped contribution R are exact in float32.
+CANARY_NORM_OVER_R = 64.0
 # Numbers of guesses the bound tries (then split between "in" and "out" guesses).
 _GUESS_COUNTS = 8
 _SMALLEST_GUESS_COUNT = 10
@@ -421,7 +423,7 @@ def run_audit(
         raise RuntimeError(f"observed {len(observations)} of {steps} steps")  # a bug, not a user error
 
     # White-box knowledge of the claimed mechanism: a clipped canary adds exactly R to its
-    # coordinate (abadi clipping of a 2R gradient), and the noise claimed is sigma * R.
+    # coordinate (abadi clipping of a 64 R gradient), and the noise claimed is sigma * R.
     # The auditor uses the claimed noise, not the noise drawn: it tests the promise.
     contribution = canary_norm * min(1.0, max_grad_norm / canary_norm)
     scores = subsampled_gaussian_scores(

@@ -332,7 +332,7 @@ def test_non_finite_scalar_loss_through_loss_backward_is_refused(mode):
         ("clipping_fn", "clip"),
         ("clipping_style", "by-layer"),
         ("loss_reduction", "avg"),
-        ("decision_rule", "memory"),
+        ("decision_rule", "bytes"),
     ],
 )
 def test_unknown_option_value_is_refused_listing_the_valid_ones(option, value):
@@ -903,3 +903,36 @@ def test_plan_changes_nothing_on_the_model():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert [p.requires_grad for p in model.parameters()] == flags
     assert all(not m._forward_hooks for m in model.modules())
+
+
+# =========================================================================== plan() decides as the engine
+@pytest.mark.parametrize("mode", ["bk-mixopt", "bk-mix-ghost", "mix-ghost"])
+@pytest.mark.parametrize("case_name", ["called-twice-parallel", "called-twice-sequential",
+                                       "called-twice-conv-embedding", "transformer"])
+@pytest.mark.parametrize("decision_rule", ["memory", "space", "time"])
+def test_plan_reports_the_decisions_the_engine_makes(float64, case_name, mode, decision_rule):
+    case = get_case(case_name)
+    planned = dptrain.plan(case.model, *case.batch[:-1], clipping_mode=mode, decision_rule=decision_rule)
+    model = copy.deepcopy(case.model)
+    engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, noise_multiplier=0.0, clipping_mode=mode,
+                                   decision_rule=decision_rule)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    engine.backward(per_sample(case.losses(model)))
+    assert planned == engine.last_decisions()
+
+
+def test_plan_decides_a_tied_embedding_once_with_every_layers_tokens(float64):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=60, n_positions=40)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).double()
+    ids = torch.randint(0, 60, (2, 30))
+    planned = {d.name: d for d in dptrain.plan(model, ids, clipping_mode="bk-mixopt")}
+    engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, noise_multiplier=0.0)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    logits = model(ids).logits
+    engine.backward(F.cross_entropy(logits.reshape(-1, 60), ids.reshape(-1), reduction="none").view(2, -1))
+    done = {d.name: d for d in engine.last_decisions()}
+    assert planned == done
+    # The tied weight is decided for both layers together: the LM head's and the embedding's tokens.
+    assert planned["transformer.wte"].norm == planned["lm_head"].norm

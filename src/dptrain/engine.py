@@ -18,7 +18,7 @@ from .clipping import CLIPPING_FNS, build_groups, clipping_factors, group_thresh
 from .layers import resolve_rule
 from .layers.base import LayerDims, layer_params, shared_sq_norm
 from .noise import GaussianNoise
-from .planning import DECISION_RULES, LayerDecision, decide
+from .planning import DECISION_RULES, DEFAULT_DECISION_RULE, LayerDecision, decide_parameter, join_dims
 from .validation import validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -78,7 +78,7 @@ class PrivacyEngine:
         clipping_fn: str = "abadi",
         clipping_style: str | Sequence[Sequence[str]] = "all-layer",
         loss_reduction: str = "mean",
-        decision_rule: str = "space",
+        decision_rule: str = DEFAULT_DECISION_RULE,
         clipping_gamma: float = 0.01,
         accountant: str = "pld",
         secure_rng: bool = False,
@@ -654,10 +654,7 @@ class PrivacyEngine:
             return
         if self._consumed is not None:
             self._consumed.extend((state, c) for c in calls)
-        dims = calls[0].dims
-        if len(calls) > 1:
-            dims = LayerDims(T=sum(c.dims.T for c in calls), p=dims.p, d=dims.d, blocks=dims.blocks,
-                             ghost_supported=dims.ghost_supported)
+        dims = join_dims([c.dims for c in calls])
         self._ready[id(state)] = _ReadyLayer(state, self._operands(state, calls), dims, calls[0].batch_size)
         for c in calls:  # the operands hold what is needed; a second pass sets new gradients
             c.grad = None
@@ -692,21 +689,15 @@ class PrivacyEngine:
         if len(sizes) > 1:
             raise ValueError(f"layers sharing a parameter saw different batch sizes {sorted(sizes)}")
         first, name = parts[0]
-        if len(parts) == 1:
-            dims = first.dims
-            ghost_ok = name == "weight" and dims.ghost_supported
-        else:
-            factors = [r.state.rule.weight_factors(r.state.module, r.ops) for r, _ in parts]
-            dims = LayerDims(T=sum(r.dims.T for r, _ in parts), p=p.shape[0], d=p[0].numel())
-            ghost_ok = all(n == "weight" for _, n in parts) and all(f is not None for f in factors)
-        norm_via, grad_via = decide(self.recipe, dims, self.decision_rule, ghost_ok)
+        described = [(n, r.dims, r.state.rule.factorable(r.state.module)) for r, n in parts]
+        _, norm_via, grad_via = decide_parameter(self.recipe, self.decision_rule, described, tuple(p.shape))
 
         per_sample = None
         if norm_via == "ghost":
             if len(parts) == 1:
                 sq_norm = first.state.rule.ghost_sq_norm(first.state.module, first.ops)
             else:
-                sq_norm = shared_sq_norm(factors)
+                sq_norm = shared_sq_norm([r.state.rule.weight_factors(r.state.module, r.ops) for r, _ in parts])
         else:
             for ready, n in parts:
                 g = ready.state.rule.per_sample_grads(ready.state.module, ready.ops, {n})[n]
@@ -719,8 +710,8 @@ class PrivacyEngine:
             per_sample=per_sample if grad_via == "weighted-sum" else None,
             book=[(r.state, n, r.ops) for r, n in parts] if grad_via == "book-keeping" else [],
         )
-        for ready, n in parts:
-            if n == "weight" or "weight" not in ready.state.params:
+        for ready, n in parts:  # a layer is described by its weight's decision (or its first parameter's)
+            if n == "weight" or ("weight" not in ready.state.params and id(ready.state) not in self._decisions):
                 d = ready.dims
                 self._decisions[id(ready.state)] = LayerDecision(
                     ready.state.name, type(ready.state.module).__name__, d.T, d.p, d.d * d.blocks,

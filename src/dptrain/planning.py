@@ -2,11 +2,21 @@
 
 Space rule (mixed-ghost paper eq. 4.1; book-keeping paper section 3.2): ghost norm iff
 2T^2 < p*d. Time rule (mixed-ghost paper Table 1, one layer): ghost norm costs
-2BT^2(d+p+1) - B operations, instantiation 2B(T+1)pd; pick the cheaper.
-Decisions are made per call from the real shapes, since T changes between batches.
+2BT^2(d+p+1) - B operations, instantiation 2B(T+1)pd; pick the cheaper. Memory rule (the
+default): the space rule, plus what each choice keeps alive until the clipping factors are
+known — where the gradient stage follows the norm (BK-MixOpt), the ghost norm keeps the
+layer's output gradient (T*p per sample) for its book-keeping, instantiation keeps the
+per-sample gradient (p*d); the layer input is kept either way, as non-private autograd does.
+
+Decisions are made per backward from the real shapes, since T changes between batches; the
+engine and ``plan()`` decide through the same function, ``decide_parameter``: a module called
+several times is one layer with its calls' tokens together, and a weight shared by several
+layers is decided once, for all of them.
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -16,7 +26,8 @@ from .algorithms import RECIPES, GradVia, NormVia, Recipe
 from .layers import resolve_rule
 from .layers.base import LayerDims, layer_params
 
-DECISION_RULES = ("space", "time")
+DECISION_RULES = ("memory", "space", "time")
+DEFAULT_DECISION_RULE = "memory"
 
 
 def ghost_time(dims: LayerDims) -> int:
@@ -27,11 +38,17 @@ def instantiate_time(dims: LayerDims) -> int:
     return dims.blocks * 2 * (dims.T + 1) * dims.p * dims.d
 
 
-def prefers_ghost(dims: LayerDims, rule: str = "space") -> bool:
-    """True when the ghost norm is the better primitive for this layer call."""
+def prefers_ghost(dims: LayerDims, rule: str = "space", keeps_operands: bool = False) -> bool:
+    """True when the ghost norm is the better primitive for this layer call.
+
+    ``keeps_operands``: the ghost norm's gradient stage is book-keeping while instantiation's is
+    the weighted sum (BK-MixOpt), so the memory rule also counts the kept output gradient.
+    """
     if not dims.ghost_supported:
         return False
-    if rule == "space":
+    if rule == "memory" and keeps_operands:
+        return dims.ghost_cost + dims.T * dims.p * dims.blocks < dims.instantiate_cost
+    if rule in ("space", "memory"):
         return dims.ghost_cost < dims.instantiate_cost
     if rule == "time":
         return ghost_time(dims) < instantiate_time(dims)
@@ -62,8 +79,9 @@ def decide(recipe: Recipe, dims: LayerDims, decision_rule: str, weight_trainable
     The ghost norm applies to the weight; biases and norm layers are always instantiated
     (their per-sample gradients are as small as the norm computation itself).
     """
+    keeps = recipe.grad is GradVia.FOLLOW_NORM
     ghost = weight_trainable and dims.ghost_supported and (
-        recipe.norm is NormVia.GHOST or (recipe.norm is NormVia.MIXED and prefers_ghost(dims, decision_rule))
+        recipe.norm is NormVia.GHOST or (recipe.norm is NormVia.MIXED and prefers_ghost(dims, decision_rule, keeps))
     )
     if recipe.grad is GradVia.SECOND_PASS:
         grad = "second-pass"
@@ -74,17 +92,47 @@ def decide(recipe: Recipe, dims: LayerDims, decision_rule: str, weight_trainable
     return ("ghost" if ghost else "fallback" if dims.fallback else "instantiate"), grad
 
 
-def plan(model: nn.Module, *example_args, clipping_mode: str = "bk-mixopt", decision_rule: str = "space",
-         allow_fallback: bool = True, **example_kwargs) -> list[LayerDecision]:
+def join_dims(dims: list[LayerDims]) -> LayerDims:
+    """The sizes of several calls of one module taken as one call with all their tokens."""
+    return dims[0] if len(dims) == 1 else dataclasses.replace(dims[0], T=sum(d.T for d in dims))
+
+
+def decide_parameter(recipe: Recipe, decision_rule: str, parts: list[tuple[str, LayerDims, bool]],
+                     shape: tuple[int, ...]) -> tuple[LayerDims, str, str]:
+    """(sizes, norm primitive, gradient primitive) for one parameter in one backward.
+
+    ``parts``: for every layer that uses the parameter, (its name for the parameter, its calls'
+    joined sizes, whether its rule can factor the weight's per-sample gradient). A parameter of
+    one layer is decided on that layer's sizes; a weight shared by several layers (tied
+    embeddings) on the whole weight, with every layer's tokens, and its ghost norm needs every
+    layer to factor it.
+    """
+    if len(parts) == 1:
+        name, dims, _ = parts[0]
+        ghost_ok = name == "weight" and dims.ghost_supported
+    else:
+        dims = LayerDims(T=sum(d.T for _, d, _ in parts), p=shape[0], d=math.prod(shape[1:]))
+        ghost_ok = all(n == "weight" and factorable for n, _, factorable in parts)
+    norm, grad = decide(recipe, dims, decision_rule, ghost_ok)
+    return dims, norm, grad
+
+
+def plan(model: nn.Module, *example_args, clipping_mode: str = "bk-mixopt",
+         decision_rule: str = DEFAULT_DECISION_RULE, allow_fallback: bool = True,
+         **example_kwargs) -> list[LayerDecision]:
     """What ``clipping_mode`` would do per trainable layer for inputs shaped like the example.
 
-    Runs one forward pass without gradients; a module called several times is reported
-    once per call. Nothing on the model is changed.
+    Runs one forward pass without gradients and decides as the engine does (``decide_parameter``):
+    a module called several times is one layer, its calls' tokens together. Nothing on the model
+    is changed.
     """
     if clipping_mode not in RECIPES:
         raise ValueError(f"unknown clipping_mode {clipping_mode!r}; valid: {', '.join(RECIPES)}")
+    if decision_rule not in DECISION_RULES:
+        raise ValueError(f"unknown decision rule {decision_rule!r}; valid: {', '.join(DECISION_RULES)}")
     recipe = RECIPES[clipping_mode]
-    decisions: list[LayerDecision] = []
+    calls: dict[str, list[LayerDims]] = {}  # per layer, in the order of their first call
+    layers: dict[str, tuple[nn.Module, object, dict]] = {}
     handles = []
     covered = layer_params(model)
     for name, module in model.named_modules():
@@ -92,17 +140,15 @@ def plan(model: nn.Module, *example_args, clipping_mode: str = "bk-mixopt", deci
         rule = resolve_rule(module, allow_fallback) if params else None
         if rule is None:
             continue
+        layers[name] = (module, rule, params)
 
-        def record(mod, inputs, tensor, site=None, _name=name, _rule=rule, _params=params):
+        def record(mod, inputs, tensor, site=None, _name=name, _rule=rule):
             if site is None:
                 args, kwargs = inputs
                 activation = _rule.capture_call(mod, args, kwargs, tensor)
             else:
                 activation = _rule.capture_at(mod, site, inputs, tensor)
-            dims = _rule.dims(mod, activation, tensor)
-            norm, grad = decide(recipe, dims, decision_rule, "weight" in _params)
-            decisions.append(LayerDecision(_name, type(mod).__name__, dims.T, dims.p, dims.d * dims.blocks,
-                                           dims.ghost_cost, dims.instantiate_cost, norm, grad))
+            calls.setdefault(_name, []).append(_rule.dims(mod, activation, tensor))
 
         if rule.captures_input:  # read where the engine reads: capture sites (activation source, gradient target)
             for k, site in enumerate(rule.capture_sites(module)):
@@ -129,4 +175,24 @@ def plan(model: nn.Module, *example_args, clipping_mode: str = "bk-mixopt", deci
     finally:
         for h in handles:
             h.remove()
-    return decisions
+    joined = {name: join_dims(dims) for name, dims in calls.items()}
+    users: dict[int, list[tuple[str, str]]] = {}
+    shapes: dict[int, tuple[int, ...]] = {}
+    for name in joined:
+        for pname, p in layers[name][2].items():
+            users.setdefault(id(p), []).append((name, pname))
+            shapes[id(p)] = tuple(p.shape)
+    chosen: dict[str, LayerDecision] = {}
+    for key, uses in users.items():
+        parts = [(pname, joined[name], layers[name][1].factorable(layers[name][0])) for name, pname in uses]
+        _, norm, grad = decide_parameter(recipe, decision_rule, parts, shapes[key])
+        for name, pname in uses:  # a layer is described by its weight's decision (or its first parameter's)
+            if name in chosen and pname != "weight":
+                continue
+            module, _, params = layers[name]
+            if pname != "weight" and "weight" in params:
+                continue
+            d = joined[name]
+            chosen[name] = LayerDecision(name, type(module).__name__, d.T, d.p, d.d * d.blocks, d.ghost_cost,
+                                         d.instantiate_cost, norm, grad)
+    return [chosen[name] for name in joined if name in chosen]

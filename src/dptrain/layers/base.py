@@ -132,6 +132,10 @@ class LayerRule:
         """{name: sum_i factors[name][i] * dL_i/d(name)} without per-sample gradients."""
         raise NotImplementedError
 
+    def factorable(self, module: nn.Module) -> bool:
+        """Whether ``weight_factors`` gives factors for this module (the ghost norm of a tied weight)."""
+        return type(self).weight_factors is not LayerRule.weight_factors
+
     def weight_factors(self, module: nn.Module, ops: tuple) -> tuple | None:
         """(U [B, T, rows], V [B, T, cols]) with dL_i/dW = U_i^T V_i, W seen as [dim 0, rest].
 

@@ -213,6 +213,9 @@ class ConvRule(LayerRule):
             total = term if total is None else total + term
         return total
 
+    def factorable(self, module):
+        return module.groups == 1
+
     def weight_factors(self, module, ops):
         """(output gradients [B, T, C_out], patches [B, T, d]) of all calls, for a weight tied to another layer.
 

@@ -192,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cmd.add_argument("--num-classes", type=positive_int, default=None,
                           help="classifier outputs (default: 10 for the built-in models, the model's own otherwise)")
     plan_cmd.add_argument("--clipping-mode", choices=CLIPPING_MODES, default="bk-mixopt", help="(default bk-mixopt)")
-    plan_cmd.add_argument("--decision-rule", choices=DECISION_RULES, default="space",
-                          help="how the mixed modes choose: by space (2T^2 < p*d) or by time (default space)")
+    plan_cmd.add_argument("--decision-rule", choices=DECISION_RULES, default="memory",
+                          help="how the mixed modes choose: by memory (space, plus what BK-MixOpt keeps alive), "
+                          "space (2T^2 < p*d) or time (default memory, as the engine)")
     plan_cmd.add_argument("--fix", action="store_true",
                           help="plan the model as dptrain train trains it, after dptrain.fix (BatchNorm -> GroupNorm, "
                           "torch RNN/attention -> dptrain.nn); without it, the model as published")

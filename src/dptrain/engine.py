@@ -434,14 +434,12 @@ class PrivacyEngine:
         self._settle_failed_backward()
         if losses.dim() > 1:
             losses = losses.flatten(1).sum(1)
-        if not torch.isfinite(losses).all():
-            if self._scaler is not None:  # fp16 overflow already in the forward: the step is skipped
-                self._forget_calls()
-                self._after_backward(overflow=True)
-                return
-            self._forget_calls()
-            bad = (~torch.isfinite(losses)).nonzero().flatten().tolist()
-            raise ValueError(f"non-finite per-sample losses at batch positions {bad[:10]}: nothing was accumulated")
+        # Without a scaler, non-finite losses show as non-finite norms (checked once, with them): no extra
+        # host-device synchronisation on the hot path.
+        if self._scaler is not None and not torch.isfinite(losses).all():
+            self._forget_calls()  # fp16 overflow already in the forward: the step is skipped
+            self._after_backward(overflow=True)
+            return
         B = losses.shape[0]
         forward_batch = self._capture.forward_batch
         if B and forward_batch is not None and B != forward_batch and losses.requires_grad:
@@ -469,6 +467,14 @@ class PrivacyEngine:
         overflow = False
         try:
             overflow = self._scaled_backward(losses)
+        except FloatingPointError as err:
+            self._abort_backward()
+            bad = (~torch.isfinite(losses.detach())).nonzero().flatten().tolist()
+            if bad:
+                raise ValueError(
+                    f"non-finite per-sample losses at batch positions {bad[:10]}: nothing was accumulated"
+                ) from err
+            raise
         except BaseException:
             self._abort_backward()
             raise
@@ -767,7 +773,7 @@ class PrivacyEngine:
                 for sq in group_sq
             ]
             norms = [torch.sqrt(sq) * scale for sq in group_sq]
-            if batch and not all(bool(torch.isfinite(n).all()) for n in norms):
+            if batch and not bool(torch.stack([torch.isfinite(n).all() for n in norms]).all()):  # one sync
                 if self._scaler is not None:
                     raise _Overflow
                 raise FloatingPointError(

@@ -621,3 +621,41 @@ def test_a_strict_budget_refuses_the_step_that_would_pass_it(float64):
 def test_budget_choice_is_checked():
     with pytest.raises(ValueError, match="budget"):
         _budget_engine(nn.Linear(2, 2), budget="loose")
+
+
+# ---------------------------------------------------------------------------------------- the fallback
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(8) * 1.5)
+
+    def forward(self, x):
+        return x * self.scale
+
+
+def test_the_engine_warns_once_naming_the_layers_on_the_fallback(float64):
+    model = nn.Sequential(nn.Linear(6, 8), Scaled(), nn.Linear(8, 3)).double()
+    with pytest.warns(UserWarning, match=r"1 layer\(s\) have no rule and use the per-sample fallback: 1\b"):
+        engine = _engine(model, "bk-mixopt")
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: not again at the next model call or after freezing
+        model[0].requires_grad_(False)
+        engine.backward(_losses(model, *_data(3)))
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_a_fallback_layer_unfrozen_after_attach_is_exact(float64, mode, path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), Scaled(), nn.Linear(8, 3)).double()
+    batch = _data(4, seed=2)
+    reference = _reference(model, [batch])
+    model[2].requires_grad_(False)
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    model[2].requires_grad_(True)
+    with pytest.warns(UserWarning, match="per-sample fallback: 2"):
+        _backward(engine, model, *batch, path)
+    opt.step()
+    assert_matches({n: p.grad for n, p in model.named_parameters()}, reference, what="fallback unfrozen")

@@ -16,6 +16,7 @@ from .algorithms import RECIPES
 from .capture import Call, Capture, LayerState, graph_task, in_backward
 from .clipping import CLIPPING_FNS, build_groups, clipping_factors, group_threshold
 from .layers import resolve_rule
+from .layers.fallback import FallbackRule, fallback_warning
 from .layers.base import LayerDims, layer_params, shared_sq_norm
 from .noise import GaussianNoise
 from .planning import DECISION_RULES, DEFAULT_DECISION_RULE, LayerDecision, decide_parameter, join_dims
@@ -141,6 +142,7 @@ class PrivacyEngine:
         self._num_groups = 0
         self._threshold = self.max_grad_norm
         self._trainable: tuple[int, ...] = ()
+        self._warned_fallback: set[str] = set()
         self._build_layers()
         if not self._layers:
             raise ValueError("the model has no trainable parameters: nothing to train privately")
@@ -236,6 +238,12 @@ class PrivacyEngine:
                 users.setdefault(p, []).append((state, name))
         param_of = {(u[0][0].name, u[0][1]): p for p, u in users.items()}
         groups = build_groups(self.clipping_style, [s.name for s in layers], list(param_of)) if users else []
+        fallback = [s.name or "<root>" for s in layers if isinstance(s.rule, FallbackRule)
+                    and (s.name or "<root>") not in self._warned_fallback]
+        message = fallback_warning(fallback)
+        if message is not None:
+            self._warned_fallback.update(fallback)
+            warnings.warn(message, stacklevel=4)
         self._layers = layers
         self._users = users
         self._group_of = {param_of[key]: k for k, group in enumerate(groups) for key in group}

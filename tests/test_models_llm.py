@@ -1,11 +1,12 @@
 """Today's open decoder LLM families, from tiny configs with random weights, against the oracle.
 
-Llama, Mistral, Qwen2, Phi-3, Gemma, OPT, Falcon and GPT-NeoX, fully trainable and with LoRA
+Llama, Mistral, Qwen2, Phi-3, Gemma, OPT, Falcon, GPT-NeoX and Cohere, fully trainable and with LoRA
 adapters: every clipping mode through engine.backward(per-sequence losses), and the
 single-backward modes through Hugging Face's own loss (``labels=...``) and a plain
 ``loss.backward()``. They need no fallback: their RMS norms are recognised by structure, and
 OPT's positions, Gemma's scaled embedding and Falcon's linear layers have rules (so every
-test here also runs with ``allow_fallback=False``).
+test here runs with ``allow_fallback=False``), except Cohere, whose layer norm only the fallback
+covers.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import dptrain
 from dptrain.layers import FallbackRule, resolve_rule
 from dptrain.losses import sequence_losses
 from dptrain.testing import reference_clipped_gradient, trainable_named_parameters
-from helpers import MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, reference, spread_init, split_max_grad_norm
+from helpers import MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, Case, assert_matches, reference, spread_init, split_max_grad_norm
 from test_fallback import check_against_oracle
 
 T = pytest.importorskip("transformers")
@@ -45,7 +46,12 @@ FAMILIES = {
                ["query_key_value"]),
     "gpt-neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, dict(intermediate_size=32, hidden_dropout=0.0),
                  ["query_key_value"]),
+    # CohereLayerNorm is shaped like an RMS norm (one weight, an epsilon) but centres x: its numerical
+    # check fails and the per-sample fallback takes it (the only family here that needs the fallback)
+    "cohere": (T.CohereConfig, T.CohereForCausalLM, dict(_ROPE, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+               ["q_proj", "v_proj"]),
 }
+NEEDS_FALLBACK = {"cohere"}
 
 # OPT's decoder layers fold the tokens into the batch for their feed-forward block
 # (hidden_states.reshape(-1, d) before final_layer_norm, fc1 and fc2): the engine refuses those
@@ -57,10 +63,12 @@ VARIANTS = [(name, "frozen-ffn" if name == "opt" else "full") for name in FAMILI
 
 # Their RMS norms compute in float32 inside a float64 model: a second backward of sum_i C_i L_i rounds
 # C_i-scaled gradients there (see tests/test_fallback.py, check_against_oracle).
-FLOAT32_INSIDE = {"llama", "mistral", "qwen2", "phi3", "gemma"}
+FLOAT32_INSIDE = {"llama", "mistral", "qwen2", "phi3", "gemma", "cohere"}
 # Gemma's norm scales by (1 + weight) in float32, so autograd (the oracle) sums its weight gradient
-# over the tokens in float32; the rule sums the same products in float64. Only float32 rounding.
-FLOAT32_GRADIENT = {"gemma"}
+# over the tokens in float32; the rule sums the same products in float64. Cohere's layer norm does too:
+# the fallback then sums per sample in float32, exactly as the oracle, but a re-weighted backward sums
+# over the whole batch. Only float32 rounding, in these modes:
+FLOAT32_GRADIENT = {"gemma": MODES, "cohere": TWO_PASS_MODES}
 
 
 def _build(name: str, variant: str):
@@ -132,19 +140,21 @@ def built(name: str, variant: str, hf_loss: bool = False):
     return _built[key]
 
 
-def _run(case: Case, mode: str, R: float, hf_loss: bool) -> dict:
+def _run(name: str, case: Case, mode: str, R: float, hf_loss: bool) -> dict:
     model = copy.deepcopy(case.model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R, noise_multiplier=0.0,
-                                       clipping_mode=mode, allow_fallback=False)
+                                       clipping_mode=mode, allow_fallback=name in NEEDS_FALLBACK)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     engine.attach(optimizer)
     try:
-        if hf_loss:
-            _hf_loss(model, *case.batch).backward()
-        else:
-            engine.backward(case.losses(model))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*uses the per-sample fallback instead")  # Cohere's norm
+            if hf_loss:
+                _hf_loss(model, *case.batch).backward()
+            else:
+                engine.backward(case.losses(model))
         optimizer.step()
         return {n: p.grad.detach().clone() for n, (_, p) in trainable_named_parameters(model).items()}
     finally:
@@ -152,7 +162,7 @@ def _run(case: Case, mode: str, R: float, hf_loss: bool) -> dict:
 
 
 def _check(name, case, R, ref, got, mode):
-    if name in FLOAT32_GRADIENT:
+    if mode in FLOAT32_GRADIENT.get(name, ()):
         assert_matches(got, ref, rtol=1e-6, what=f"{name} {mode}: float32 sums inside the model only")
         return
     check_against_oracle(name, case, R, ref, got, mode, FLOAT32_INSIDE)
@@ -162,21 +172,30 @@ def _check(name, case, R, ref, got, mode):
 @pytest.mark.parametrize("name, variant", VARIANTS)
 def test_engine_backward_matches_oracle(name, variant, mode):
     case, R, ref = built(name, variant)
-    _check(name, case, R, ref, _run(case, mode, R, hf_loss=False), mode)
+    _check(name, case, R, ref, _run(name, case, mode, R, hf_loss=False), mode)
 
 
 @pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
 @pytest.mark.parametrize("name, variant", VARIANTS)
 def test_hugging_face_loss_backward_matches_oracle(name, variant, mode):
     case, R, ref = built(name, variant, hf_loss=True)
-    _check(name, case, R, ref, _run(case, mode, R, hf_loss=True), mode)
+    _check(name, case, R, ref, _run(name, case, mode, R, hf_loss=True), mode)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_no_module_needs_the_fallback(name):
+def test_no_module_needs_the_fallback_but_cohere_norms(name):
     model = _build(name, "full")
     assert [n for n, m in model.named_modules() if isinstance(resolve_rule(m), FallbackRule)] == []
-    dptrain.validate(model, allow_fallback=False)
+    dptrain.validate(model, allow_fallback=False)  # by structure; only a call tells Cohere's norm apart
+    if name in NEEDS_FALLBACK:
+        engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, noise_multiplier=0.0,
+                                       allow_fallback=False)
+        engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+        try:
+            with pytest.raises(ValueError, match="CohereLayerNorm looks like an RMS norm.*allow_fallback=True"):
+                engine.backward(_sequence_losses(model, *_batch(0, padded=False)))
+        finally:
+            engine.detach()
 
 
 def test_opt_feed_forward_folded_into_the_batch_is_refused_while_trainable():

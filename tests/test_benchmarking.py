@@ -6,7 +6,9 @@ that the harness measures what it says and reports every figure.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -92,6 +94,7 @@ def test_memory_worker_in_a_fresh_process():
     res = bm.run_worker(task, timeout=600)
     assert res["ok"], res.get("error")
     assert res["result"]["peak_above_baseline_bytes"] > 0
+    assert "malloc returns freed blocks" in res["result"]["memory_method"]  # the peak follows live bytes
     assert res["result"]["peak_bytes"] == res["result"]["baseline_bytes"] + res["result"]["peak_above_baseline_bytes"]
 
 
@@ -101,3 +104,163 @@ def test_cli_lists_configurations_and_rejects_unknown_ones(capsys):
     assert "gpt2-t64" in listed and "vgg11-gn-32" in listed
     assert bm.main(["--configs", "no-such-model", "--scale", "cpu"]) == 2
     assert "unknown configuration" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- where results go
+
+
+@pytest.fixture
+def in_process_workers(monkeypatch):
+    """Workers run in this process: the command's own logic is under test, not the subprocesses."""
+    monkeypatch.setattr(bm, "run_worker", lambda task, timeout, isolate=True: bm._run_task({**task, "isolated": False}))
+
+
+SMOKE_RUN = ["--scale", "cpu", "--configs", "smoke-cnn", "--arms", "non-private", "--no-opacus", "--warmup", "0",
+             "--steps", "1", "--threads", "1"]
+
+
+def _snapshot(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir()} if folder.is_dir() else {}
+
+
+def test_default_output_is_a_fresh_folder_and_every_path_is_printed(tmp_path, monkeypatch, capsys, in_process_workers):
+    published = tmp_path / "checkout" / "benchmarks" / "results"
+    published.mkdir(parents=True)
+    (published / "cpu.json").write_text("{\"committed\": true}\n")
+    monkeypatch.setattr(bm, "published_results_dir", lambda: published)
+    monkeypatch.chdir(tmp_path)
+    before = _snapshot(published)
+    assert bm.main(SMOKE_RUN) == 0
+    assert bm.main(SMOKE_RUN) == 0  # a second run gets its own folder too
+    assert _snapshot(published) == before
+    out = capsys.readouterr().out
+    written = [line.removeprefix("wrote ") for line in out.splitlines() if line.startswith("wrote ")]
+    folders = sorted({str(Path(p).parent) for p in written})
+    assert len(folders) == 2 and all(Path(f).parent == tmp_path and Path(f).name.startswith("dptrain-bench-")
+                                     for f in folders)
+    assert {Path(p).name for p in written} >= {"cpu.json", "cpu.csv", "cpu.md"}
+    assert all(Path(p).is_file() for p in written)
+    assert set(written) == {str(p) for f in folders for p in Path(f).iterdir()}  # nothing written unannounced
+
+
+def test_publish_is_the_one_way_into_the_committed_results(tmp_path, monkeypatch, capsys, in_process_workers):
+    published = tmp_path / "benchmarks" / "results"
+    published.mkdir(parents=True)
+    monkeypatch.setattr(bm, "published_results_dir", lambda: published)
+    monkeypatch.chdir(tmp_path)
+    assert bm.main([*SMOKE_RUN, "--out", str(published)]) == 2
+    assert "--publish" in capsys.readouterr().err and not any(published.iterdir())
+    assert bm.main([*SMOKE_RUN, "--publish", "--out", str(tmp_path / "x")]) == 2
+    assert "not both" in capsys.readouterr().err
+    for option in ("--resume", "--report-only"):
+        assert bm.main([*SMOKE_RUN, option]) == 2
+        assert "--out DIR" in capsys.readouterr().err
+    assert bm.main([*SMOKE_RUN, "--publish"]) == 0
+    assert f"wrote {published / 'cpu.json'}" in capsys.readouterr().out
+    assert "smoke-cnn" in json.loads((published / "cpu.json").read_text())["configs"]
+    assert bm.main(["--report-only", "--publish", "--tag", "cpu"]) == 0
+    assert f"wrote {published / 'cpu.md'}" in capsys.readouterr().out
+
+
+def test_publish_outside_a_checkout_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bm, "published_results_dir", lambda: tmp_path / "no-such" / "results")
+    assert bm.main([*SMOKE_RUN, "--publish"]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- the GPU preset
+
+
+def test_gpu_quick_plan_names_the_issue_rows_and_its_budget(capsys):
+    assert bm.main(["--preset", "gpu-quick", "--dry-run"]) == 0
+    plan = capsys.readouterr().out
+    preset = bm.PRESETS["gpu-quick"]
+    configs = bm.configs_for(preset.scale)
+    batches = {row: configs[row].batch_size for row in preset.rows}
+    assert batches == {"gpt2-t100": 32, "resnet18-gn-224-b128": 128, "vgg11-gn-224": 32, "vit-224": 32,
+                       "resnet18-gn-224": 32}
+    assert "vit_base_patch16_224" in configs["vit-224"].description and "T=100" in configs["gpt2-t100"].description
+    for row in preset.rows:
+        assert row in plan
+    assert f"{preset.budget_s:.0f} s in all" in plan and preset.budget_s < 6 * 60
+    assert bm.main(["--preset", "gpu-quick", "--configs", "gpt2-t100", "--dry-run"]) == 2
+    assert "leave out --configs" in capsys.readouterr().err
+    assert bm.main(["--dry-run"]) == 2
+
+
+def _fake_runner(clock, spend):
+    """A worker that takes ``spend(task, timeout)`` seconds of the fake clock and succeeds."""
+    tasks = []
+
+    def run(task, timeout):
+        tasks.append((task, timeout))
+        clock[0] += spend(task, timeout)
+        if task["kind"] == "arm":
+            return {"ok": True, "result": {"peak_bytes": 2**30, "baseline_bytes": 2**29,
+                                           "peak_above_baseline_bytes": 2**29, "memory_method": "fake", "note": "",
+                                           "step_times_s": [0.01, 0.02, 0.03], "cpu_times_s": [0.01] * 3}}
+        return {"ok": True, "result": {"max_batch": 256, "cap": task["cap"], "max_batch_search": "256"}}
+
+    return run, tasks
+
+
+@pytest.mark.parametrize("worst_case", [False, True])
+def test_gpu_quick_never_outlasts_its_budget(worst_case):
+    """Every worker taking its whole timeout still ends within the budget; what did not fit is marked skipped."""
+    preset = bm.PRESETS["gpu-quick"]
+    clock = [0.0]
+    spend = (lambda task, timeout: timeout) if worst_case else (lambda task, timeout: 1.0)
+    runner, tasks = _fake_runner(clock, spend)
+    results = bm.run_preset(preset, list(preset.arms), device=torch.device("cpu"), threads=1, runner=runner,
+                            clock=lambda: clock[0], log=lambda *_: None)
+    assert clock[0] <= preset.budget_s
+    assert list(results["configs"]) == list(preset.rows)
+    recs = [rec for entry in results["configs"].values() for rec in entry["arms"].values()]
+    searched = [t for t, _ in tasks if t["kind"] == "max-batch"]
+    if worst_case:
+        assert any(rec["status"] == "skipped" and "time budget" in rec["error"] for rec in recs)
+        assert all(t["budget_s"] >= preset.min_search_s for t in searched)
+    else:
+        assert all(rec["status"] == "ok" for rec in recs) and len(recs) == len(preset.rows) * len(preset.arms)
+        assert len(searched) == len(preset.searches()) and all(t["budget_s"] == preset.search_s for t in searched)
+        entry = results["configs"]["vgg11-gn-224"]
+        assert entry["arms"]["bk-mixopt"]["max_batch"] == 256 and entry["arms"]["bk-mixopt"]["memory_ratio"] == 1.0
+    assert all(timeout == preset.arm_timeout_s for t, timeout in tasks if t["kind"] == "arm")
+
+
+def test_gpu_quick_plan_runs_end_to_end_on_tiny_stand_ins(monkeypatch):
+    """The preset's own workers (one process kind per arm, then the largest-batch search) on the CPU."""
+    preset = dataclasses.replace(bm.PRESETS["gpu-quick"], rows=("gpt2-t100", "vgg11-gn-224"),
+                                 max_batch_rows=("vgg11-gn-224",), max_batch_cap=4, warmup=1, steps=2)
+    stand_ins = {row: dataclasses.replace(bm.smoke_config(batch_size=2, steps=2), name=row) for row in preset.rows}
+    monkeypatch.setattr(bm, "configs_for", lambda scale: stand_ins)
+    arms = [bm.NON_PRIVATE, "bk-mixopt"]
+    results = bm.run_preset(preset, arms, device=torch.device("cpu"), threads=1,
+                            runner=lambda task, timeout: bm.run_worker(task, timeout, isolate=False),
+                            log=lambda *_: None)
+    for row in preset.rows:
+        for arm in arms:
+            rec = results["configs"][row]["arms"][arm]
+            assert rec["status"] == "ok", rec.get("error")
+            assert len(rec["step_times_s"]) == 2 and rec["peak_bytes"] > 0
+    searched = results["configs"]["vgg11-gn-224"]["arms"]
+    assert [searched[a]["max_batch"] for a in arms] == [4, 4]  # no out-of-memory on the CPU: the cap
+    assert searched["bk-mixopt"]["max_batch_throughput"] > 0
+    assert "max_batch" not in results["configs"]["gpt2-t100"]["arms"]["bk-mixopt"]
+
+
+def test_largest_batch_search_stops_at_its_deadline():
+    now = [0.0]
+
+    def fits(b):
+        now[0] += 10.0  # each trial takes 10 s
+        return b <= 300
+
+    search = bm.search_largest_batch(fits, 32, 4096, deadline=35.0, clock=lambda: now[0])
+    # four trials start before the deadline of 35 s: 32, 64, 128 and 256
+    assert (search.found, search.too_large, search.stopped) == (256, None, "time budget")
+    assert "256 fits" in search.describe() and "time budget" in search.describe()
+    now[0] = 0.0
+    search = bm.search_largest_batch(fits, 32, 4096, deadline=1000.0, clock=lambda: now[0], rel_tolerance=1 / 16)
+    assert search.found <= 300 < search.too_large and search.too_large - search.found <= 300 / 16
+    assert bm.search_largest_batch(lambda b: b <= 37, 8, 4096) == bm.BatchSearch(37, 38)

@@ -14,7 +14,7 @@ from torch import nn
 
 from dptrain.layers import conv as conv_rules
 from dptrain.layers.conv import ConvRule, weight_grad
-from helpers import MODES, Case, ConvNet, assert_matches, classify, engine_clipped_sum, get_case, reference, scaled_group_norms
+from helpers import MODES, Case, assert_matches, classify, engine_clipped_sum, get_case, reference, scaled_group_norms
 
 pytestmark = pytest.mark.usefixtures("float64")
 

@@ -45,7 +45,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -157,14 +157,16 @@ class Task:
     def make_batch(self, batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         if self.kind == "image":
             return {
-                "x": torch.randn(batch_size, 3, self.image_size, self.image_size, generator=generator),
-                "y": torch.randint(0, self.num_classes, (batch_size,), generator=generator),
+                "x": torch.randn(batch_size, 3, self.image_size, self.image_size, generator=generator,
+                                 device=generator.device),
+                "y": torch.randint(0, self.num_classes, (batch_size,), generator=generator, device=generator.device),
             }
         # token ids from 3 up: skip RoBERTa's special ids (padding 1 would shift its positions)
-        ids = torch.randint(3, self.vocab, (batch_size, self.seq_len), generator=generator)
+        ids = torch.randint(3, self.vocab, (batch_size, self.seq_len), generator=generator, device=generator.device)
         if self.kind == "lm":
             return {"ids": ids}
-        return {"ids": ids, "y": torch.randint(0, self.num_classes, (batch_size,), generator=generator)}
+        return {"ids": ids, "y": torch.randint(0, self.num_classes, (batch_size,), generator=generator,
+                                               device=generator.device)}
 
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], batched_positions: bool = False) -> torch.Tensor:
         """``batched_positions``: give GPT-2 its position ids as [B, T] instead of letting it broadcast [1, T]."""
@@ -226,6 +228,10 @@ def _configs(scale: str) -> list[BenchConfig]:
     out.append(BenchConfig(
         "resnet18-gn-224", "ResNet-18 (torchvision, GroupNorm), 224x224", 4 if cpu else 32,
         1 if cpu else 3, 3 if cpu else 10, lambda: _image_task(resnet18_gn, 224)))
+    if not cpu:  # the GPU table's second ResNet-18 row: where the fixed cost per layer matters less
+        out.append(BenchConfig(
+            "resnet18-gn-224-b128", "ResNet-18 (torchvision, GroupNorm), 224x224, batch 128", 128, 3, 10,
+            lambda: _image_task(resnet18_gn, 224)))
     vit = "vit_tiny_patch16_224" if cpu else "vit_base_patch16_224"
     out.append(BenchConfig(
         "vit-224", f"ViT timm {vit}, random weights, 224x224", 4 if cpu else 32, 1 if cpu else 3, 3 if cpu else 10,
@@ -369,6 +375,17 @@ def _proc_status_kb(key: str) -> int | None:
     return None
 
 
+#: glibc settings for the CPU memory workers: blocks of 128 KiB and more are mapped and returned to
+#: the kernel when freed (by default malloc keeps up to 32 MiB per freed block and trims lazily), so
+#: the resident set follows the live bytes, as ``torch.cuda.max_memory_allocated`` does on a GPU:
+#: without them an arm's peak depended on what the allocator happened to keep from earlier steps.
+LIVE_BYTES_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
+def _malloc_follows_live_bytes() -> bool:
+    return all(os.environ.get(k) == v for k, v in LIVE_BYTES_MALLOC.items())
+
+
 def _reset_rss_peak() -> bool:
     """Reset the kernel's resident high-water mark to the current RSS (Linux >= 4.0)."""
     try:
@@ -402,6 +419,8 @@ class PeakMemory:
         elif _reset_rss_peak() and _proc_status_kb("VmHWM") is not None:
             self.baseline = _proc_status_kb("VmRSS") * 1024
             self.method = "VmHWM after clear_refs (exact RSS peak)"
+            if _malloc_follows_live_bytes():
+                self.method += "; malloc returns freed blocks >= 128 KiB at once"
         else:
             self.baseline = _proc_status_kb("VmRSS") * 1024 if _proc_status_kb("VmRSS") else 0
             self.method = "ru_maxrss (lifetime RSS peak: an upper bound)"
@@ -424,23 +443,53 @@ def largest_batch(fits: Callable[[int], bool], start: int, cap: int) -> int:
     Doubling from ``start`` until a failure (or the cap), then bisection, as in the
     mixed-ghost paper's maximum-batch experiments.
     """
+    return search_largest_batch(fits, start, cap).found
+
+
+@dataclass(frozen=True)
+class BatchSearch:
+    """What a largest-batch search established: ``found`` fits; ``too_large`` (if known) does not."""
+
+    found: int
+    too_large: int | None
+    stopped: str = ""  # why the bracket was left open: "time budget" or "tolerance"; "" if exact
+
+    def describe(self) -> str:
+        if not self.stopped:
+            return str(self.found)
+        upper = f", {self.too_large} does not" if self.too_large else ""
+        return f"{self.found} fits{upper} (stopped by the {self.stopped})"
+
+
+def search_largest_batch(fits: Callable[[int], bool], start: int, cap: int, *, deadline: float | None = None,
+                         clock: Callable[[], float] = time.monotonic, rel_tolerance: float = 0.0) -> BatchSearch:
+    """Doubling then bisection (see ``largest_batch``) that starts no new trial once ``clock()`` passes
+    ``deadline``, and stops bisecting once the bracket is within ``rel_tolerance`` of the batch found."""
     lo, hi = 0, None  # fits(lo) (0 trivially); hi is the smallest size known not to fit
     b = max(1, min(start, cap))
+
+    def out_of_time() -> bool:
+        return deadline is not None and clock() >= deadline
+
     while hi is None:
+        if lo and out_of_time():
+            return BatchSearch(lo, None, "time budget")
         if fits(b):
             lo = b
             if b >= cap:
-                return b
+                return BatchSearch(b, None)
             b = min(2 * b, cap)
         else:
             hi = b
-    while hi - lo > 1:
+    while hi - lo > max(1, int(rel_tolerance * lo)):
+        if out_of_time():
+            return BatchSearch(lo, hi, "time budget")
         mid = (lo + hi) // 2
         if fits(mid):
             lo = mid
         else:
             hi = mid
-    return lo
+    return BatchSearch(lo, hi, "" if hi - lo <= 1 else "tolerance")
 
 
 def _sync(device: torch.device) -> None:
@@ -590,14 +639,24 @@ def _worker_time(task: dict) -> dict:
 
 
 def _worker_max_batch(task: dict) -> dict:
+    """Largest batch of one arm; ``budget_s`` (optional) bounds the search: no trial starts after it."""
     device = _setup_worker(task)
     config = configs_for(task["scale"])[task["config"]]
+    deadline = time.monotonic() + task["budget_s"] if task.get("budget_s") else None
+    task_ = config.task()
+    torch.manual_seed(SEED)
+    reference = task_.build()  # built once, on the CPU: each trial trains a copy
+    tried: dict[int, bool] = {}
 
     def trial(batch_size: int, n_steps: int) -> list[float] | None:
         """Step times at this batch size, or None when it runs out of memory."""
         times, oom = [], None
+        model = batches = arm = None
         try:
-            task_, model, batches = _build(config, device, batch_size, 1)
+            model = copy.deepcopy(reference).to(device).train()
+            # drawn on the device: a batch of thousands of 224x224 images takes seconds on the CPU
+            generator = torch.Generator(device).manual_seed(SEED + 1)
+            batches = [task_.make_batch(batch_size, generator)]
             arm = make_arm(task["arm"], model, task_, batch_size)
             for _ in range(n_steps):
                 _sync(device)
@@ -611,23 +670,52 @@ def _worker_max_batch(task: dict) -> dict:
                 raise
             oom = _first_line(exc)
         # outside the except block, so the traceback no longer pins the failed step's tensors
-        task_ = model = batches = arm = None
+        model = batches = arm = None
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        tried[batch_size] = oom is None
         return None if oom else times
 
-    best = largest_batch(lambda b: trial(b, 2) is not None, config.batch_size, task["cap"])
-    result: dict[str, Any] = {"max_batch": best, "cap": task["cap"]}
-    if best:
-        times = trial(best, config.warmup + config.steps)
+    search = search_largest_batch(lambda b: trial(b, 2) is not None, config.batch_size, task["cap"],
+                                  deadline=deadline, rel_tolerance=task.get("tolerance", 0.0))
+    result: dict[str, Any] = {"max_batch": search.found, "cap": task["cap"], "max_batch_search": search.describe(),
+                              "max_batch_trials": len(tried)}
+    if search.found:
+        warmup = task.get("final_warmup", config.warmup)
+        times = trial(search.found, warmup + task.get("final_steps", config.steps))
         if times:
-            median = statistics.median(times[config.warmup:] or times)
-            result.update(max_batch_step_s=median, max_batch_throughput=best / median)
+            median = statistics.median(times[warmup:] or times)
+            result.update(max_batch_step_s=median, max_batch_throughput=search.found / median)
     return result
 
 
-WORKERS = {"memory": _worker_memory, "time": _worker_time, "max-batch": _worker_max_batch}
+def _worker_arm(task: dict) -> dict:
+    """One arm of one configuration, alone in its process: peak memory over the warm-up and timed steps,
+    and the step times (the GPU preset: one process per arm, no round-robin needed on a GPU)."""
+    device = _setup_worker(task)
+    config = configs_for(task["scale"])[task["config"]]
+    warmup, steps = task["warmup"], task["steps"]
+    task_, model, batches = _build(config, device, config.batch_size, warmup + steps)
+    arm = make_arm(task["arm"], model, task_, config.batch_size)
+    meter = PeakMemory(device)
+    meter.start()
+    wall, cpu = [], []
+    for i, batch in enumerate(batches):
+        _sync(device)
+        t0, c0 = time.perf_counter(), time.process_time()
+        arm.step(batch)
+        _sync(device)
+        if i >= warmup:
+            wall.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+    peak = meter.peak()
+    arm.close()
+    return {"peak_bytes": peak, "baseline_bytes": meter.baseline, "peak_above_baseline_bytes": peak - meter.baseline,
+            "memory_method": meter.method, "note": arm.note, "step_times_s": wall, "cpu_times_s": cpu}
+
+
+WORKERS = {"memory": _worker_memory, "time": _worker_time, "max-batch": _worker_max_batch, "arm": _worker_arm}
 
 
 def _run_task(task: dict) -> dict:
@@ -659,6 +747,8 @@ def run_worker(task: dict, timeout: float, isolate: bool = True) -> dict:
             env[var] = str(task["threads"])
         if task.get("omp_wait_policy"):
             env["OMP_WAIT_POLICY"] = task["omp_wait_policy"]
+        if task["kind"] in ("memory", "arm") and task["device"] == "cpu":
+            env.update(LIVE_BYTES_MALLOC)
         # the workers must import this very dptrain (a checkout, a snapshot), not another install
         package_root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(filter(None, (package_root, env.get("PYTHONPATH"))))
@@ -847,7 +937,7 @@ class Target:
     device: str        # "cpu" or "cuda"
     config: str
     arm: str
-    metric: str        # "time_ratio", "memory_ratio" or "max_batch_vs_opacus_hooks"
+    metric: str        # "time_ratio", "memory_ratio", "max_batch_vs_non_private" or "max_batch_vs_opacus_hooks"
     bound: float
     note: str = ""
 
@@ -858,8 +948,8 @@ class Target:
         rec = entry["arms"].get(self.arm, {})
         if rec.get("status") != "ok":
             return None, None, f"{self.arm}: {rec.get('error', 'not run')}"
-        if self.metric == "max_batch_vs_opacus_hooks":
-            other = entry["arms"].get("opacus-hooks", {})
+        if self.metric.startswith("max_batch_vs_"):
+            other = entry["arms"].get({"max_batch_vs_opacus_hooks": "opacus-hooks"}.get(self.metric, NON_PRIVATE), {})
             if not rec.get("max_batch") or not other.get("max_batch"):
                 return None, None, "largest batch not measured for both"
             value = rec["max_batch"] / other["max_batch"]
@@ -871,18 +961,25 @@ class Target:
 
 
 TARGETS = (
-    Target("cpu", "gpt2-t64", "bk-mixopt", "time_ratio", 1.3,
-           "issue: Opacus ghost about 2.6x, the Book-Keeping paper's code about 1.5x"),
-    Target("cpu", "vgg11-gn-32", "bk-mixopt", "time_ratio", 1.8,
-           "issue: Opacus hooks about 12x, the paper's code about 2.1x"),
-    Target("cuda", "gpt2-t100", "bk", "time_ratio", 1.2),
-    Target("cuda", "gpt2-t100", "bk-mixopt", "time_ratio", 1.2),
-    Target("cuda", "gpt2-t100", "bk", "memory_ratio", 1.05),
-    Target("cuda", "gpt2-t100", "bk-mixopt", "memory_ratio", 1.05),
-    Target("cuda", "resnet18-gn-224", "bk-mixopt", "time_ratio", 2.0),
-    Target("cuda", "vgg11-gn-224", "bk-mixopt", "time_ratio", 2.0),
-    Target("cuda", "resnet18-gn-224", "bk-mixopt", "max_batch_vs_opacus_hooks", 3.0),
-    Target("cuda", "vgg11-gn-224", "bk-mixopt", "max_batch_vs_opacus_hooks", 3.0),
+    # CPU (2 cores): keep the time ratios; peak memory of the 224x224 CNNs at most 1.3x non-private
+    Target("cpu", "gpt2-t64", "bk-mixopt", "time_ratio", 1.15, "issue: Opacus ghost about 2.6x, the paper's code 1.5x"),
+    Target("cpu", "vgg11-gn-32", "bk-mixopt", "time_ratio", 1.1, "issue: Opacus hooks about 12x, the paper's code 2.1x"),
+    Target("cpu", "vgg11-gn-224", "bk-mixopt", "memory_ratio", 1.3),
+    Target("cpu", "resnet18-gn-224", "bk-mixopt", "memory_ratio", 1.3),
+    # one GPU, each arm in its own process (the gpu-quick preset's rows)
+    Target("cuda", "gpt2-t100", "bk-mixopt", "time_ratio", 1.12),
+    Target("cuda", "gpt2-t100", "bk-mixopt", "memory_ratio", 1.02),
+    Target("cuda", "resnet18-gn-224-b128", "bk-mixopt", "time_ratio", 1.8),
+    Target("cuda", "resnet18-gn-224-b128", "bk-mixopt", "memory_ratio", 1.3),
+    Target("cuda", "vgg11-gn-224", "bk-mixopt", "time_ratio", 1.8),
+    Target("cuda", "vgg11-gn-224", "bk-mixopt", "memory_ratio", 1.3),
+    Target("cuda", "resnet18-gn-224", "bk-mixopt", "time_ratio", 2.5),
+    Target("cuda", "vit-224", "bk-mixopt", "time_ratio", 1.2),
+    Target("cuda", "vit-224", "bk-mixopt", "memory_ratio", 1.1),
+    Target("cuda", "resnet18-gn-224-b128", "bk-mixopt", "max_batch_vs_non_private", 0.7),
+    Target("cuda", "vgg11-gn-224", "bk-mixopt", "max_batch_vs_non_private", 0.7),
+    Target("cuda", "resnet18-gn-224-b128", "bk-mixopt", "max_batch_vs_opacus_hooks", 2.0),
+    Target("cuda", "vgg11-gn-224", "bk-mixopt", "max_batch_vs_opacus_hooks", 2.0),
 )
 
 
@@ -964,8 +1061,10 @@ def markdown(results: dict) -> str:
                    f"{_fmt(rec.get('memory_ratio'), '.2f', '×')} |")
             if cuda:
                 row += f" {_fmt(rec.get('max_batch'), 'd')} | {_fmt(rec.get('max_batch_throughput'), '.1f')} |"
+            search = rec.get("max_batch_search")
+            partial = f"largest batch: {search}" if search and search != str(rec.get("max_batch")) else None
             note = "; ".join(filter(None, (rec.get("error") if rec.get("status") != "ok" else rec.get("max_batch_error"),
-                                           rec.get("note"))))
+                                           partial, rec.get("note"))))
             lines.append(row + f" {note.replace('|', '/')} |")
     if results.get("notes"):
         lines += ["", "## Notes", "", results["notes"].strip()]
@@ -1052,6 +1151,160 @@ def run_benchmark(configs: Sequence[BenchConfig], arms: Sequence[str], *, scale:
     return results
 
 
+# ====================================================================== presets
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A fixed plan that fits a time budget: rows (configurations), arms, and which largest batches to search.
+
+    The run is in two phases. Phase 1: one process per (row, arm) measures peak memory and step
+    time; a process starts only while its timeout fits in the budget left after the reserve of
+    phase 2. Phase 2: the largest-batch searches split what is left, each at most ``search_s``
+    (and at least ``min_search_s``, else it is skipped), plus ``search_grace_s`` for its process
+    to start and time the batch it found. So the run never outlasts ``budget_s``, whatever
+    the machine; what did not fit is reported as skipped.
+    """
+
+    name: str
+    description: str
+    scale: str
+    rows: tuple[str, ...]
+    arms: tuple[str, ...]
+    max_batch_rows: tuple[str, ...]
+    max_batch_arms: tuple[str, ...]
+    budget_s: float
+    arm_timeout_s: float
+    search_s: float
+    min_search_s: float
+    search_grace_s: float
+    warmup: int = 3
+    steps: int = 10
+    max_batch_cap: int = 4096
+    tolerance: float = 1 / 16  # the bisection stops once the bracket is within this fraction of the batch found
+
+    def searches(self, arms: Sequence[str] | None = None) -> list[tuple[str, str]]:
+        arms = self.arms if arms is None else arms
+        return [(row, arm) for row in self.max_batch_rows for arm in self.max_batch_arms if arm in arms]
+
+    def search_reserve_s(self, arms: Sequence[str] | None = None) -> float:
+        return len(self.searches(arms)) * (self.min_search_s + self.search_grace_s)
+
+
+PRESETS = {
+    "gpu-quick": Preset(
+        "gpu-quick",
+        "the GPU table of the speed-and-memory issue in under 6 minutes on one GPU: GPT-2 small T=100 batch 32, "
+        "ResNet-18 GN 224 batch 128 and 32, VGG-11 GN 224 batch 32, ViT-B/16 224 batch 32; "
+        "largest batch of the two CNNs for non-private, bk-mixopt and Opacus hooks",
+        scale="full",
+        rows=("gpt2-t100", "resnet18-gn-224-b128", "vgg11-gn-224", "vit-224", "resnet18-gn-224"),
+        arms=(NON_PRIVATE, "bk-mixopt", *OPACUS_ARMS),
+        max_batch_rows=("resnet18-gn-224-b128", "vgg11-gn-224"),
+        max_batch_arms=(NON_PRIVATE, "bk-mixopt", "opacus-hooks"),
+        budget_s=340, arm_timeout_s=60, search_s=30, min_search_s=8, search_grace_s=16,
+    ),
+}
+
+
+def preset_plan(preset: Preset, arms: Sequence[str]) -> str:
+    """The plan and its time budget, as ``--dry-run`` prints it."""
+    configs = configs_for(preset.scale)
+    unknown = [r for r in preset.rows if r not in configs]
+    if unknown:
+        raise ValueError(f"preset {preset.name!r} names unknown configurations {unknown}")
+    searches = preset.searches(arms)
+    lines = [f"preset {preset.name}: {preset.description}", "",
+             f"rows ({preset.warmup} warm-up + {preset.steps} timed steps each, one process per arm):"]
+    for row in preset.rows:
+        c = configs[row]
+        lines.append(f"  {row:22s} batch {c.batch_size:4d}  {c.description}")
+    lines += ["", f"arms: {', '.join(arms)}"]
+    left_out = [a for a in preset.arms if a not in arms]
+    if left_out:
+        lines.append(f"left out: {', '.join(left_out)} ({_opacus_missing() or 'not asked for'})")
+    phase1 = len(preset.rows) * len(arms)
+    lines += [
+        f"largest batch (doubling from the row's batch, then bisection to within {preset.tolerance:.0%}, "
+        f"up to {preset.max_batch_cap}): " + ", ".join(f"{r} {a}" for r, a in searches),
+        "",
+        f"time budget: {preset.budget_s:.0f} s in all, never exceeded:",
+        f"  phase 1: {phase1} processes of at most {preset.arm_timeout_s:.0f} s each, started only while "
+        f"{preset.search_reserve_s(arms):.0f} s stay reserved for phase 2",
+        f"  phase 2: {len(searches)} searches sharing what is left, each {preset.min_search_s:.0f}-"
+        f"{preset.search_s:.0f} s of trials + {preset.search_grace_s:.0f} s to start and time the batch found",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run_preset(preset: Preset, arms: Sequence[str], *, device: torch.device, threads: int,
+               configs: dict[str, BenchConfig] | None = None, runner: Callable[[dict, float], dict] | None = None,
+               clock: Callable[[], float] = time.monotonic, on_config: Callable[[dict], None] | None = None,
+               log=print) -> dict:
+    """Run a preset within its time budget (see :class:`Preset`).
+
+    ``configs`` replaces the preset's configurations (tests run the plan on tiny stand-ins),
+    ``runner(task, timeout)`` replaces the worker processes and ``clock`` the time (tests of the budget).
+    """
+    configs = configs or configs_for(preset.scale)
+    runner = runner or (lambda task, timeout: run_worker(task, timeout))
+    started = clock()
+
+    def left() -> float:
+        return preset.budget_s - (clock() - started)
+
+    results = {"scale": preset.scale, "preset": preset.name, "environment": environment(device, threads),
+               "configs": {}}
+    base = {"scale": preset.scale, "device": str(device), "threads": threads, "mem_limit_bytes": None}
+    reserve = preset.search_reserve_s(arms)
+    for row in preset.rows:
+        config = configs[row]
+        entry: dict[str, Any] = {"config": row, "description": config.description, "batch_size": config.batch_size,
+                                 "warmup": preset.warmup, "steps": preset.steps, "arms": {}}
+        log(f"{row}: {config.description}, batch {config.batch_size}")
+        t0 = clock()
+        for arm in arms:
+            if left() - reserve < preset.arm_timeout_s:
+                entry["arms"][arm] = {"status": "skipped", "error": "not started: the preset's time budget was spent"}
+                continue
+            res = runner({**base, "kind": "arm", "config": row, "arm": arm, "warmup": preset.warmup,
+                          "steps": preset.steps}, preset.arm_timeout_s)
+            if res["ok"]:
+                rec = {"status": "ok", **res["result"], **_summarise_times(res["result"]["step_times_s"]),
+                       "cpu_median_s": statistics.median(res["result"]["cpu_times_s"])}
+                rec["throughput"] = config.batch_size / rec["median_s"]
+                log(f"  {row} {arm}: {rec['median_s'] * 1e3:.1f} ms/step, peak {_memory_of(rec, device) / 2**20:.0f} MiB")
+            else:
+                rec = {"status": "failed", "stage": "arm", "error": res["error"], "traceback": res.get("traceback")}
+                log(f"  {row} {arm}: FAILED ({res['error'][:160]})")
+            entry["arms"][arm] = rec
+        _add_ratios(entry, device)
+        entry["wall_s"] = clock() - t0
+        results["configs"][row] = entry
+        if on_config:
+            on_config(results)
+    searches = [(r, a) for r, a in preset.searches(arms) if results["configs"][r]["arms"][a].get("status") == "ok"]
+    for i, (row, arm) in enumerate(searches):
+        rec = results["configs"][row]["arms"][arm]
+        share = left() / (len(searches) - i) - preset.search_grace_s
+        search_s = min(preset.search_s, share)
+        if search_s < preset.min_search_s:
+            rec["max_batch_error"] = "not searched: the preset's time budget was spent"
+            continue
+        res = runner({**base, "kind": "max-batch", "config": row, "arm": arm, "cap": preset.max_batch_cap,
+                      "budget_s": search_s, "tolerance": preset.tolerance, "final_warmup": 1, "final_steps": 3},
+                     search_s + preset.search_grace_s)
+        if res["ok"]:
+            rec.update(res["result"])
+            log(f"  {row} {arm}: largest batch {res['result']['max_batch_search']}")
+        else:
+            rec["max_batch_error"] = res["error"]
+        if on_config:
+            on_config(results)
+    results["wall_s"] = clock() - started
+    return results
+
+
 # ====================================================================== command line
 
 
@@ -1059,12 +1312,16 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dptrain bench",
         description="Time and memory of dptrain's clipping modes against non-private training and Opacus.")
+    p.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                   help="a fixed plan within a time budget: gpu-quick = the GPU table (5 rows, largest batches) "
+                        "in under 6 minutes on one GPU; see --dry-run")
+    p.add_argument("--dry-run", action="store_true", help="with --preset: print its plan and time budget, run nothing")
     p.add_argument("--scale", choices=SCALES, default=None,
                    help="model sizes: 'full' (the issue's sizes, for a GPU) or 'cpu' (scaled down); "
                         "default: full with CUDA, cpu without")
     p.add_argument("--configs", nargs="+", metavar="NAME",
                    help="configurations to run, in order (default: all of the scale; see --list)")
-    p.add_argument("--arms", nargs="+", metavar="ARM", default=list(ALL_ARMS),
+    p.add_argument("--arms", nargs="+", metavar="ARM", default=None,
                    help=f"what to compare (default: all): {', '.join(ALL_ARMS)}")
     p.add_argument("--no-opacus", action="store_true", help="leave out the Opacus arms")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
@@ -1084,11 +1341,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-wait", type=float, default=1800, help="longest wait for --max-load, in seconds")
     p.add_argument("--max-batch-cap", type=int, default=4096, help="GPU: largest batch tried by the bisection")
     p.add_argument("--no-max-batch", action="store_true", help="GPU: skip the largest-batch search")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"), help="output folder")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default: a new folder ./dptrain-bench-<UTC date and time>)")
+    p.add_argument("--publish", action="store_true",
+                   help="write into the checkout's benchmarks/results/, replacing the committed <tag>.* files")
     p.add_argument("--tag", default=None, help="output file name stem (default: cpu or gpu)")
-    p.add_argument("--resume", action="store_true", help="keep configurations already in <out>/<tag>.json")
+    p.add_argument("--resume", action="store_true",
+                   help="keep configurations already in <out>/<tag>.json (needs --out or --publish)")
     p.add_argument("--notes", type=Path, default=None, help="a Markdown file appended to the report as notes")
-    p.add_argument("--report-only", action="store_true", help="only rewrite the reports from <out>/<tag>.json")
+    p.add_argument("--report-only", action="store_true",
+                   help="only rewrite the reports from <out>/<tag>.json (needs --out or --publish)")
     p.add_argument("--list", action="store_true", help="list the configurations of the scale and exit")
     return p
 
@@ -1104,43 +1366,91 @@ def _available_memory_bytes() -> int | None:
     return None
 
 
+def published_results_dir() -> Path:
+    """The checkout's committed results, benchmarks/results/ (written only with --publish)."""
+    return Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def _fresh_output_dir(parent: Path) -> Path:
+    stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out, n = parent / f"dptrain-bench-{stamp}", 1
+    while out.exists():
+        n += 1
+        out = parent / f"dptrain-bench-{stamp}-{n}"
+    return out
+
+
+def _output_dir(args) -> Path:
+    """Where this run writes: --out, --publish, or a new folder under the current directory.
+
+    Raises ValueError (the message is the one-line error) for a choice that could overwrite the
+    committed results by accident, or that needs an existing folder."""
+    published = published_results_dir()
+    if args.publish and args.out is not None:
+        raise ValueError("give --out DIR or --publish, not both")
+    if args.publish:
+        if not published.is_dir():
+            raise ValueError(f"--publish writes into a checkout's benchmarks/results/, and {published} does not "
+                             "exist (run from a checkout, or give --out DIR)")
+        return published
+    if args.out is not None:
+        if args.out.resolve() == published.resolve():
+            raise ValueError(f"{args.out} holds the committed results: add --publish (instead of --out) to "
+                             "replace them on purpose")
+        return args.out
+    if args.resume or args.report_only:
+        what = "--resume" if args.resume else "--report-only"
+        raise ValueError(f"{what} reads an earlier run's <tag>.json: name its folder with --out DIR (or --publish)")
+    return _fresh_output_dir(Path.cwd())
+
+
+def _error(message: str) -> int:
+    print(f"dptrain bench: error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
         return _worker_main(argv[1], argv[2])
     args = _parser().parse_args(argv)
+    if args.dry_run and not args.preset:
+        return _error("--dry-run goes with --preset NAME (it prints that preset's plan)")
+    if args.preset:
+        return _main_preset(args)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("dptrain bench: error: --device cuda but CUDA is not available", file=sys.stderr)
-        return 2
+        return _error("--device cuda but CUDA is not available")
     scale = args.scale or ("full" if device.type == "cuda" else "cpu")
     tag = args.tag or ("gpu" if device.type == "cuda" else "cpu")
-    json_path = args.out / f"{tag}.json"
     available = configs_for(scale)
     if args.list:
         for c in available.values():
-            print(f"{c.name:18s} batch {c.batch_size:4d}  {c.warmup}+{c.steps} steps  {c.description}")
+            print(f"{c.name:22s} batch {c.batch_size:4d}  {c.warmup}+{c.steps} steps  {c.description}")
         return 0
+    try:
+        out = _output_dir(args)
+    except ValueError as exc:
+        return _error(str(exc))
+    json_path = out / f"{tag}.json"
     if args.report_only:
         if not json_path.exists():
-            print(f"dptrain bench: error: {json_path} does not exist", file=sys.stderr)
-            return 2
+            return _error(f"{json_path} does not exist")
         results = json.loads(json_path.read_text())
         if args.notes:
             results["notes"] = args.notes.read_text()
-        for path in write_reports(results, args.out, tag):
+        for path in write_reports(results, out, tag):
             print(f"wrote {path}")
         return 0
+    requested_arms = args.arms or list(ALL_ARMS)
     unknown = [n for n in (args.configs or []) if n not in available]
-    bad_arms = [a for a in args.arms if a not in ALL_ARMS]
+    bad_arms = [a for a in requested_arms if a not in ALL_ARMS]
     if unknown or bad_arms:
-        what = (f"unknown configuration(s) {unknown}; valid: {', '.join(available)}" if unknown
-                else f"unknown arm(s) {bad_arms}; valid: {', '.join(ALL_ARMS)}")
-        print(f"dptrain bench: error: {what}", file=sys.stderr)
-        return 2
+        return _error(f"unknown configuration(s) {unknown}; valid: {', '.join(available)}" if unknown
+                      else f"unknown arm(s) {bad_arms}; valid: {', '.join(ALL_ARMS)}")
     configs = [available[n] for n in args.configs] if args.configs else [
-        c for c in available.values() if c.name != "smoke-cnn"]
-    arms = [a for a in args.arms if not (args.no_opacus and a in OPACUS_ARMS)]
+        c for c in available.values() if c.name not in ("smoke-cnn", "resnet18-gn-224-b128")]
+    arms = [a for a in requested_arms if not (args.no_opacus and a in OPACUS_ARMS)]
     if NON_PRIVATE not in arms:
         arms.insert(0, NON_PRIVATE)  # every ratio is relative to it
     threads = args.threads or (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
@@ -1150,11 +1460,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         mem_limit = int(args.mem_limit_gb * 2**30) if args.mem_limit_gb else (avail // 2 if avail else None)
     previous = json.loads(json_path.read_text()) if args.resume and json_path.exists() else None
     notes = args.notes.read_text() if args.notes else None
+    print(f"dptrain bench: results go to {out}/{tag}.{{json,csv,md,png}}")
+    written: list[Path] = []
 
     def save(results):
         if notes:
             results["notes"] = notes
-        write_reports(results, args.out, tag)
+        written[:] = write_reports(results, out, tag)
 
     results = run_benchmark(
         configs, arms, scale=scale, device=device, threads=threads, timeout=args.timeout,
@@ -1164,6 +1476,46 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_load=args.max_load, max_wait=args.max_wait)
     save(results)
     print(markdown(results))
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def _main_preset(args) -> int:
+    preset = PRESETS[args.preset]
+    fixed = [name for name, value in (("--configs", args.configs), ("--arms", args.arms), ("--scale", args.scale),
+                                      ("--warmup", args.warmup), ("--steps", args.steps)) if value is not None]
+    if fixed:
+        return _error(f"--preset {preset.name} fixes its configurations, arms and steps: leave out {', '.join(fixed)}")
+    arms = [a for a in preset.arms if not (a in OPACUS_ARMS and (args.no_opacus or _opacus_missing()))]
+    if args.dry_run:
+        print(preset_plan(preset, arms), end="")
+        return 0
+    device = torch.device(args.device or "cuda")
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return _error(f"--preset {preset.name} runs on a CUDA GPU and none is available here "
+                      "(--dry-run prints its plan)")
+    try:
+        out = _output_dir(args)
+    except ValueError as exc:
+        return _error(str(exc))
+    tag = args.tag or "gpu"
+    notes = args.notes.read_text() if args.notes else None
+    print(f"dptrain bench: preset {preset.name}, results go to {out}/{tag}.{{json,csv,md,png}}")
+    written: list[Path] = []
+
+    def save(results):
+        if notes:
+            results["notes"] = notes
+        written[:] = write_reports(results, out, tag)
+
+    results = run_preset(preset, arms, device=device, threads=args.threads or torch.get_num_threads(),
+                         on_config=save)
+    save(results)
+    print(markdown(results))
+    print(f"preset {preset.name}: {results['wall_s']:.0f} s of a {preset.budget_s:.0f} s budget")
+    for path in written:
+        print(f"wrote {path}")
     return 0
 
 

@@ -110,7 +110,7 @@ SMALL_MODEL_PARAMETERS = 1_000_000
 # Choices the parser needs before torch is imported; tests/test_cli.py checks that they are the
 # library's own (dptrain.clipping.CLIPPING_FNS, dptrain.planning.DECISION_RULES).
 CLIPPING_FNS = ("abadi", "automatic", "global")
-DECISION_RULES = ("space", "time")
+DECISION_RULES = ("memory", "space", "time")
 OPTIMIZERS = {"adam": "Adam", "sgd": "SGD"}  # --optimizer -> the torch.optim class
 IMAGE_MODELS_HELP = ("cnn, mlp, torchvision:NAME or timm:NAME (random weights; a model with a fixed input "
                      "size is built for the dataset's)")

@@ -198,7 +198,7 @@ class ConvRule(LayerRule):
                 w = None
                 for c in ops:
                     term = weight_grad(module, c.input[rows].to(c.grad.dtype), c.grad[rows], batch_groups=True)
-                    w = term if w is None else w + term
+                    w = term if w is None else _add_widened(w, term)
                 parts.append(w)
             out["weight"] = torch.cat(parts) if parts else weight_grad(module, ops[0].input, ops[0].grad, True)
         if "bias" in names:
@@ -235,11 +235,17 @@ class ConvRule(LayerRule):
             for c in ops:
                 # factors are applied in float32 and rounded once (scale_samples), then the conv's own kernel
                 term = weight_grad(module, c.input.to(c.grad.dtype), scale_samples(c.grad, factors["weight"]))
-                w = term if w is None else w + term
+                w = term if w is None else _add_widened(w, term)
             out["weight"] = w
         if "bias" in factors:
             out["bias"] = weighted_sum(factors["bias"], self._per_sample_bias(ops))
         return out
+
+
+def _add_widened(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:
+    """Sum of the calls of a module: in float32 at least, so that bf16 calls are not rounded at each addition."""
+    acc = accumulation_dtype(total.dtype, term.dtype)
+    return total.to(acc) + term.to(acc)
 
 
 def _tiled_gram_product(a: torch.Tensor, grad: torch.Tensor, tile: int) -> torch.Tensor:

@@ -183,8 +183,13 @@ def test_gpu_quick_plan_names_the_issue_rows_and_its_budget(capsys):
     for row in preset.rows:
         assert row in plan
     assert f"{preset.budget_s:.0f} s in all" in plan and preset.budget_s < 6 * 60
-    assert bm.main(["--preset", "gpu-quick", "--configs", "gpt2-t100", "--dry-run"]) == 2
-    assert "leave out --configs" in capsys.readouterr().err
+    assert bm.main(["--preset", "gpu-quick", "--arms", "bk", "--dry-run"]) == 2
+    assert "leave out --arms" in capsys.readouterr().err
+    assert bm.main(["--preset", "gpu-quick", "--configs", "gpt2-t64", "--dry-run"]) == 2
+    assert "not rows of --preset gpu-quick" in capsys.readouterr().err
+    assert bm.main(["--preset", "gpu-quick", "--configs", "vgg11-gn-224", "vit-224", "--dry-run"]) == 0
+    subset = capsys.readouterr().out
+    assert "vit-224" in subset and "gpt2-t100" not in subset and "resnet18-gn-224-b128" not in subset
     assert bm.main(["--dry-run"]) == 2
 
 

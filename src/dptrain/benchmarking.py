@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import dataclasses
 import datetime as _dt
 import gc
 import importlib.metadata
@@ -791,9 +792,9 @@ def _git_commit() -> str | None:
         dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "src"], capture_output=True,
                                text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
-        return None
-    if head.returncode != 0:
-        return None
+        return os.environ.get("DPTRAIN_BENCH_COMMIT")
+    if head.returncode != 0:  # not a checkout (a copy of the tree on a GPU machine): the caller may name it
+        return os.environ.get("DPTRAIN_BENCH_COMMIT")
     return head.stdout.strip() + (" (src/ has uncommitted changes)" if dirty.stdout.strip() else "")
 
 
@@ -1483,10 +1484,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main_preset(args) -> int:
     preset = PRESETS[args.preset]
-    fixed = [name for name, value in (("--configs", args.configs), ("--arms", args.arms), ("--scale", args.scale),
-                                      ("--warmup", args.warmup), ("--steps", args.steps)) if value is not None]
+    fixed = [name for name, value in (("--arms", args.arms), ("--scale", args.scale), ("--warmup", args.warmup),
+                                      ("--steps", args.steps)) if value is not None]
     if fixed:
-        return _error(f"--preset {preset.name} fixes its configurations, arms and steps: leave out {', '.join(fixed)}")
+        return _error(f"--preset {preset.name} fixes its arms, scale and steps: leave out {', '.join(fixed)}")
+    if args.configs:  # a subset of the rows, e.g. to finish the rows a first call had no time for
+        others = [c for c in args.configs if c not in preset.rows]
+        if others:
+            return _error(f"--configs {' '.join(others)}: not rows of --preset {preset.name} "
+                          f"(its rows: {', '.join(preset.rows)})")
+        preset = dataclasses.replace(preset, rows=tuple(r for r in preset.rows if r in args.configs),
+                                     max_batch_rows=tuple(r for r in preset.max_batch_rows if r in args.configs))
     arms = [a for a in preset.arms if not (a in OPACUS_ARMS and (args.no_opacus or _opacus_missing()))]
     if args.dry_run:
         print(preset_plan(preset, arms), end="")

@@ -659,3 +659,20 @@ def test_a_fallback_layer_unfrozen_after_attach_is_exact(float64, mode, path):
         _backward(engine, model, *batch, path)
     opt.step()
     assert_matches({n: p.grad for n, p in model.named_parameters()}, reference, what="fallback unfrozen")
+
+
+def test_a_layer_replaced_after_attach_is_never_trained_on_a_raw_gradient(float64):
+    model = _three_layers()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = _engine(model, "bk-mixopt").attach(opt)
+    engine.backward(_losses(model, *_data(3)))
+    opt.step(), opt.zero_grad()
+    model[4] = nn.Linear(8, 3).double()  # a new head: its parameters are trainable, and not in the optimizer
+    engine.backward(_losses(model, *_data(3)))
+    assert model[4].weight.grad is None  # covered by the engine (ghost differentiation), not by autograd
+    with pytest.raises(RuntimeError, match=r"\['4.weight', '4.bias'\] are not held by the optimizer"):
+        opt.step()
+    opt.add_param_group({"params": model[4].parameters()})
+    engine.backward(_losses(model, *_data(3)))
+    opt.step()
+    assert model[4].weight.grad is not None

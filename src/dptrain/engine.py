@@ -141,7 +141,9 @@ class PrivacyEngine:
         self._group_params: list[list[nn.Parameter]] = []
         self._num_groups = 0
         self._threshold = self.max_grad_norm
-        self._trainable: tuple[int, ...] = ()
+        self._trainable: tuple = ()
+        self._params: list[nn.Parameter] | None = None
+        self._params_seen = -1
         self._warned_fallback: set[str] = set()
         self._build_layers()
         if not self._layers:
@@ -208,8 +210,13 @@ class PrivacyEngine:
             target_epsilon, self.target_delta, self.sample_rate, planned, accountant=accountant_name
         )
 
-    def _trainable_key(self) -> tuple[int, ...]:
-        return tuple(id(p) for p in self.model.parameters() if p.requires_grad)
+    def _trainable_key(self) -> tuple:
+        """Identifies the trainable set: the model's parameters (walked again only after a module or parameter
+        was registered anywhere, which a global registration hook counts) and their requires_grad flags."""
+        if self._params_seen != _Structure.version or self._params is None:
+            self._params = list(self.model.parameters())
+            self._params_seen = _Structure.version
+        return (id(self._params), *(p.requires_grad for p in self._params))
 
     def _build_layers(self) -> None:
         """Covered layers, tied-parameter users and clipping groups for the parameters trainable now.
@@ -324,6 +331,7 @@ class PrivacyEngine:
         self._marker = None
         self._given_grads = {}
         _ATTACHED[self.model] = weakref.ref(self)
+        _Structure.watch()
         if self._parallel is not None:
             self._parallel.attach()
         return self
@@ -372,6 +380,7 @@ class PrivacyEngine:
             self._parallel.detach()
         if _ATTACHED.get(self.model) is not None and _ATTACHED[self.model]() is self:
             del _ATTACHED[self.model]
+            _Structure.unwatch()
         self._capture, self._step_handle, self._optimizer = None, None, None
         self._forget_calls()
         self._summed.clear()
@@ -696,8 +705,10 @@ class PrivacyEngine:
         its norm includes the cross terms: instantiated, or as a ghost norm from the Grams of
         the layers' weight factors.
         """
+        if p in self._param_works:
+            return
         parts = [(self._ready[id(s)], name) for s, name in self._users[p] if id(s) in self._ready]
-        if not parts or p in self._param_works:
+        if not parts:
             return
         sizes = {ready.batch_size for ready, _ in parts}
         if len(sizes) > 1:
@@ -1044,6 +1055,38 @@ class PrivacyEngine:
         self.accountant.load_state_dict(state["accountant"])
         self._noise.load_state_dict(state["noise"])
         self.steps_taken = int(state["steps_taken"])
+
+
+class _Structure:
+    """Counts module and parameter registrations in the process while an engine is attached, so that
+    each model call can re-read the trainable set from a cached parameter list (walking a large model's
+    modules at every call costs milliseconds)."""
+
+    version = 0
+    _handles: list = []
+    _watchers = 0
+
+    @classmethod
+    def _changed(cls, *args):
+        cls.version += 1
+
+    @classmethod
+    def watch(cls) -> None:
+        cls._watchers += 1
+        if cls._watchers == 1:
+            cls.version += 1
+            hooks = nn.modules.module
+            cls._handles = [hooks.register_module_parameter_registration_hook(cls._changed),
+                            hooks.register_module_module_registration_hook(cls._changed)]
+
+    @classmethod
+    def unwatch(cls) -> None:
+        cls._watchers = max(0, cls._watchers - 1)
+        if cls._watchers == 0:
+            for handle in cls._handles:
+                handle.remove()
+            cls._handles = []
+            cls.version += 1
 
 
 class _Overflow(Exception):

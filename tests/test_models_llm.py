@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import dptrain
-from dptrain.layers import FallbackRule, resolve_rule
+from dptrain.layers import FallbackRule, fallback_modules, resolve_rule
 from dptrain.losses import sequence_losses
 from dptrain.testing import reference_clipped_gradient, trainable_named_parameters
 from helpers import MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, Case, assert_matches, reference, spread_init, split_max_grad_norm
@@ -59,7 +59,10 @@ NEEDS_FALLBACK = {"cohere"}
 # with them frozen (its learned positions stay trainable) and with LoRA on the attention.
 FOLDED_FFN = ("final_layer_norm", "fc1", "fc2")
 VARIANTS = [(name, "frozen-ffn" if name == "opt" else "full") for name in FAMILIES] + [
-    (name, "lora") for name in FAMILIES]
+    (name, "lora") for name in FAMILIES] + [("llama", "lora-embedding")]
+# LoRA on the token embedding: PEFT keeps lora_embedding_A/B in ParameterDicts that its Embedding reads
+# in its own forward; the per-sample fallback takes that module with its containers' parameters.
+NEEDS_FALLBACK_VARIANTS = {"lora-embedding"}
 
 # Their RMS norms compute in float32 inside a float64 model: a second backward of sum_i C_i L_i rounds
 # C_i-scaled gradients there (see tests/test_fallback.py, check_against_oracle).
@@ -81,15 +84,17 @@ def _build(name: str, variant: str):
     if variant == "frozen-ffn":
         for pname, p in model.named_parameters():
             p.requires_grad_(not any(f".{part}." in pname for part in FOLDED_FFN))
-    if variant == "lora":
+    if variant.startswith("lora"):
         peft = pytest.importorskip("peft")
+        if variant == "lora-embedding":
+            targets = [*targets, "embed_tokens"]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model = peft.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0,
                                                                target_modules=targets))
         with torch.no_grad():  # PEFT starts lora_B at zero, which would make lora_A's gradients zero
             for pname, p in model.named_parameters():
-                if "lora_B" in pname:
+                if "lora_B" in pname or "lora_embedding" in pname:  # PEFT zeroes lora_embedding_A
                     p.normal_(0, 0.3)
     return model
 
@@ -140,12 +145,13 @@ def built(name: str, variant: str, hf_loss: bool = False):
     return _built[key]
 
 
-def _run(name: str, case: Case, mode: str, R: float, hf_loss: bool) -> dict:
+def _run(name: str, variant: str, case: Case, mode: str, R: float, hf_loss: bool) -> dict:
     model = copy.deepcopy(case.model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R, noise_multiplier=0.0,
-                                       clipping_mode=mode, allow_fallback=name in NEEDS_FALLBACK)
+                                       clipping_mode=mode,
+                                       allow_fallback=name in NEEDS_FALLBACK or variant in NEEDS_FALLBACK_VARIANTS)
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     engine.attach(optimizer)
     try:
@@ -172,14 +178,14 @@ def _check(name, case, R, ref, got, mode):
 @pytest.mark.parametrize("name, variant", VARIANTS)
 def test_engine_backward_matches_oracle(name, variant, mode):
     case, R, ref = built(name, variant)
-    _check(name, case, R, ref, _run(name, case, mode, R, hf_loss=False), mode)
+    _check(name, case, R, ref, _run(name, variant, case, mode, R, hf_loss=False), mode)
 
 
 @pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
 @pytest.mark.parametrize("name, variant", VARIANTS)
 def test_hugging_face_loss_backward_matches_oracle(name, variant, mode):
     case, R, ref = built(name, variant, hf_loss=True)
-    _check(name, case, R, ref, _run(name, case, mode, R, hf_loss=True), mode)
+    _check(name, case, R, ref, _run(name, variant, case, mode, R, hf_loss=True), mode)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
@@ -209,3 +215,12 @@ def test_opt_feed_forward_folded_into_the_batch_is_refused_while_trainable():
         engine.detach()
     assert any(part in str(refused.value) for part in FOLDED_FFN)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_lora_embedding_is_taken_by_the_fallback_with_its_parameter_containers():
+    model = _build("llama", "lora-embedding")
+    embedding = model.get_submodule("base_model.model.model.embed_tokens")
+    assert fallback_modules(model) == ["base_model.model.model.embed_tokens"]
+    assert set(resolve_rule(embedding).param_names) >= {"lora_embedding_A.default", "lora_embedding_B.default"}
+    with pytest.raises(ValueError, match=r"embed_tokens.*lora_embedding_A\.default.*allow_fallback=False"):
+        dptrain.validate(model, allow_fallback=False)

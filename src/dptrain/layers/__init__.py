@@ -2,7 +2,7 @@
 from __future__ import annotations
 from torch import nn
 
-from .base import LayerDims, LayerRule, find_rule, register_layer, registered_rules, trainable_params
+from .base import LayerDims, LayerRule, container_params, find_rule, register_layer, registered_rules, trainable_params
 from . import linear, conv, embedding, norms, hf, timm  # noqa: F401  (registers the built-in rules)
 from .fallback import FallbackRule, fallback_modules, fallback_refusal, in_replay
 from .norms import recognise_rms_norm
@@ -23,7 +23,8 @@ def resolve_rule(module: nn.Module, allow_fallback: bool = True) -> LayerRule | 
     if rule is not None:
         return rule
     fallback = None
-    if allow_fallback and trainable_params(module) and fallback_refusal(module) is None:
+    trainable = trainable_params(module) or any(module.get_parameter(n).requires_grad for n in container_params(module))
+    if allow_fallback and trainable and fallback_refusal(module) is None:
         fallback = FallbackRule(module)
     norm = recognise_rms_norm(module, fallback)  # a module that fails its check goes to the fallback
     return norm if norm is not None else fallback

@@ -276,14 +276,26 @@ def trainable_params(module: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
 
 
+def container_params(module: nn.Module) -> tuple[str, ...]:
+    """Dotted names of the parameters ``module`` keeps in ``nn.ParameterDict`` / ``nn.ParameterList``
+    children. A container is never called: the module reads them in its own forward (PEFT's embedding
+    adapters), so they are the module's to handle when it has no rule (the per-sample fallback's)."""
+    return tuple(
+        f"{cname}.{pname}" for cname, child in module.named_children()
+        if isinstance(child, (nn.ParameterDict, nn.ParameterList))
+        for pname, _ in child.named_parameters(recurse=False)
+    )
+
+
 def layer_params(model: nn.Module) -> dict[nn.Module, dict[str, nn.Parameter]]:
     """{module: trainable parameters its rule handles}: its own, minus those an ancestor's rule
-    claims by a dotted name in ``param_names``, plus those it claims itself (by dotted name)."""
+    claims by a dotted name in ``param_names``, plus those it claims itself (by dotted name); a
+    module without a rule claims its parameter containers' parameters (``container_params``)."""
     claims: dict[nn.Module, dict[str, nn.Parameter]] = {}
     claimed: set[tuple[int, str]] = set()  # (id of the owning module, local name)
     for module in model.modules():
         rule = find_rule(module)
-        for dotted in (rule.claims(module) if rule is not None else ()):
+        for dotted in (rule.claims(module) if rule is not None else container_params(module)):
             path, leaf = dotted.rsplit(".", 1)
             try:
                 owner = module.get_submodule(path)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .base import LayerDims, LayerRule, weighted_sum
+from .base import LayerDims, LayerRule, container_params, weighted_sum
 
 _state = threading.local()
 
@@ -155,7 +155,8 @@ class FallbackRule(LayerRule):
     fallback = True
 
     def __init__(self, module: nn.Module, name: str | None = None):
-        self.param_names = tuple(n for n, _ in module.named_parameters(recurse=False))
+        # its own parameters, and those it reads from its parameter containers (by dotted name)
+        self.param_names = tuple(n for n, _ in module.named_parameters(recurse=False)) + container_params(module)
         self.label = name or type(module).__name__
         self._forward_checked: set[tuple] = set()   # call signatures whose outputs were checked
         self._backward_checked: set[tuple] = set()  # ... whose per-sample gradients were checked
@@ -199,7 +200,7 @@ class FallbackRule(LayerRule):
         return activation, output.expand(batch, *output.shape[1:])
 
     def dims(self, module, activation, output):
-        size = sum(p.numel() for p in module.parameters(recurse=False))
+        size = sum(module.get_parameter(n).numel() for n in self.param_names)
         T = math.prod(output.shape[1:-1]) if output.dim() > 2 else 1
         return LayerDims(T=T, p=size, d=1, ghost_supported=False, fallback=True)
 
@@ -222,7 +223,7 @@ class FallbackRule(LayerRule):
         store = ops[0]
         missing = set(names) - set(store.per_sample)
         if missing:
-            wanted = sorted(missing | {n for n, p in module.named_parameters(recurse=False) if p.requires_grad})
+            wanted = sorted(missing | {n for n in self.param_names if module.get_parameter(n).requires_grad})
             for name, grad in self._per_sample(module, store.calls, wanted).items():
                 store.per_sample.setdefault(name, grad)
         return {n: store.per_sample[n] for n in names}
@@ -233,8 +234,7 @@ class FallbackRule(LayerRule):
 
     # ------------------------------------------------------------------ the replay
     def _per_sample(self, module, calls, names) -> dict[str, torch.Tensor]:
-        params = dict(module.named_parameters(recurse=False))
-        primals = {n: params[n].detach() for n in names}
+        primals = {n: module.get_parameter(n).detach() for n in names}
         total: dict[str, torch.Tensor] = {}
         for call, g in calls:
             grads = self._per_sample_of_call(module, call, g, primals)

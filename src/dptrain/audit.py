@@ -488,15 +488,22 @@ def run_command(options: dict, *, json_output: bool = False) -> int:
     threads = torch.get_num_threads()
     # The digits CNN is many tiny operations per step: one thread is faster (as in dptrain train).
     torch.set_num_threads(1)
-    bar = tqdm(total=options.get("steps", AUDIT_DEFAULTS["steps"]), desc="audit", unit="step", file=sys.stderr,
-               leave=False, dynamic_ncols=True)
+    bars = []  # opened at the first step, so that a configuration error shows no bar
+
+    def progress(step: int, steps: int) -> None:
+        if not bars:
+            bars.append(tqdm(total=steps, desc="audit", unit="step", file=sys.stderr, leave=False,
+                             dynamic_ncols=True))
+        bars[0].update(1)
+
     try:
-        result = run_audit(**options, progress=lambda step, steps: bar.update(1))
+        result = run_audit(**options, progress=progress)
     except KeyboardInterrupt:
         print("dptrain audit: interrupted", file=sys.stderr)
         return 130
     finally:
-        bar.close()
+        for bar in bars:
+            bar.close()
         torch.set_num_threads(threads)  # main() may run in-process
     if json_output:
         print(json.dumps(result.to_dict(), indent=2))

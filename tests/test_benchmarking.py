@@ -5,6 +5,7 @@ that the harness measures what it says and reports every figure.
 """
 from __future__ import annotations
 
+import copy
 import csv
 import dataclasses
 import json
@@ -269,3 +270,17 @@ def test_largest_batch_search_stops_at_its_deadline():
     search = bm.search_largest_batch(fits, 32, 4096, deadline=1000.0, clock=lambda: now[0], rel_tolerance=1 / 16)
     assert search.found <= 300 < search.too_large and search.too_large - search.found <= 300 / 16
     assert bm.search_largest_batch(lambda b: b <= 37, 8, 4096) == bm.BatchSearch(37, 38)
+
+
+def test_a_configuration_merged_from_another_run_names_its_commit_and_method(results):
+    merged = json.loads(json.dumps(results))
+    entry = copy.deepcopy(merged["configs"]["smoke-cnn"])
+    entry["config"] = "smoke-cnn-later"
+    entry["environment"] = {**merged["environment"], "date": "2031-01-02T03:04:05+00:00", "dptrain_commit": "abc1234"}
+    for rec in entry["arms"].values():
+        rec["memory_method"] = "another method"
+    merged["configs"]["smoke-cnn-later"] = entry
+    text = bm.markdown(merged)
+    later = text[text.index("## smoke-cnn-later"):]
+    assert "separate run on 2031-01-02 at commit abc1234; memory: another method" in later
+    assert "separate run" not in text[:text.index("## smoke-cnn-later")]

@@ -1042,11 +1042,12 @@ def markdown(results: dict) -> str:
             met = "—" if ok is None else ("yes" if ok else "**no**")
             lines.append(f"| {t.config} | {t.arm} | {t.metric} | {_fmt(value, '.2f', '×')} | {sign} {t.bound}× | "
                          f"{met} | {why or t.note} |")
+    run_method = _memory_method(results)
     for entry in results["configs"].values():
         lines += ["", f"## {entry['config']}", "",
                   f"{entry['description']}; batch {entry['batch_size']}; {entry['warmup']} warm-up + "
                   f"{entry['steps']} timed steps; load average before/after: {entry.get('load_average_before')} / "
-                  f"{entry.get('load_average_after')}", ""]
+                  f"{entry.get('load_average_after')}" + _separate_run(entry, env, run_method), ""]
         header = "| arm | step time (ms) median [IQR] | × non-private | CPU time × | peak memory (MiB) | × non-private |"
         rule = "|---|---|---|---|---|---|"
         if cuda:
@@ -1070,6 +1071,18 @@ def markdown(results: dict) -> str:
     if results.get("notes"):
         lines += ["", "## Notes", "", results["notes"].strip()]
     return "\n".join(lines) + "\n"
+
+
+def _separate_run(entry: dict, env: dict, run_method: str) -> str:
+    """For a configuration merged in from another run (``entry["environment"]``): what differs from the header."""
+    other = entry.get("environment")
+    if not other:
+        return ""
+    method = next((r["memory_method"] for r in entry["arms"].values() if r.get("memory_method")), run_method)
+    parts = [f"measured in a separate run on {other['date'][:10]} at commit {other['dptrain_commit']}"]
+    if method != run_method:
+        parts.append(f"memory: {method}")
+    return ". " + "; ".join(parts)
 
 
 def _memory_method(results: dict) -> str:

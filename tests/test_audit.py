@@ -13,6 +13,7 @@ import torch
 import dptrain
 from dptrain.audit import (
     CANARY_NORM_OVER_R,
+    _clipping_switched_off,
     CanaryModel,
     canary_losses,
     epsilon_lower_bound,
@@ -201,11 +202,11 @@ def test_small_audit_catches_a_run_with_a_tenth_of_its_noise():
     assert report.count("DELIBERATELY BREAKS ITS PRIVACY PROMISE") == 2 and "PROMISE BROKEN" in report
 
 
-def test_small_audit_catches_a_run_whose_clipping_is_switched_off(monkeypatch):
+def test_small_audit_catches_a_run_whose_clipping_is_switched_off():
     # Every clipping factor 1: each sampled canary adds 64 R to its coordinate where the
-    # promise allows R. (Patches the engine's own name for the clipping function.)
-    monkeypatch.setattr("dptrain.engine.clipping_factors", lambda norms, *args: torch.ones_like(norms))
-    result = run_audit(canaries=1000, steps=4, seed=0)
+    # promise allows R.
+    with _clipping_switched_off():
+        result = run_audit(canaries=1000, steps=4, seed=0)
     assert result.epsilon_lower_bound > result.epsilon
 
 
@@ -219,6 +220,18 @@ def test_same_seed_same_audit_and_a_new_seed_new_coins(default_mode_audit):
     assert other.sample_rate == default_mode_audit.sample_rate  # q is fixed before the coins are flipped
 
 
+def test_audit_of_your_own_model_and_data_leaves_your_model_alone():
+    torch.manual_seed(0)
+    inputs, labels = torch.randn(200, 6), torch.randint(0, 3, (200,))
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = run_audit(model=model, data=(inputs, labels), canaries=300, steps=2, seed=0)
+    assert result.model == "Sequential" and result.data == "custom data" and result.train_size == 200
+    assert 0 <= result.epsilon_lower_bound <= result.epsilon
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert "Sequential on custom data (200 samples)" in format_report(result)
+
+
 def test_audit_rejects_bad_options_with_a_clear_message():
     with pytest.raises(ValueError, match="confidence must be in"):
         run_audit(confidence=1.5)
@@ -226,6 +239,10 @@ def test_audit_rejects_bad_options_with_a_clear_message():
         run_audit(noise_scale=-1.0)
     with pytest.raises(ValueError, match="clipping_mode"):
         run_audit(clipping_mode="fast", **SMALL)
+    with pytest.raises(ValueError, match="class labels"):
+        run_audit(data=(torch.zeros(5, 3), torch.zeros(5)), **SMALL)
+    with pytest.raises(ValueError, match="built for images"):
+        run_audit(data=(torch.zeros(5, 3), torch.zeros(5, dtype=torch.long)), **SMALL)
 
 
 # ====================================================================== dptrain audit

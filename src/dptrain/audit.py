@@ -31,6 +31,8 @@ a canary: the accountant's epsilon includes the amplification by subsampling.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import math
 import os
@@ -296,7 +298,8 @@ class AuditResult:
     sample_rate: float
     max_grad_norm: float
     accountant: str
-    model: str
+    model: str                      # the model spec, or the class name of a model given as a module
+    data: str                       # "digits" or "custom data"
     train_size: int                 # real training samples
     seed: int
     wall_time_s: float
@@ -328,6 +331,16 @@ def _digits():
     return (images - 0.5) / 0.5, torch.tensor(digits.target, dtype=torch.long)
 
 
+def _checked_data(data) -> tuple[torch.Tensor, torch.Tensor]:
+    if not (isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data)):
+        raise ValueError("data must be a pair of tensors (inputs, labels)")
+    inputs, labels = data
+    if labels.dim() != 1 or labels.dtype != torch.long or len(labels) == 0 or len(inputs) != len(labels):
+        raise ValueError(f"data needs inputs [N, ...] and class labels [N] of dtype long, N > 0; got shapes "
+                         f"{tuple(inputs.shape)} and {tuple(labels.shape)} ({labels.dtype})")
+    return inputs.cpu(), labels.cpu()
+
+
 def run_audit(
     *,
     epsilon: float = AUDIT_DEFAULTS["epsilon"],
@@ -341,11 +354,12 @@ def run_audit(
     max_grad_norm: float = AUDIT_DEFAULTS["max_grad_norm"],
     lr: float = AUDIT_DEFAULTS["lr"],
     accountant: str = AUDIT_DEFAULTS["accountant"],
-    model: str = "cnn",
+    model: str | nn.Module = "cnn",
+    data: tuple[torch.Tensor, torch.Tensor] | None = None,
     seed: int | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> AuditResult:
-    """Train ``model`` on digits with ``canaries`` gradient canaries, privately, and audit the run.
+    """Train ``model`` with ``canaries`` gradient canaries, privately, and audit the run.
 
     The engine is calibrated for ``epsilon`` at ``delta`` over ``steps`` Poisson steps of
     rate ``sample_rate`` (over real samples plus all potential canaries) and trains with
@@ -353,6 +367,11 @@ def run_audit(
     of the noise it accounts for: a deliberately broken run, to show that the audit catches
     it. ``seed`` fixes the coins, batches, noise and initialisation (default: fresh OS
     entropy, reported in the result). ``progress(step, steps)`` is called after each step.
+
+    ``model`` is a built-in spec (``"cnn"``, ``"mlp"``: built with random weights for the
+    data's image shape) or your own classifier module, of which a deep copy is trained
+    (yours is left alone). ``data`` is ``(inputs, labels)`` for cross-entropy
+    classification (default: scikit-learn's 1797 digits); a canary's input is all zeros.
     """
     started = time.perf_counter()
     _check("epsilon", epsilon, isinstance(epsilon, (int, float)) and 0 < epsilon < math.inf, "a positive number")
@@ -369,9 +388,28 @@ def run_audit(
     from .engine import PrivacyEngine
     from .models import build_image_model
 
+    if data is None:
+        images, labels = _digits()
+        data_name = "digits"
+    else:
+        images, labels = _checked_data(data)
+        data_name = "custom data"
+    if isinstance(model, nn.Module):
+        base, model_name = copy.deepcopy(model), type(model).__name__
+    elif isinstance(model, str):
+        if images.dim() != 4:
+            raise ValueError(f"model {model!r} is built for images [N, C, H, W], but the inputs have shape "
+                             f"{tuple(images.shape)}; pass your own nn.Module for other inputs")
+        with torch.random.fork_rng(devices=[]):  # the caller's global torch RNG stays as it was
+            torch.manual_seed(seed)
+            base = build_image_model(model, images.shape[1], int(labels.max()) + 1, images.shape[2]).model
+        model_name = model
+    else:
+        raise ValueError(f"model must be a model spec ('cnn', 'mlp') or an nn.Module, got {type(model).__name__}")
+    device = next(base.parameters(), torch.empty(0)).device
+
     coins = np.random.default_rng(seed)
     included = coins.random(canaries) < 0.5  # each canary in with probability 1/2, independently
-    images, labels = _digits()
     n = len(labels)
     member_ids = torch.as_tensor(np.flatnonzero(included), dtype=torch.long)
     dataset = torch.utils.data.TensorDataset(
@@ -384,9 +422,7 @@ def run_audit(
     pool = n + canaries
     batch_size = max(1, round(sample_rate * pool))
 
-    with torch.random.fork_rng(devices=[]):  # the caller's global torch RNG stays as it was
-        torch.manual_seed(seed)
-        audited = CanaryModel(build_image_model(model, 1, 10, 8).model, canaries)
+    audited = CanaryModel(base, canaries).to(device)
     optimizer = torch.optim.Adam(audited.parameters(), lr=lr)
     engine = PrivacyEngine(
         audited, batch_size=batch_size, sample_size=pool, max_grad_norm=max_grad_norm,
@@ -409,7 +445,8 @@ def run_audit(
     canary_norm = CANARY_NORM_OVER_R * max_grad_norm
     try:
         audited.train()
-        for step, (x, y, canary_id) in enumerate(loader, 1):
+        for step, batch in enumerate(loader, 1):
+            x, y, canary_id = (t.to(device) for t in batch)
             logits, probe_output = audited(x, canary_id)
             engine.backward(canary_losses(logits, probe_output, y, canary_id, canary_norm))
             optimizer.step()
@@ -436,9 +473,32 @@ def run_audit(
         confidence=confidence, canaries=canaries, steps=steps, clipping_mode=clipping_mode,
         noise_scale=float(noise_scale), included_canaries=int(included.sum()), guesses_in=bound.guesses_in,
         guesses_out=bound.guesses_out, correct_guesses=bound.correct, noise_multiplier=engine.noise_multiplier,
-        sample_rate=engine.sample_rate, max_grad_norm=max_grad_norm, accountant=accountant, model=model,
-        train_size=n, seed=seed, wall_time_s=round(time.perf_counter() - started, 3),
+        sample_rate=engine.sample_rate, max_grad_norm=max_grad_norm, accountant=accountant, model=model_name,
+        data=data_name, train_size=n, seed=seed, wall_time_s=round(time.perf_counter() - started, 3),
     )
+
+
+@contextlib.contextmanager
+def _clipping_switched_off():
+    """A deliberately broken engine: every clipping factor 1, wherever the engine's modules bind
+    the clipping function. Only for the tests and benchmarks/audit_sweep.py, to show that the
+    audit catches a run whose clipping is off."""
+    from . import clipping, engine  # noqa: F401 (imports the modules that bind the function)
+
+    original = clipping.clipping_factors
+
+    def unclipped(norms, *args, **kwargs):
+        return torch.ones_like(norms)
+
+    modules = [m for name, m in list(sys.modules.items())
+               if name.startswith("dptrain") and getattr(m, "clipping_factors", None) is original]
+    for module in modules:
+        module.clipping_factors = unclipped
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.clipping_factors = original
 
 
 def format_report(result: AuditResult) -> str:
@@ -448,7 +508,8 @@ def format_report(result: AuditResult) -> str:
     if r.noise_scale != 1:
         lines.append(_broken_promise_warning(r.noise_scale))
     lines += [
-        f"audit: {r.model} on digits ({r.train_size} images) + {r.canaries} gradient canaries "
+        f"audit: {r.model} on {r.data} ({r.train_size} {'images' if r.data == 'digits' else 'samples'}) + "
+        f"{r.canaries} gradient canaries "
         f"({r.included_canaries} included at random), {r.steps} steps at sample rate {r.sample_rate:.4g}, "
         f"clipping {r.clipping_mode}, max grad norm {r.max_grad_norm:g}",
         f"claimed:  epsilon = {r.epsilon:.3f} at delta = {r.delta:g} ({r.accountant} accountant, "

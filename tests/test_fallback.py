@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 import warnings
 
 import pytest
@@ -88,12 +89,18 @@ class FallbackNet(nn.Module):
         return self.bare(h, mask=self.mask)
 
 
-def fallback_case() -> Case:
-    torch.manual_seed(0)
-    g = torch.Generator().manual_seed(0)
-    model = FallbackNet()
-    x = torch.randn(B, 3, 4, generator=g) * 2
-    return Case(model, classify_tokens, (x, torch.randint(0, 3, (B, 3), generator=g)))
+def fallback_case(seed: int = 0, frozen: bool = False) -> Case:
+    """Random widths and sequence length; ``frozen``: some parameters of fallback layers frozen."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    d, h, C, T = rng.randint(2, 5), rng.randint(2, 6), rng.randint(2, 4), rng.randint(1, 5)
+    model = FallbackNet(d, h, C)
+    if frozen:
+        model.bare.b.requires_grad_(False)
+        model.sq.bias.requires_grad_(False)
+    x = torch.randn(B, T, d, generator=g) * 2
+    return Case(model, classify_tokens, (x, torch.randint(0, C, (B, T), generator=g)))
 
 
 class ScaledBlock(nn.Module):
@@ -175,6 +182,8 @@ def norm_case(kind: str) -> Case:
 
 CASES = {
     "fallback-modules": fallback_case,
+    "fallback-modules-seed-1": lambda: fallback_case(1),
+    "fallback-modules-seed-2-frozen": lambda: fallback_case(2, frozen=True),
     "rms-norm-plain": lambda: norm_case("plain"),
     "rms-norm-one-plus": lambda: norm_case("one-plus"),
     "rms-norm-check-fails": lambda: norm_case("mean-abs"),  # shaped like one, handed to the fallback
@@ -477,11 +486,35 @@ class PairNet(nn.Module):
         return self.head(self.pair(x)[0])
 
 
-@pytest.mark.xfail(strict=True, reason="capture.py returns early for non-tensor outputs, so a fallback layer "
-                   "returning a tuple is never recorded and its parameters get no gradient; capture must hand "
-                   "such calls to FallbackRule.capture_call, which refuses them")
 def test_fallback_layer_with_a_tuple_output_is_refused_not_dropped():
     torch.manual_seed(0)
     x, y = _batch()
     with pytest.raises(ValueError, match="PairOutput.*batch as its first dimension"):
         _one_step(PairNet(), x, y)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_batch_and_batch_of_one(mode):
+    """An empty batch (Poisson sampling) contributes nothing; a batch of one is its own oracle."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 5), Scale(5), SquaredLinear(5, 5), nn.Tanh(), BareLinear(5, 3)).double()
+    batch = (torch.randn(3, 2, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (3, 2), generator=g))
+    case = Case(net, classify_tokens, batch)
+    model = copy.deepcopy(case.model)
+    engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, noise_multiplier=0.0, clipping_mode=mode,
+                                   max_grad_norm=0.5)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(optimizer)
+    try:
+        x, y = case.batch
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            engine.backward(case.losses_fn(model, x[:0], y[:0]))
+            engine.backward(case.losses_fn(model, x[:1], y[:1]))
+        optimizer.step()
+        got = {n: p.grad for n, (_, p) in trainable_named_parameters(model).items()}
+    finally:
+        engine.detach()
+    one = Case(case.model, case.losses_fn, (x[:1], y[:1]))
+    assert_matches(got, reference(one, max_grad_norm=0.5), what=f"{mode}: empty batch, then one sample")

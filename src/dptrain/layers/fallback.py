@@ -280,7 +280,8 @@ class FallbackRule(LayerRule):
             if not isinstance(again, torch.Tensor) or not _close(again, output):
                 raise SampleMixingError(
                     f"{self._name(module)}: replaying this call does not reproduce its output (random operations "
-                    "such as dropout in training mode, or state that changes from call to call), so the per-sample "
+                    "such as dropout in training mode, state that changes from call to call, or inputs whose batch "
+                    "is not their first dimension), so the per-sample "
                     f"fallback cannot compute its per-sample gradients. Register a rule for {type(module).__name__} "
                     "with dptrain.register_layer, or freeze its parameters"
                 )

@@ -26,6 +26,9 @@ from helpers import (
     reference, run_engine, split_max_grad_norm,
 )
 
+# the engine's one-time warning naming the fallback layers (tested below)
+pytestmark = pytest.mark.filterwarnings("ignore:.*use the per-sample fallback:UserWarning")
+
 B = 4  # a power of two: the mean over the batch scales gradients without rounding
 
 
@@ -455,6 +458,15 @@ def test_input_modified_in_place_after_the_call_is_refused():
     x.mul_(2)
     with pytest.raises(RuntimeError, match="modified in place"):
         rule.operands(module, call, torch.ones_like(out))
+
+
+def test_engine_warns_once_naming_the_fallback_layers():
+    model = FallbackNet()
+    with pytest.warns(UserWarning, match="4 layer.*use the per-sample fallback: pos, scale, sq, bare"):
+        dptrain.PrivacyEngine(model, batch_size=4, sample_size=100, noise_multiplier=0.0)
+    with warnings.catch_warnings():  # recognised norms and rules: no warning
+        warnings.simplefilter("error")
+        dptrain.PrivacyEngine(NormNet(PlainRMSNorm(6)), batch_size=4, sample_size=100, noise_multiplier=0.0)
 
 
 def test_fallback_warning_names_the_modules():

@@ -1,6 +1,6 @@
 """Today's open decoder LLM families, from tiny configs with random weights, against the oracle.
 
-Llama, Mistral, Qwen2, Phi-3, Gemma, OPT, Falcon, GPT-NeoX and Cohere, fully trainable and with LoRA
+Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma 1-3, OPT, Falcon, GPT-NeoX and Cohere, fully trainable and with LoRA
 adapters: every clipping mode through engine.backward(per-sequence losses), and the
 single-backward modes through Hugging Face's own loss (``labels=...``) and a plain
 ``loss.backward()``. They need no fallback: their RMS norms are recognised by structure, and
@@ -39,6 +39,12 @@ FAMILIES = {
     "phi3": (T.Phi3Config, T.Phi3ForCausalLM, dict(_ROPE, resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0,
                                                    bos_token_id=1, eos_token_id=2), ["qkv_proj"]),
     "gemma": (T.GemmaConfig, T.GemmaForCausalLM, dict(_ROPE, head_dim=8), ["q_proj", "v_proj"]),
+    # Gemma 2 has no sdpa path in transformers: eager attention (softmax in float32 inside)
+    "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(_ROPE, head_dim=8, sliding_window=4, attn_implementation="eager"),
+               ["q_proj", "v_proj"]),
+    "gemma3": (T.Gemma3TextConfig, T.Gemma3ForCausalLM, dict(_ROPE, head_dim=8, sliding_window=4),
+               ["q_proj", "v_proj"]),
+    "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(_ROPE, head_dim=8), ["q_proj", "v_proj"]),  # q/k norms
     "opt": (T.OPTConfig, T.OPTForCausalLM, dict(ffn_dim=32, dropout=0.0, layerdrop=0.0, word_embed_proj_dim=16,
                                                 pad_token_id=1), ["q_proj", "v_proj"]),
     "falcon": (T.FalconConfig, T.FalconForCausalLM, dict(hidden_dropout=0.0, new_decoder_architecture=False,
@@ -66,12 +72,12 @@ NEEDS_FALLBACK_VARIANTS = {"lora-embedding"}
 
 # Their RMS norms compute in float32 inside a float64 model: a second backward of sum_i C_i L_i rounds
 # C_i-scaled gradients there (see tests/test_fallback.py, check_against_oracle).
-FLOAT32_INSIDE = {"llama", "mistral", "qwen2", "phi3", "gemma", "cohere"}
+FLOAT32_INSIDE = {"llama", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3", "cohere"}
 # Gemma's norm scales by (1 + weight) in float32, so autograd (the oracle) sums its weight gradient
 # over the tokens in float32; the rule sums the same products in float64. Cohere's layer norm does too:
 # the fallback then sums per sample in float32, exactly as the oracle, but a re-weighted backward sums
 # over the whole batch. Only float32 rounding, in these modes:
-FLOAT32_GRADIENT = {"gemma": MODES, "cohere": TWO_PASS_MODES}
+FLOAT32_GRADIENT = {"gemma": MODES, "gemma2": MODES, "gemma3": MODES, "cohere": TWO_PASS_MODES}
 
 
 def _build(name: str, variant: str):
@@ -79,7 +85,7 @@ def _build(name: str, variant: str):
     torch.manual_seed(hash(name) % 1000)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = model_cls(config_cls(**_COMMON, **extra, attention_dropout=0.0))
+        model = model_cls(config_cls(**{**_COMMON, **extra}, attention_dropout=0.0))
     model = spread_init(model).double().train()
     if variant == "frozen-ffn":
         for pname, p in model.named_parameters():

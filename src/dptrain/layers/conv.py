@@ -169,8 +169,8 @@ class ConvRule(LayerRule):
         norms = []
         for start in range(0, B, chunk):
             rows = slice(start, start + chunk)
-            a = torch.cat([self._patches(module, c.input[rows], c.grad.dtype, acc) for c in ops], dim=-1)
-            grad = torch.cat([c.grad[rows].reshape(a.shape[0], g, p, -1).to(acc) for c in ops], dim=-1)
+            a = _side_by_side([self._patches(module, c.input[rows], c.grad.dtype, acc) for c in ops])
+            grad = _side_by_side([c.grad[rows].reshape(a.shape[0], g, p, -1).to(acc) for c in ops])
             norms.append(_tiled_gram_product(a.reshape(a.shape[0], g, d, T), grad, tile))
             del a, grad  # the patches of this chunk go now, before the next chunk's are formed
         if not norms:
@@ -240,6 +240,11 @@ class ConvRule(LayerRule):
         if "bias" in factors:
             out["bias"] = weighted_sum(factors["bias"], self._per_sample_bias(ops))
         return out
+
+
+def _side_by_side(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The calls' tokens side by side (last axis); one call is used as it is, without a copy."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
 
 
 def _add_widened(total: torch.Tensor, term: torch.Tensor) -> torch.Tensor:

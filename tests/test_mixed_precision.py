@@ -12,7 +12,7 @@ reference entry) for plain PyTorch in the same precision setting:
 
 dptrain's error must be at most ``2 * max(A, B) + 2^-9`` (the last term, half of bf16's unit
 roundoff, a margin for the rounding of a result to bf16). The engine's per-sample norms and clipping factors are
-observed at the engine's call of ``clipping_factors``: they must be float32 and finite, and the
+observed at the pipeline's call of ``clipping_factors``: they must be float32 and finite, and the
 norms close to the oracle's; the clipped gradient is in the parameter's dtype and finite.
 """
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dptrain
-import dptrain.engine
+import dptrain.pipeline
 from dptrain.testing import per_sample_gradients, trainable_named_parameters
 from helpers import MODES, classify, classify_tokens, per_sample
 
@@ -210,17 +210,17 @@ def setting(name: str, autocast: bool) -> Setting:
 @pytest.fixture
 def observed(monkeypatch):
     """Every (norms, factors) the engine passes through ``clipping_factors``."""
-    if not hasattr(dptrain.engine, "clipping_factors"):
-        pytest.fail("dptrain.engine no longer calls clipping_factors: update this spy on the per-sample norms")
+    if not hasattr(dptrain.pipeline, "clipping_factors"):
+        pytest.fail("dptrain.pipeline no longer calls clipping_factors: update this spy on the per-sample norms")
     seen = []
-    original = dptrain.engine.clipping_factors
+    original = dptrain.pipeline.clipping_factors
 
     def spy(norms, *args, **kwargs):
         factors = original(norms, *args, **kwargs)
         seen.append((norms.detach().clone(), factors.detach().clone()))
         return factors
 
-    monkeypatch.setattr(dptrain.engine, "clipping_factors", spy)
+    monkeypatch.setattr(dptrain.pipeline, "clipping_factors", spy)
     return seen
 
 

@@ -296,10 +296,16 @@ class Capture:
         def post_hook(module, args, kwargs, output):
             self._restore(module)
             state = self._state_of.get(id(module))
-            if state is None or state.rule.captures_input or not torch.is_grad_enabled():
-                return None
+            if state is None or state.rule.captures_input or not torch.is_grad_enabled() or output is None:
+                return None  # (None: the forward raised, and this always-called hook runs on its way out)
             if not isinstance(output, torch.Tensor):
-                return None
+                state.rule.capture_call(module, args, kwargs, output)  # a rule may refuse with its own reason
+                raise ValueError(
+                    f"{state.name or '<root>'} ({type(module).__name__}) returned {type(output).__name__}, not a "
+                    "tensor: the engine differentiates a layer with trainable parameters through its output tensor, "
+                    "so these parameters would get no gradient. Register a rule for it with dptrain.register_layer, "
+                    "or freeze its parameters"
+                )
             return self._record(state, module, (args, kwargs), output)
 
         return post_hook

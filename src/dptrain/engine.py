@@ -1,11 +1,14 @@
-"""PrivacyEngine: validated configuration, attach/detach, backward, and the private step."""
+"""PrivacyEngine: validated configuration, attach/detach, the backward passes, and the private step.
+
+The per-backward work (operands, norms, clipping factors, clipped sums) is ``pipeline.BackwardPipeline``;
+the GradScaler protocol is ``precision.LossScaling``; the hooks are ``capture.Capture``.
+"""
 from __future__ import annotations
 
 import math
 import warnings
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,12 +17,14 @@ from torch import nn
 from . import accounting, data, distributed
 from .algorithms import RECIPES
 from .capture import Call, Capture, LayerState, graph_task, in_backward
-from .clipping import CLIPPING_FNS, build_groups, clipping_factors, group_threshold
+from .clipping import CLIPPING_FNS, build_groups, group_threshold
 from .layers import resolve_rule
+from .layers.base import layer_params
 from .layers.fallback import FallbackRule, fallback_warning
-from .layers.base import LayerDims, layer_params, shared_sq_norm
 from .noise import GaussianNoise
-from .planning import DECISION_RULES, DEFAULT_DECISION_RULE, LayerDecision, decide_parameter, join_dims
+from .pipeline import BackwardPipeline, Overflow, StepSums
+from .planning import DECISION_RULES, DEFAULT_DECISION_RULE, LayerDecision
+from .precision import LossScaling
 from .validation import validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -32,27 +37,6 @@ _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary
 
 class PrivacyBudgetExceeded(RuntimeError):
     """``budget="strict"``: the next step would spend more than ``target_epsilon``."""
-
-
-@dataclass
-class _ReadyLayer:
-    """A layer's operands for this backward, all its calls concatenated along the token axis."""
-
-    state: LayerState
-    ops: tuple
-    dims: LayerDims
-    batch_size: int
-
-
-@dataclass
-class _ParamWork:
-    """The norm stage of one parameter in one backward, and what its gradient stage needs."""
-
-    group: int
-    batch_size: int
-    sq_norm: torch.Tensor
-    per_sample: torch.Tensor | None                     # kept for module 5
-    book: list[tuple[LayerState, str, tuple]]            # kept (layer, name, operands) for module 2b(C)
 
 
 class PrivacyEngine:
@@ -134,13 +118,16 @@ class PrivacyEngine:
         self._noise = GaussianNoise(seed=None if seed is None else seed + 7919 * rank, secure=secure_rng)
         self.clipping_style = clipping_style
 
+        # The step's clipped sums, and the work of one backward on them.
+        self._sums = StepSums()
+        self._pipeline = BackwardPipeline(self.recipe, decision_rule, clipping_fn, self.clipping_gamma, self._sums)
+
         # The trainable set, read again at every model call (staged fine-tuning freezes and unfreezes).
         self._layers: list[LayerState] = []
         self._users: dict[nn.Parameter, list[tuple[LayerState, str]]] = {}
         self._group_of: dict[nn.Parameter, int] = {}
         self._group_params: list[list[nn.Parameter]] = []
         self._num_groups = 0
-        self._threshold = self.max_grad_norm
         self._trainable: tuple = ()
         self._params: list[nn.Parameter] | None = None
         self._params_seen = -1
@@ -158,31 +145,18 @@ class PrivacyEngine:
 
         # Hooks and the optimizer (set by attach).
         self._capture: Capture | None = None
-        self._scaler = None
+        self._scaling: LossScaling | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._step_handle = None
         self._grad_handles: dict[nn.Parameter, Any] = {}
         self._given_grads: dict[nn.Parameter, weakref.ref] = {}
-        self._marker: torch.Tensor | None = None
-        self._marker_param: nn.Parameter | None = None
-        self._overflowed = False
-        self._good_scale = 0.0  # the largest GradScaler scale known not to overflow
 
-        # One backward pass (the step's partial work; see _abort_backward for its every exit).
+        # Which backward is running, and the end-of-backward callback of a plain loss.backward().
         self._phase = "idle"  # idle | single | first-pass | second-pass | discard (an empty batch)
         self._callback_queued = False
         self._callback_task = -1
-        self._ready: dict[int, _ReadyLayer] = {}
-        self._param_works: dict[nn.Parameter, _ParamWork] = {}
-        self._decisions: dict[int, LayerDecision] = {}
-        self._reweighted: list[tuple[LayerState, Call]] = []
-        self._consumed: list[tuple[LayerState, Call]] | None = None  # kept only while a retry may need them
-        self._sums_created: list[nn.Parameter] = []
-        self._sums_added = False
 
-        # The step: clipped sums of the logical batch so far, and counters.
-        self._summed: dict[nn.Parameter, torch.Tensor] = {}
-        self._last_decisions: list[LayerDecision] = []
+        # Counters.
         self.steps_taken = 0
         self._warned_loader = False
         self._warned_budget = False
@@ -256,7 +230,8 @@ class PrivacyEngine:
         self._group_of = {param_of[key]: k for k, group in enumerate(groups) for key in group}
         self._group_params = [[param_of[key] for key in group] for group in groups]
         self._num_groups = len(groups)
-        self._threshold = group_threshold(self.max_grad_norm, max(1, len(groups)))
+        self._pipeline.set_layers(layers, users, self._group_of, len(groups),
+                                  group_threshold(self.max_grad_norm, max(1, len(groups))))
         self._trainable = self._trainable_key()
 
     def _follow_trainable(self) -> None:
@@ -326,9 +301,8 @@ class PrivacyEngine:
         self._sync_grad_hooks()
         self._step_handle = optimizer.register_step_pre_hook(self._before_step)
         self._optimizer = optimizer
-        self._scaler = grad_scaler if grad_scaler is not None and grad_scaler.is_enabled() else None
-        self._overflowed = False
-        self._marker = None
+        enabled = grad_scaler is not None and grad_scaler.is_enabled()
+        self._scaling = LossScaling(grad_scaler) if enabled else None
         self._given_grads = {}
         _ATTACHED[self.model] = weakref.ref(self)
         _Structure.watch()
@@ -382,41 +356,18 @@ class PrivacyEngine:
             del _ATTACHED[self.model]
             _Structure.unwatch()
         self._capture, self._step_handle, self._optimizer = None, None, None
-        self._forget_calls()
-        self._summed.clear()
+        self._pipeline.forget_calls()
+        self._sums.clear()
 
     # ------------------------------------------------------------------ every exit of a backward
     def _abort_backward(self) -> None:
-        """Drop everything a failed (or abandoned) forward/backward captured; the step's earlier sums stay.
-
-        Sums of completed micro-batches are kept intact, unless the failure hit while this micro-batch
-        was being added into them: then the whole step's sums are dropped (never a partial sum).
-        """
-        if self._sums_added:
-            self._summed.clear()
-            warnings.warn("a backward failed while its clipped gradients were being added to the step's sums: the "
-                          "sums of this logical step were dropped as a whole (the step still adds noise)",
-                          stacklevel=3)
-        else:
-            for p in self._sums_created:
-                self._summed.pop(p, None)
-        self._sums_created, self._sums_added = [], False
+        """Drop everything a failed (or abandoned) forward/backward captured; the step's earlier sums stay
+        (or go as a whole, never in part: see ``StepSums``)."""
+        self._pipeline.abort()
         self._callback_queued = False
         self._phase = "idle"
-        # A failed graph may outlive the engine's references (the user's tensors, a traceback): drop the
-        # activations and gradients from the calls themselves, so nothing large stays reachable from it.
-        for state, call in self._consumed or ():
-            call.activation, call.grad = None, None
-        self._consumed = None
-        for state, call in self._reweighted:
-            call.activation, call.grad = None, None
-        self._reweighted = []
-        for state in self._layers:
-            for call in state.calls:
-                call.activation, call.grad = None, None
         if self._capture is not None:
             self._capture.restore_switched()
-        self._forget_calls()
 
     def _settle_failed_backward(self) -> None:
         """A plain ``loss.backward()`` whose end-of-backward callback never ran has failed: drop its state."""
@@ -427,12 +378,6 @@ class PrivacyEngine:
         self._settle_failed_backward()
         if torch.is_grad_enabled():
             self._follow_trainable()
-
-    def _begin_sums(self) -> None:
-        self._sums_created, self._sums_added = [], False
-
-    def _commit_sums(self) -> None:
-        self._sums_created, self._sums_added = [], False
 
     # ------------------------------------------------------------------ backward
     def backward(self, losses: torch.Tensor) -> None:
@@ -453,14 +398,14 @@ class PrivacyEngine:
             losses = losses.flatten(1).sum(1)
         # Without a scaler, non-finite losses show as non-finite norms (checked once, with them): no extra
         # host-device synchronisation on the hot path.
-        if self._scaler is not None and not torch.isfinite(losses).all():
-            self._forget_calls()  # fp16 overflow already in the forward: the step is skipped
+        if self._scaling is not None and not torch.isfinite(losses).all():
+            self._pipeline.forget_calls()  # fp16 overflow already in the forward: the step is skipped
             self._after_backward(overflow=True)
             return
         B = losses.shape[0]
         forward_batch = self._capture.forward_batch
         if B and forward_batch is not None and B != forward_batch and losses.requires_grad:
-            self._forget_calls()
+            self._pipeline.forget_calls()
             raise ValueError(
                 f"engine.backward got {B} per-sample losses but the model was last called with a batch of "
                 f"{forward_batch}: give one loss per sample of that call (reduction='none'). A model that takes "
@@ -476,7 +421,7 @@ class PrivacyEngine:
                         torch.autograd.backward(losses.sum(), retain_graph=k < passes - 1)
                 finally:
                     self._phase = "idle"
-            self._forget_calls()
+            self._pipeline.forget_calls()
             if B > 0:
                 raise ValueError("the losses do not depend on any trainable parameter (did the forward run under no_grad?)")
             self._after_backward(overflow=False)
@@ -509,27 +454,25 @@ class PrivacyEngine:
         backward, never a skipped step or privacy budget. The graph is kept for that only then.
         """
         B = losses.shape[0]
-        if self._scaler is None:
+        if self._scaling is None:
             self._one_backward(losses, 1.0, 1.0, retain=False)
             return False
-        scale = self._loss_scale()
-        retry = self._parallel is None and (self.recipe.two_pass or scale > self._good_scale)
+        scale = self._scaling.scale()
+        retry = self._scaling.can_retry(scale, self.recipe.two_pass, self._parallel is not None)
         attempt = 1.0
         while True:
             try:
-                self._consumed = [] if retry else None
+                self._pipeline.consumed = [] if retry else None
                 self._one_backward(losses, attempt / B, scale * attempt / B, retain=retry)
                 break
-            except _Overflow:
+            except Overflow:
                 if not retry or scale * attempt <= 1.0:  # below scale 1 a smaller scale no longer helps: a real NaN
                     return True
-                self._reset_for_retry()
-                attempt *= self._scaler.get_backoff_factor()
+                self._pipeline.reset_for_retry()
+                attempt *= self._scaling.backoff()
             finally:
-                self._consumed = None
-        self._good_scale = scale * attempt
-        if attempt != 1.0:
-            self._scaler.update(scale * attempt)  # the scale that worked, for the next steps
+                self._pipeline.consumed = None
+        self._scaling.worked(scale, attempt)
         return False
 
     def _one_backward(self, losses: torch.Tensor, factor: float, kappa: float, retain: bool) -> None:
@@ -540,19 +483,7 @@ class PrivacyEngine:
         else:
             self._phase = "single"
             torch.autograd.backward(objective, retain_graph=retain)
-            self._finish_backward(expected_batch=losses.shape[0], scale=1.0 / kappa)
-
-    def _reset_for_retry(self) -> None:
-        """Give the calls of an overflowed attempt back (their graph is kept) and drop its partial work."""
-        for state, call in self._consumed or ():
-            if not call.recomputed:
-                call.grad = None
-                state.calls.append(call)
-        self._drop_recomputed()
-        self._ready.clear()
-        self._param_works.clear()
-        self._decisions.clear()
-        self._reweighted = []
+            self._pipeline.finish(losses.shape[0], 1.0 / kappa, self._scaling is not None)
 
     def _two_pass_backward(self, losses: torch.Tensor, objective: torch.Tensor, factor: float, kappa: float) -> None:
         """Lee & Kifer: norms from a first backward of sum_i L_i, then back-propagate sum_i C_i L_i.
@@ -565,36 +496,24 @@ class PrivacyEngine:
         """
         self._phase = "first-pass"
         torch.autograd.backward(objective, retain_graph=True)
-        factors = self._finish_backward(expected_batch=losses.shape[0], scale=1.0 / kappa)
+        factors = self._pipeline.finish(losses.shape[0], 1.0 / kappa, self._scaling is not None)
         ones = torch.full_like(factors[0], 1.0 / kappa)
         self._phase = "second-pass"
-        self._begin_sums()
+        self._sums.begin()
         for k, params in enumerate(self._group_params):
             weights = factors[k] if factor == 1.0 else factors[k] * factor
             reweighted = (losses * weights.to(losses.dtype)).sum()
-            self._reweighted = []
+            self._pipeline.reweighted = []
             torch.autograd.backward(reweighted, retain_graph=k < len(self._group_params) - 1)
-            by_layer: dict[int, list[Call]] = {}
-            for state, call in self._reweighted:
-                by_layer.setdefault(id(state), []).append(call)
-            for p in params:
-                for state, name in self._users[p]:
-                    calls = by_layer.get(id(state))
-                    if calls:
-                        ops = self._operands(state, calls)
-                        self._accumulate(p, state.rule.clipped_grads(state.module, ops, {name: ones})[name])
-            for _, call in self._reweighted:
-                call.grad = None
-            self._reweighted = []
-            self._drop_recomputed()
-        self._commit_sums()
+            self._pipeline.second_pass_gradients(params, ones)
+        self._sums.commit()
 
     def _on_output_grad(self, state: LayerState, call: Call, grad: torch.Tensor) -> None:
         if self._phase == "discard":
             return
         if self._phase == "second-pass":
             call.grad = grad.detach()
-            self._reweighted.append((state, call))
+            self._pipeline.reweighted.append((state, call))
             return
         if self._phase == "idle":
             if self.recipe.two_pass:
@@ -610,13 +529,8 @@ class PrivacyEngine:
                 "forward for each backward"
             )
         call.grad = grad.detach()
-        # A layer called once, whose parameters no other layer shares, is reduced right away,
-        # freeing its activation and output gradient during the backward pass.
-        if len(state.calls) == 1 and not any(len(self._users[p]) > 1 for p in state.params.values()):
-            self._prepare_layer(state)
-            for name, p in state.params.items():
-                self._norm_stage(p)
-            self._release_layer(state)
+        if self._pipeline.can_reduce_now(state):
+            self._pipeline.reduce_layer(state)
 
     def _on_model_output_grad(self) -> None:
         """The gradient reached the model's output: a backward starts (on the outermost graph task)."""
@@ -653,10 +567,10 @@ class PrivacyEngine:
     def _finish_plain_backward(self) -> None:
         self._callback_queued = False
         try:
-            batch = self._batch_size_of_backward(expected=None)
+            batch = self._pipeline.reduce_all(expected=None)
             scale = float(batch) if self.loss_reduction == "mean" else 1.0
-            self._finish_backward(expected_batch=batch, scale=scale / self._loss_scale())
-        except _Overflow:
+            self._pipeline.finish(batch, scale / self._loss_scale(), self._scaling is not None)
+        except Overflow:
             self._after_backward(overflow=True)
         except BaseException:
             self._abort_backward()
@@ -664,185 +578,10 @@ class PrivacyEngine:
         else:
             self._after_backward(overflow=False)
 
-    # ------------------------------------------------------------------ the recipe
-    def _prepare_layer(self, state: LayerState) -> None:
-        """Operands of all of a layer's calls that received an output gradient, as one call.
-
-        Calls still waiting for their gradient (a later forward whose backward has not run
-        yet) stay recorded.
-        """
-        calls = [c for c in state.calls if c.grad is not None]
-        state.calls = [c for c in state.calls if c.grad is None]
-        if not calls:
-            return
-        if self._consumed is not None:
-            self._consumed.extend((state, c) for c in calls)
-        dims = join_dims([c.dims for c in calls])
-        self._ready[id(state)] = _ReadyLayer(state, self._operands(state, calls), dims, calls[0].batch_size)
-        for c in calls:  # the operands hold what is needed; a second pass sets new gradients
-            c.grad = None
-
-    def _operands(self, state: LayerState, calls: list[Call]) -> tuple:
-        sizes = {c.batch_size for c in calls}
-        if len(sizes) > 1:
-            raise ValueError(f"module {state.name!r} was called with different batch sizes {sorted(sizes)} in one forward")
-        # With ghost differentiation autograd does not save a layer's input, so its own check
-        # for inputs modified in place cannot fire: this one does.
-        if any(c.version is not None and c.activation._version != c.version for c in calls):
-            raise RuntimeError(
-                f"the input of {state.name!r} ({type(state.module).__name__}) was modified in place after the "
-                "layer used it (e.g. `h += layer(h)`), so its per-sample gradients cannot be computed: "
-                "use an out-of-place operation (`h = h + layer(h)`)"
-            )
-        rule, module = state.rule, state.module
-        parts = [rule.operands(module, c.activation, c.grad) for c in calls]
-        return parts[0] if len(parts) == 1 else rule.concat_calls(parts)
-
-    def _norm_stage(self, p: nn.Parameter) -> None:
-        """Per-sample squared norms of one parameter (modules 3/4), keeping what its gradient stage needs.
-
-        A parameter used by several layers (tied weights) sums their per-sample gradients, so
-        its norm includes the cross terms: instantiated, or as a ghost norm from the Grams of
-        the layers' weight factors.
-        """
-        if p in self._param_works:
-            return
-        parts = [(self._ready[id(s)], name) for s, name in self._users[p] if id(s) in self._ready]
-        if not parts:
-            return
-        sizes = {ready.batch_size for ready, _ in parts}
-        if len(sizes) > 1:
-            raise ValueError(f"layers sharing a parameter saw different batch sizes {sorted(sizes)}")
-        first, name = parts[0]
-        described = [(n, r.dims, r.state.rule.factorable(r.state.module)) for r, n in parts]
-        _, norm_via, grad_via = decide_parameter(self.recipe, self.decision_rule, described, tuple(p.shape))
-
-        per_sample = None
-        if norm_via == "ghost":
-            if len(parts) == 1:
-                sq_norm = first.state.rule.ghost_sq_norm(first.state.module, first.ops)
-            else:
-                sq_norm = shared_sq_norm([r.state.rule.weight_factors(r.state.module, r.ops) for r, _ in parts])
-        else:
-            for ready, n in parts:
-                g = ready.state.rule.per_sample_grads(ready.state.module, ready.ops, {n})[n]
-                per_sample = g if per_sample is None else per_sample + g
-            sq_norm = _float32(per_sample).flatten(1).square().sum(1)
-        self._param_works[p] = _ParamWork(
-            group=self._group_of[p],
-            batch_size=first.batch_size,
-            sq_norm=sq_norm,
-            per_sample=per_sample if grad_via == "weighted-sum" else None,
-            book=[(r.state, n, r.ops) for r, n in parts] if grad_via == "book-keeping" else [],
-        )
-        for ready, n in parts:  # a layer is described by its weight's decision (or its first parameter's)
-            if n == "weight" or ("weight" not in ready.state.params and id(ready.state) not in self._decisions):
-                d = ready.dims
-                self._decisions[id(ready.state)] = LayerDecision(
-                    ready.state.name, type(ready.state.module).__name__, d.T, d.p, d.d * d.blocks,
-                    d.ghost_cost, d.instantiate_cost, norm_via, grad_via,
-                )
-
-    def _release_layer(self, state: LayerState) -> None:
-        """Drop a layer's operands once every parameter it holds is reduced (book-keeping keeps its own)."""
-        if all(p in self._param_works for p in state.params.values()):
-            self._ready.pop(id(state), None)
-
-    def _drop_recomputed(self) -> None:
-        """Recomputed calls (checkpointing) are used in the backward that made them, or never."""
-        for state in self._layers:
-            if any(c.recomputed for c in state.calls):
-                state.calls = [c for c in state.calls if not c.recomputed]
-
-    def _batch_size_of_backward(self, expected: int | None) -> int:
-        for state in self._layers:
-            if state.calls:
-                self._prepare_layer(state)
-        for p in self._users:
-            self._norm_stage(p)
-        self._ready.clear()
-        self._drop_recomputed()
-        sizes = {}
-        for p, work in self._param_works.items():
-            sizes.setdefault(self._users[p][0][0].name, work.batch_size)
-        distinct = set(sizes.values())
-        if expected is not None:
-            distinct.add(expected)
-        if len(distinct) > 1:
-            detail = ", ".join(f"{n}: {b}" for n, b in sizes.items())
-            raise ValueError(
-                f"layers saw different batch sizes ({detail}"
-                + (f"; losses: {expected}" if expected is not None else "")
-                + "). Every trainable layer must get the batch as its first dimension: an input broadcast over "
-                "the batch must be expanded to the batch first (x.expand(B, ...))"
-            )
-        return distinct.pop() if distinct else 0
-
-    def _finish_backward(self, expected_batch: int | None, scale: float) -> list[torch.Tensor]:
-        """Clipping factors per group from all parameters' norms; single-pass modes then form the clipped sum."""
-        try:
-            batch = self._batch_size_of_backward(expected_batch)
-            group_sq: list[torch.Tensor | None] = [None] * self._num_groups
-            for work in self._param_works.values():
-                k = work.group
-                group_sq[k] = work.sq_norm if group_sq[k] is None else group_sq[k] + work.sq_norm
-            like = next((sq for sq in group_sq if sq is not None), None)
-            group_sq = [
-                sq if sq is not None else (like.new_zeros(batch) if like is not None else torch.zeros(batch))
-                for sq in group_sq
-            ]
-            norms = [torch.sqrt(sq) * scale for sq in group_sq]
-            if batch and not bool(torch.stack([torch.isfinite(n).all() for n in norms]).all()):  # one sync
-                if self._scaler is not None:
-                    raise _Overflow
-                raise FloatingPointError(
-                    "a per-sample gradient norm is inf or NaN (overflow or a NaN in the model): nothing was "
-                    "accumulated for this batch; check the inputs, the learning rate, or use float32"
-                )
-            factors = [clipping_factors(n, self._threshold, self.clipping_fn, self.clipping_gamma) for n in norms]
-            if not factors:  # nothing trainable was reached
-                factors = [torch.ones(batch)]
-            self._last_decisions = [self._decisions[id(s)] for s in self._layers if id(s) in self._decisions]
-            if not self.recipe.two_pass:
-                self._begin_sums()
-                for p, work in self._param_works.items():
-                    self._gradient_stage(p, work, factors[work.group] * scale)
-                self._commit_sums()
-            return factors
-        finally:
-            self._param_works.clear()
-            self._decisions.clear()
-            self._ready.clear()
-
-    def _gradient_stage(self, p: nn.Parameter, work: _ParamWork, factor: torch.Tensor) -> None:
-        """Module 5 (weighted sum of kept per-sample gradients) or 2b(C) (book-keeping) for one parameter."""
-        if work.per_sample is not None:  # factors stay float32: rounding them to bf16 would exceed R by 2^-8
-            per_sample = _float32(work.per_sample)
-            self._accumulate(p, torch.tensordot(factor.to(per_sample.dtype), per_sample, dims=1))
-        for state, name, ops in work.book:
-            self._accumulate(p, state.rule.clipped_grads(state.module, ops, {name: factor})[name])
-
-    def _accumulate(self, p: nn.Parameter, g: torch.Tensor) -> None:
-        g = g.to(p.dtype)
-        summed = self._summed.get(p)
-        if summed is None:
-            self._summed[p] = g  # always a fresh tensor from the rules or autograd.grad
-            self._sums_created.append(p)
-        else:
-            self._sums_added = True
-            summed.add_(g)
-
-    def _forget_calls(self) -> None:
-        for s in self._layers:
-            s.calls.clear()
-        self._ready.clear()
-        self._param_works.clear()
-        self._decisions.clear()
-
     # ------------------------------------------------------------------ the private step
     def _loss_scale(self) -> float:
         """The GradScaler's current scale (the factor on this step's loss), or 1."""
-        return float(self._scaler.get_scale()) if self._scaler is not None else 1.0
+        return self._scaling.scale() if self._scaling is not None else 1.0
 
     def _held_trainable(self) -> list[nn.Parameter]:
         """The covered trainable parameters the optimizer holds; refuses trainable ones it does not hold."""
@@ -867,39 +606,32 @@ class PrivacyEngine:
         that looked at the data, and ``optimizer.step()`` (where steps are counted otherwise) will
         not run.
         """
-        if self._scaler is None:
+        if self._scaling is None:
             return
         if self._parallel is not None:  # every rank skips, or none
             overflow = self._parallel.any(overflow, next(iter(self._users)).device)
         params = self._held_trainable()
-        p = min(params, key=lambda q: q.numel()) if params else next(iter(self._users))
-        if self._overflowed and not (p.grad is self._marker and bool(torch.isinf(p.grad).any())):
-            self._overflowed = False  # zero_grad() cleared the marker: the skipped step is over
-        if overflow or self._overflowed:
-            self._summed.clear()  # nothing of a skipped step is ever applied
-            if not self._overflowed:
-                self._overflowed = True
-                self._check_budget()
-                self._count_step()
-                warnings.warn(
-                    "fp16 overflow: this step is skipped and still counts in the privacy accountant. Through "
-                    "engine.backward(scaler.scale(losses)) in one process the engine finds a working scale without "
-                    "skipping", stacklevel=3)
-            self._marker = torch.full_like(p, math.inf)
-            p.grad = self._marker
-        elif p.grad is None:
-            self._marker = torch.zeros_like(p)
-            p.grad = self._marker
-        self._marker_param = p
+        marker_param = min(params, key=lambda q: q.numel()) if params else next(iter(self._users))
+        first, skipped = self._scaling.show(overflow, marker_param)
+        if skipped:
+            self._sums.clear()  # nothing of a skipped step is ever applied
+        if first:
+            self._check_budget()
+            self._count_step()
+            warnings.warn(
+                "fp16 overflow: this step is skipped and still counts in the privacy accountant. Through "
+                "engine.backward(scaler.scale(losses)) in one process the engine finds a working scale without "
+                "skipping", stacklevel=3)
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         self._settle_failed_backward()
-        if self._overflowed:  # optimizer.step() without scaler.step(): the counted, overflowed step applies nothing
+        if self._scaling is not None and self._scaling.overflowed:
+            # optimizer.step() without scaler.step(): the counted, overflowed step applies nothing
             for p in self._held_trainable():
                 p.grad = None
-            self._overflowed = False
-            self._summed.clear()
-            self._forget_calls()
+            self._scaling.overflowed = False
+            self._sums.clear()
+            self._pipeline.forget_calls()
             return
         step_params = self._held_trainable()
         self._leave_frozen_untouched()
@@ -908,8 +640,8 @@ class PrivacyEngine:
         except PrivacyBudgetExceeded:
             for p in step_params:
                 p.grad = None
-            self._summed.clear()
-            self._forget_calls()
+            self._sums.clear()
+            self._pipeline.forget_calls()
             raise
         if self._parallel is not None:
             self._refuse_foreign_grads(step_params)
@@ -921,7 +653,7 @@ class PrivacyEngine:
             return t.add_(self._noise.sample(t, std)) if std > 0 else t
 
         def take_sum(p: nn.Parameter) -> torch.Tensor:
-            summed = self._summed.pop(p, None)
+            summed = self._sums.pop(p)
             return summed if summed is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device)
 
         self._given_grads = {}
@@ -938,17 +670,21 @@ class PrivacyEngine:
             noisy = self._parallel.noisy_sum(step_params, [take_sum(p) for p in step_params], add_noise)
             for p, t in zip(step_params, noisy):
                 set_grad(p, t)
-        self._summed.clear()
-        self._forget_calls()
+        self._sums.clear()
+        self._pipeline.forget_calls()
         self._count_step()
+
+    def _marker(self) -> torch.Tensor | None:
+        return self._scaling.marker if self._scaling is not None else None
 
     def _leave_frozen_untouched(self) -> None:
         """A parameter frozen after the engine gave it gradients keeps none (the optimizer then skips it)."""
+        marker = self._marker()
         for group in self._optimizer.param_groups:
             for p in group["params"]:
                 if not p.requires_grad and p.grad is not None:
                     given = self._given_grads.get(p)
-                    if given is not None and given() is p.grad or p.grad is self._marker:
+                    if given is not None and given() is p.grad or p.grad is marker:
                         p.grad = None
 
     def _count_step(self) -> None:
@@ -997,9 +733,10 @@ class PrivacyEngine:
         parameter outside its layer's call. (FSDP2 writes autograd's gradients to the sharded ``p.grad``
         by its reduce-scatter; recent torch then runs the post-accumulate-grad hook, which refuses them
         during the backward, but nothing guarantees every version does.)"""
+        marker = self._marker()
         for p in step_params:
             given = self._given_grads.get(p)
-            if p.grad is not None and (given is None or given() is not p.grad) and p.grad is not self._marker:
+            if p.grad is not None and (given is None or given() is not p.grad) and p.grad is not marker:
                 name = next(f"{s.name}.{n}" if s.name else n for s, n in self._users[p])
                 p.grad = None
                 raise RuntimeError(
@@ -1011,7 +748,7 @@ class PrivacyEngine:
     # ------------------------------------------------------------------ reports
     def last_decisions(self) -> list[LayerDecision]:
         """What each layer did in the last backward: T, p, d, costs, and the chosen primitives."""
-        return list(self._last_decisions)
+        return list(self._pipeline.last_decisions)
 
     def get_epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent by the steps taken so far, at ``delta`` (default: ``target_delta``)."""
@@ -1089,17 +826,9 @@ class _Structure:
             cls.version += 1
 
 
-class _Overflow(Exception):
-    """Per-sample norms of a GradScaler-scaled backward are inf/NaN: the step is to be skipped."""
-
-
 def _check_choice(name: str, value: Any, valid: Sequence[str]) -> None:
     if value not in valid:
         raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
-
-
-def _float32(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
 
 def _frozen_batchnorm_checks(model: nn.Module):

@@ -7,7 +7,8 @@
 Sections (each a table in benchmarks/results/audit.md, raw numbers in audit.json):
 
 - ``design``: the audit's statistics on the *simulated* mechanism (Poisson-subsampled
-  Gaussian on each canary's coordinate, no training), to choose the defaults: bound at
+  Gaussian on each canary's coordinate, no training): how often the ideal mechanism audits
+  above its own epsilon (validity, 200 seeds), and, to choose the defaults, the bound at
   epsilon = 2 against the number of canaries and against (sample rate, steps).
 - ``honest``: `dptrain audit` at its defaults (digits CNN, epsilon 2, 10,000 canaries,
   10 steps at q = 0.5, bk-mixopt), over seeds: the bound must stay <= epsilon.
@@ -74,6 +75,14 @@ def design(seeds: int) -> dict:
     for q, steps in ((1.0, 2), (0.5, 4), (0.5, 20), (0.25, 20), (0.1, 50), (0.05, 100), (0.02, 250)):
         rows.append(("sampling", d["canaries"], q, steps))
     out = []
+    for epsilon in (1.0, 2.0, 4.0):  # validity: how often does the ideal mechanism audit above its epsilon?
+        bounds = simulated_bounds(d["canaries"], d["sample_rate"], d["steps"], epsilon, 10 * seeds)
+        out.append({"vary": f"validity at epsilon {epsilon:g}", "canaries": d["canaries"],
+                    "sample_rate": d["sample_rate"], "steps": d["steps"], "epsilon": epsilon,
+                    "mean": statistics.mean(bounds), "min": min(bounds), "max": max(bounds), "seeds": 10 * seeds,
+                    "above_epsilon": sum(b > epsilon for b in bounds)})
+        print(f"validity at epsilon {epsilon:g}: {out[-1]['above_epsilon']} of {10 * seeds} above, max "
+              f"{out[-1]['max']:.3f}", flush=True)
     for what, canaries, q, steps in rows:
         bounds = simulated_bounds(canaries, q, steps, d["epsilon"], seeds)
         out.append({"vary": what, "canaries": canaries, "sample_rate": q, "steps": steps,
@@ -97,15 +106,17 @@ def real(seed: int, clipping_off: bool = False, **options) -> dict:
 
 
 def write_markdown(results: dict, path: Path) -> None:
+    commits = ", ".join(f"{name} {commit}" for name, commit in results.get("commits", {}).items())
     lines = [f"# Audit sweep\n\nHardware: {results['hardware']}; torch {results['torch']}; "
-             f"commit {results.get('commit', '?')}. Produced by `python benchmarks/audit_sweep.py`.\n"]
+             f"commits: {commits}. Produced by `python benchmarks/audit_sweep.py`.\n"]
     if "design" in results:
-        lines += ["## design (simulated mechanism, epsilon = 2)\n",
-                  "| varied | canaries | sample rate | steps | mean bound | min | max |", "|---|---|---|---|---|---|---|"]
+        lines += ["## design (simulated mechanism, epsilon = 2 unless stated)\n",
+                  "| varied | canaries | sample rate | steps | seeds | mean bound | min | max | above epsilon |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in results["design"]["rows"]:
-            lines.append(f"| {r['vary']} | {r['canaries']} | {r['sample_rate']} | {r['steps']} | {r['mean']:.3f} | "
-                         f"{r['min']:.3f} | {r['max']:.3f} |")
-        lines.append(f"\n({results['design']['rows'][0]['seeds']} seeds per row.)\n")
+            lines.append(f"| {r['vary']} | {r['canaries']} | {r['sample_rate']} | {r['steps']} | {r['seeds']} | "
+                         f"{r['mean']:.3f} | {r['min']:.3f} | {r['max']:.3f} | {r.get('above_epsilon', '')} |")
+        lines.append("")
     for name in ("honest", "modes", "broken", "curve"):
         if name not in results:
             continue
@@ -177,8 +188,9 @@ def main(argv=None) -> int:
             plot(results["curve"], ROOT / "docs" / "audit.png")
         return 0
     results.update({"hardware": args.hardware, "torch": torch.__version__})
-    results["commit"] = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                                                      capture_output=True, text=True).stdout.strip()
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                                           capture_output=True, text=True).stdout.strip()
+    results.setdefault("commits", {}).update({name: commit for name in args.sections})  # the code of each section
     started = time.perf_counter()
     if "design" in args.sections:
         results["design"] = design(args.design_seeds)

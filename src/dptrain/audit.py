@@ -152,7 +152,7 @@ def _guess_splits(canaries: int) -> list[tuple[int, int]]:
     Few candidates on purpose: each one is tested at (1 - confidence) / len(candidates),
     and at so small a level the delta term of the theorem (2 m delta times a binomial
     probability) soon dominates. Measured on simulated runs of the default audit, 8
-    totals from m/100 to m beat 16 or 32 candidates (with all-"in" splits) by 0.1-0.25 in
+    totals from m/100 to m beat 16 or 32 candidates (with all-"in" splits) by 0.05-0.25 in
     the bound; abstaining on all but the most extreme 1-100 % of the scores is where the
     best guesses are.
     """

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .base import LayerDims, LayerRule, container_params, weighted_sum
+from .base import LayerDims, LayerRule, container_params, scale_samples, weighted_sum
 
 _state = threading.local()
 
@@ -229,8 +229,34 @@ class FallbackRule(LayerRule):
         return {n: store.per_sample[n] for n in names}
 
     def clipped_grads(self, module, ops, factors):
-        per_sample = self.per_sample_grads(module, ops, set(factors))
-        return {n: weighted_sum(factors[n], per_sample[n]) for n in factors}
+        """Module 5 on per-sample gradients the norm stage formed; otherwise (the two-pass modes' second
+        pass) one replay of the whole batch with each sample's output gradient scaled by its factor,
+        sum_i C_i vjp_i(g_i) = vjp(C g) for a module that keeps samples apart (checked), with no
+        per-sample gradient formed."""
+        store = ops[0]
+        if all(n in store.per_sample for n in factors):
+            return {n: weighted_sum(factors[n], store.per_sample[n]) for n in factors}
+        by_factor: dict[int, list[str]] = {}  # parameters of one clipping group share their factors
+        for name, factor in factors.items():
+            by_factor.setdefault(id(factor), []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for names in by_factor.values():
+            factor = factors[names[0]]
+            primals = {n: module.get_parameter(n).detach() for n in names}
+            for call, g in store.calls:
+                for n, t in self._scaled_batch_grads(module, call, g, factor, primals).items():
+                    out[n] = t if n not in out else out[n] + t
+        return out
+
+    def _scaled_batch_grads(self, module, call, g, factor, primals) -> dict[str, torch.Tensor]:
+        device, enabled, dtype = call.autocast
+        args, kwargs = call.arguments()
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            out, pullback = torch.func.vjp(lambda p: replay(module, args, kwargs, p), primals)
+            cotangent = scale_samples(g, factor)
+            if out.shape[0] != cotangent.shape[0]:  # an output broadcast over the batch
+                cotangent = cotangent.sum(0, keepdim=True)
+            return pullback(cotangent.to(out.dtype))[0]
 
     # ------------------------------------------------------------------ the replay
     def _per_sample(self, module, calls, names) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from dptrain.layers.norms import RecognisedRMSNormRule
 from dptrain.testing import per_sample_gradients, trainable_named_parameters
 from helpers import (
     MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, Case, assert_matches, classify, classify_tokens, per_sample,
-    reference, run_engine, split_max_grad_norm,
+    reference, resolve_style, run_engine, split_max_grad_norm,
 )
 
 # the engine's one-time warning naming the fallback layers (tested below)
@@ -254,6 +254,22 @@ def test_engine_backward_matches_oracle(name, mode):
 def test_loss_backward_matches_oracle(name, mode):
     case, R, ref = built(name)
     assert_matches(_engine(case, mode=mode, max_grad_norm=R, path="mean"), ref, what=f"{name} {mode} loss.backward")
+
+
+@pytest.mark.parametrize("style", ["layer-wise", "param-wise", "groups"])
+@pytest.mark.parametrize("mode", ["ghost", "bk", "bk-mixopt"])
+def test_clipping_styles_match_oracle(mode, style):
+    case, _, _ = built("fallback-modules")
+    style_value = resolve_style(style, case.model)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        R = split_max_grad_norm(case, style_value)
+        ref = reference(case, max_grad_norm=R, clipping_style=style_value)
+    finally:
+        torch.set_default_dtype(previous)
+    got = _engine(case, mode=mode, max_grad_norm=R, clipping_style=style_value)
+    assert_matches(got, ref, what=f"{mode} {style}")
 
 
 def test_micro_batches_accumulate_exactly():

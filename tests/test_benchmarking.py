@@ -282,5 +282,5 @@ def test_a_configuration_merged_from_another_run_names_its_commit_and_method(res
     merged["configs"]["smoke-cnn-later"] = entry
     text = bm.markdown(merged)
     later = text[text.index("## smoke-cnn-later"):]
-    assert "separate run on 2031-01-02 at commit abc1234; memory: another method" in later
+    assert "Measured in a separate run on 2031-01-02 at commit abc1234; memory: another method" in later
     assert "separate run" not in text[:text.index("## smoke-cnn-later")]

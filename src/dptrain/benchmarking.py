@@ -1079,7 +1079,7 @@ def _separate_run(entry: dict, env: dict, run_method: str) -> str:
     if not other:
         return ""
     method = next((r["memory_method"] for r in entry["arms"].values() if r.get("memory_method")), run_method)
-    parts = [f"measured in a separate run on {other['date'][:10]} at commit {other['dptrain_commit']}"]
+    parts = [f"Measured in a separate run on {other['date'][:10]} at commit {other['dptrain_commit']}"]
     if method != run_method:
         parts.append(f"memory: {method}")
     return ". " + "; ".join(parts)

@@ -200,7 +200,9 @@ class ConvRule(LayerRule):
                     term = weight_grad(module, c.input[rows].to(c.grad.dtype), c.grad[rows], batch_groups=True)
                     w = term if w is None else _add_widened(w, term)
                 parts.append(w)
-            out["weight"] = torch.cat(parts) if parts else weight_grad(module, ops[0].input, ops[0].grad, True)
+            if not parts:  # an empty batch
+                parts.append(weight_grad(module, ops[0].input, ops[0].grad, batch_groups=True))
+            out["weight"] = parts[0] if len(parts) == 1 else torch.cat(parts)  # one chunk: no copy
         if "bias" in names:
             out["bias"] = self._per_sample_bias(ops)
         return out

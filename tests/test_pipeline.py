@@ -74,3 +74,35 @@ def test_step_sums_are_dropped_whole_when_a_failed_backward_had_added_into_them(
     with pytest.warns(UserWarning, match="dropped as a whole"):
         sums.rollback()
     assert sums.sums == {}
+
+
+# ---------------------------------------------------------------------------------------- configuration
+def test_the_configuration_is_one_frozen_record_read_through_the_engine():
+    import dataclasses
+
+    import dptrain
+
+    engine = dptrain.PrivacyEngine(nn.Linear(3, 2), batch_size=4, sample_size=40, noise_multiplier=1.0)
+    assert engine.batch_size == engine.config.batch_size == 4 and engine.sample_rate == 0.1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        engine.config.batch_size = 8
+    with pytest.raises(AttributeError, match="build a new PrivacyEngine"):
+        engine.noise_multiplier = 0.0
+
+
+@pytest.mark.parametrize("value", [True, 2.0, "4", 0, -1])
+def test_integer_arguments_take_integers_only(value):
+    import dptrain
+
+    with pytest.raises(ValueError, match=r"batch_size must be a positive integer \(the expected logical batch size\)"):
+        dptrain.PrivacyEngine(nn.Linear(3, 2), batch_size=value, sample_size=40, noise_multiplier=1.0)
+
+
+def test_numpy_integers_are_integers():
+    import numpy as np
+
+    import dptrain
+
+    engine = dptrain.PrivacyEngine(nn.Linear(3, 2), batch_size=np.int64(4), sample_size=np.int64(40),
+                                   noise_multiplier=1.0)
+    assert engine.batch_size == 4 and type(engine.batch_size) is int

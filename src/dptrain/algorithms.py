@@ -11,13 +11,20 @@ from dataclasses import dataclass
 from enum import Enum
 
 
-class NormVia(str, Enum):
+class _Named(str, Enum):
+    """A choice that prints, formats and serialises (JSON) as its value, and compares equal to it."""
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+class NormVia(_Named):
     GHOST = "ghost"              # module 3 wherever the layer has a ghost norm
     INSTANTIATE = "instantiate"  # module 4
     MIXED = "mixed"              # per layer and call: the planner's min(3, 4)
 
 
-class GradVia(str, Enum):
+class GradVia(_Named):
     WEIGHTED_SUM = "weighted-sum"    # module 5 on the instantiated per-sample gradients
     BOOK_KEEPING = "book-keeping"    # module 2b(C) from the kept activations and output gradients
     FOLLOW_NORM = "follow-norm"      # BK-MixOpt: 2b(C) after a ghost norm, 5 after instantiation
@@ -33,6 +40,22 @@ class Recipe:
     @property
     def two_pass(self) -> bool:
         return self.grad is GradVia.SECOND_PASS
+
+
+class Norm(_Named):
+    """How one layer's per-sample norm was formed in one backward."""
+
+    GHOST = "ghost"              # module 3
+    INSTANTIATE = "instantiate"  # module 4
+    FALLBACK = "fallback"        # module 4 by replaying the call with torch.func (no rule)
+
+
+class Grad(_Named):
+    """How one layer's clipped gradient was formed in one backward."""
+
+    WEIGHTED_SUM = "weighted-sum"    # module 5
+    BOOK_KEEPING = "book-keeping"    # module 2b(C)
+    SECOND_PASS = "second-pass"      # module 2b of the re-weighted second backward
 
 
 RECIPES: dict[str, Recipe] = {

@@ -9,12 +9,14 @@ import math
 import warnings
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import accounting, data, distributed
+from . import accounting, checks, data, distributed
 from .algorithms import RECIPES
 from .capture import Call, Capture, LayerState, graph_task, in_backward
 from .clipping import CLIPPING_FNS, build_groups, group_threshold
@@ -35,6 +37,80 @@ BUDGETS = ("warn", "strict")
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's configuration, validated once; the defaults are those of ``PrivacyEngine``'s signature."""
+
+    batch_size: int
+    sample_size: int
+    max_grad_norm: float
+    noise_multiplier: float
+    target_epsilon: float | None
+    target_delta: float
+    planned_steps: int | None  # the length the noise was calibrated for (None: noise_multiplier was given)
+    clipping_mode: str
+    clipping_fn: str
+    clipping_style: Any
+    clipping_gamma: float
+    loss_reduction: str
+    decision_rule: str
+    accountant: str
+    secure_rng: bool
+    seed: int | None
+    allow_fallback: bool
+    batch_first: bool
+    budget: str
+
+    @property
+    def sample_rate(self) -> float:
+        return self.batch_size / self.sample_size
+
+    @property
+    def recipe(self):
+        return RECIPES[self.clipping_mode]
+
+
+class _FromConfig:
+    """``engine.<name>``: a read-only view of ``engine.config.<name>`` (configuration is not changed in place)."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, engine, owner=None):
+        return self if engine is None else getattr(engine.config, self.name)
+
+    def __set__(self, engine, value):
+        raise AttributeError(f"{self.name} is configuration: build a new PrivacyEngine to change it")
+
+
+def _noise_multiplier(sigma, target_epsilon, target_delta, epochs, steps, sample_rate, accountant,
+                      delta_given: bool) -> tuple[float, int | None]:
+    """(noise multiplier, planned steps): the one given, or the one calibrated for the planned run."""
+    if (sigma is None) == (target_epsilon is None):
+        raise ValueError("give exactly one of noise_multiplier or target_epsilon (with epochs or steps)")
+    if sigma is not None:
+        if epochs is not None or steps is not None or delta_given:
+            warnings.warn("epochs/steps/target_delta only matter with target_epsilon; they are ignored for calibration",
+                          stacklevel=3)
+        return checks.non_negative("noise_multiplier", sigma), None
+    if (epochs is None) == (steps is None):
+        raise ValueError("target_epsilon needs the planned length of training: give exactly one of epochs or steps")
+    # An epoch is round(1/q) Poisson steps, as dptrain.data.poisson_loader runs it.
+    planned = steps if steps is not None else int(math.ceil(epochs * max(1, round(1 / sample_rate))))
+    return accounting.calibrate_noise_multiplier(target_epsilon, target_delta, sample_rate, planned,
+                                                 accountant=accountant), planned
+
+
+class _Phase(Enum):
+    """Which backward is running, as the output-gradient hooks need to know."""
+
+    IDLE = "idle"                # none through engine.backward: a gradient here starts a plain loss.backward()
+    SINGLE = "single"            # engine.backward, single-backward modes
+    FIRST_PASS = "first-pass"    # two-pass modes: the norms
+    SECOND_PASS = "second-pass"  # two-pass modes: the re-weighted losses
+    DISCARD = "discard"          # an empty batch's backward (FSDP2 ranks keep in step): nothing to record
+
+
 class PrivacyBudgetExceeded(RuntimeError):
     """``budget="strict"``: the next step would spend more than ``target_epsilon``."""
 
@@ -45,7 +121,27 @@ class PrivacyEngine:
     After ``attach(optimizer)``, each ``optimizer.step()`` applies the private gradient
     ``(sum_i C_i g_i + sigma * R * N(0, I)) / batch_size`` where ``g_i`` are the per-sample
     gradients of the (micro-)batches back-propagated since the last step.
+    ``engine.config`` holds the configuration; its fields read as ``engine.<name>`` too.
     """
+
+    batch_size = _FromConfig()
+    sample_size = _FromConfig()
+    sample_rate = _FromConfig()
+    max_grad_norm = _FromConfig()
+    noise_multiplier = _FromConfig()
+    target_epsilon = _FromConfig()
+    target_delta = _FromConfig()
+    planned_steps = _FromConfig()
+    clipping_mode = _FromConfig()
+    clipping_fn = _FromConfig()
+    clipping_style = _FromConfig()
+    clipping_gamma = _FromConfig()
+    loss_reduction = _FromConfig()
+    decision_rule = _FromConfig()
+    allow_fallback = _FromConfig()
+    batch_first = _FromConfig()
+    budget = _FromConfig()
+    recipe = _FromConfig()
 
     def __init__(
         self,
@@ -75,52 +171,44 @@ class PrivacyEngine:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         model, self._parallel = distributed.data_parallel(model)
-        _check_choice("clipping_mode", clipping_mode, tuple(RECIPES))
-        _check_choice("clipping_fn", clipping_fn, CLIPPING_FNS)
-        _check_choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS)
-        _check_choice("decision_rule", decision_rule, DECISION_RULES)
-        _check_choice("accountant", accountant, accounting.ACCOUNTANTS)
-        _check_choice("budget", budget, BUDGETS)
-        if not (isinstance(batch_size, int) and batch_size > 0):
-            raise ValueError(f"batch_size must be a positive int (the expected logical batch size), got {batch_size!r}")
-        if not (isinstance(sample_size, int) and sample_size > 0):
-            raise ValueError(f"sample_size must be a positive int (the dataset size), got {sample_size!r}")
+        batch_size = checks.positive_int("batch_size", batch_size, "the expected logical batch size")
+        sample_size = checks.positive_int("sample_size", sample_size, "the dataset size")
         if batch_size > sample_size:
             raise ValueError(f"batch_size={batch_size} is larger than sample_size={sample_size}")
-        if not (max_grad_norm > 0 and math.isfinite(max_grad_norm)):
-            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}")
-        if not clipping_gamma > 0:
-            raise ValueError(f"clipping_gamma must be positive, got {clipping_gamma!r}")
-
-        self.model = model
-        self.batch_size = batch_size
-        self.sample_size = sample_size
-        self.sample_rate = batch_size / sample_size
-        self.max_grad_norm = float(max_grad_norm)
-        self.clipping_mode = clipping_mode
-        self.recipe = RECIPES[clipping_mode]
-        self.clipping_fn = clipping_fn
-        self.clipping_gamma = float(clipping_gamma)
-        self.loss_reduction = loss_reduction
-        self.decision_rule = decision_rule
-        self.allow_fallback = bool(allow_fallback)
-        self.batch_first = bool(batch_first)
-        self.budget = budget
-        self.target_delta = target_delta if target_delta is not None else accounting.default_delta(sample_size)
-        self.planned_steps: int | None = None
-        self.noise_multiplier = self._resolve_noise_multiplier(
-            noise_multiplier, target_epsilon, target_delta, epochs, steps, accountant
+        delta_given = target_delta is not None
+        checked = dict(  # everything cheap first: a wrong choice is reported before any calibration
+            batch_size=batch_size,
+            sample_size=sample_size,
+            max_grad_norm=checks.positive("max_grad_norm", max_grad_norm, "the clipping threshold R"),
+            target_epsilon=target_epsilon,
+            target_delta=checks.open_unit("target_delta", target_delta if delta_given
+                                          else accounting.default_delta(sample_size)),
+            clipping_mode=checks.choice("clipping_mode", clipping_mode, tuple(RECIPES)),
+            clipping_fn=checks.choice("clipping_fn", clipping_fn, CLIPPING_FNS),
+            clipping_style=clipping_style,
+            clipping_gamma=checks.positive("clipping_gamma", clipping_gamma),
+            loss_reduction=checks.choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS),
+            decision_rule=checks.choice("decision_rule", decision_rule, DECISION_RULES),
+            accountant=checks.choice("accountant", accountant, accounting.ACCOUNTANTS),
+            secure_rng=bool(secure_rng),
+            seed=seed,
+            allow_fallback=bool(allow_fallback),
+            batch_first=bool(batch_first),
+            budget=checks.choice("budget", budget, BUDGETS),
         )
-        self.target_epsilon = target_epsilon
+        sigma, planned = _noise_multiplier(noise_multiplier, target_epsilon, checked["target_delta"], epochs, steps,
+                                           batch_size / sample_size, accountant, delta_given)
+        self.config = EngineConfig(noise_multiplier=sigma, planned_steps=planned, **checked)
+        self.model = model
         self.accountant = accounting.create_accountant(accountant)
         rank = self._parallel.rank if self._parallel is not None else 0
         # Under FSDP2 every rank draws the noise of its own shard: independent streams per rank.
         self._noise = GaussianNoise(seed=None if seed is None else seed + 7919 * rank, secure=secure_rng)
-        self.clipping_style = clipping_style
 
         # The step's clipped sums, and the work of one backward on them.
         self._sums = StepSums()
-        self._pipeline = BackwardPipeline(self.recipe, decision_rule, clipping_fn, self.clipping_gamma, self._sums)
+        self._pipeline = BackwardPipeline(self.recipe, self.decision_rule, self.clipping_fn, self.clipping_gamma,
+                                          self._sums)
 
         # The trainable set, read again at every model call (staged fine-tuning freezes and unfreezes).
         self._layers: list[LayerState] = []
@@ -152,7 +240,7 @@ class PrivacyEngine:
         self._given_grads: dict[nn.Parameter, weakref.ref] = {}
 
         # Which backward is running, and the end-of-backward callback of a plain loss.backward().
-        self._phase = "idle"  # idle | single | first-pass | second-pass | discard (an empty batch)
+        self._phase = _Phase.IDLE
         self._callback_queued = False
         self._callback_task = -1
 
@@ -166,24 +254,6 @@ class PrivacyEngine:
         self._audit_noise_scale = 1.0
 
     # ------------------------------------------------------------------ configuration
-    def _resolve_noise_multiplier(self, sigma, target_epsilon, target_delta, epochs, steps, accountant_name):
-        if (sigma is None) == (target_epsilon is None):
-            raise ValueError("give exactly one of noise_multiplier or target_epsilon (with epochs or steps)")
-        if sigma is not None:
-            if epochs is not None or steps is not None or target_delta is not None:
-                warnings.warn("epochs/steps/target_delta only matter with target_epsilon; they are ignored for calibration")
-            if not (sigma >= 0 and math.isfinite(sigma)):
-                raise ValueError(f"noise_multiplier must be a finite number >= 0, got {sigma!r}")
-            return float(sigma)
-        if (epochs is None) == (steps is None):
-            raise ValueError("target_epsilon needs the planned length of training: give exactly one of epochs or steps")
-        # An epoch is round(1/q) Poisson steps, as dptrain.data.poisson_loader runs it.
-        planned = steps if steps is not None else int(math.ceil(epochs * max(1, round(1 / self.sample_rate))))
-        self.planned_steps = planned
-        return accounting.calibrate_noise_multiplier(
-            target_epsilon, self.target_delta, self.sample_rate, planned, accountant=accountant_name
-        )
-
     def _trainable_key(self) -> tuple:
         """Identifies the trainable set: the model's parameters (walked again only after a module or parameter
         was registered anywhere, which a global registration hook counts) and their requires_grad flags."""
@@ -365,7 +435,7 @@ class PrivacyEngine:
         (or go as a whole, never in part: see ``StepSums``)."""
         self._pipeline.abort()
         self._callback_queued = False
-        self._phase = "idle"
+        self._phase = _Phase.IDLE
         if self._capture is not None:
             self._capture.restore_switched()
 
@@ -414,13 +484,13 @@ class PrivacyEngine:
         if B == 0 or not losses.requires_grad:
             if B == 0 and losses.requires_grad and isinstance(self._parallel, distributed.FSDP2Gradients):
                 # FSDP2 gathers parameters inside each backward: a rank with an empty batch runs as many.
-                self._phase = "discard"
+                self._phase = _Phase.DISCARD
                 passes = 1 + self._num_groups if self.recipe.two_pass else 1
                 try:
                     for k in range(passes):
                         torch.autograd.backward(losses.sum(), retain_graph=k < passes - 1)
                 finally:
-                    self._phase = "idle"
+                    self._phase = _Phase.IDLE
             self._pipeline.forget_calls()
             if B > 0:
                 raise ValueError("the losses do not depend on any trainable parameter (did the forward run under no_grad?)")
@@ -441,7 +511,7 @@ class PrivacyEngine:
             self._abort_backward()
             raise
         finally:
-            self._phase = "idle"
+            self._phase = _Phase.IDLE
         self._after_backward(overflow)
 
     def _scaled_backward(self, losses: torch.Tensor) -> bool:
@@ -481,7 +551,7 @@ class PrivacyEngine:
         if self.recipe.two_pass:
             self._two_pass_backward(losses, objective, factor, kappa)
         else:
-            self._phase = "single"
+            self._phase = _Phase.SINGLE
             torch.autograd.backward(objective, retain_graph=retain)
             self._pipeline.finish(losses.shape[0], 1.0 / kappa, self._scaling is not None)
 
@@ -494,11 +564,11 @@ class PrivacyEngine:
         a layer call during it: the forward's calls, or their recomputations under activation
         checkpointing.
         """
-        self._phase = "first-pass"
+        self._phase = _Phase.FIRST_PASS
         torch.autograd.backward(objective, retain_graph=True)
         factors = self._pipeline.finish(losses.shape[0], 1.0 / kappa, self._scaling is not None)
         ones = torch.full_like(factors[0], 1.0 / kappa)
-        self._phase = "second-pass"
+        self._phase = _Phase.SECOND_PASS
         self._sums.begin()
         for k, params in enumerate(self._group_params):
             weights = factors[k] if factor == 1.0 else factors[k] * factor
@@ -509,13 +579,13 @@ class PrivacyEngine:
         self._sums.commit()
 
     def _on_output_grad(self, state: LayerState, call: Call, grad: torch.Tensor) -> None:
-        if self._phase == "discard":
+        if self._phase is _Phase.DISCARD:
             return
-        if self._phase == "second-pass":
+        if self._phase is _Phase.SECOND_PASS:
             call.grad = grad.detach()
             self._pipeline.reweighted.append((state, call))
             return
-        if self._phase == "idle":
+        if self._phase is _Phase.IDLE:
             if self.recipe.two_pass:
                 raise RuntimeError(
                     f"clipping_mode={self.clipping_mode!r} needs two backward passes: call "
@@ -534,7 +604,7 @@ class PrivacyEngine:
 
     def _on_model_output_grad(self) -> None:
         """The gradient reached the model's output: a backward starts (on the outermost graph task)."""
-        if self._phase == "idle" and not self.recipe.two_pass:
+        if self._phase is _Phase.IDLE and not self.recipe.two_pass:
             self._begin_plain_backward(from_layer=None)
 
     def _begin_plain_backward(self, from_layer: Call | None) -> None:
@@ -824,11 +894,6 @@ class _Structure:
                 handle.remove()
             cls._handles = []
             cls.version += 1
-
-
-def _check_choice(name: str, value: Any, valid: Sequence[str]) -> None:
-    if value not in valid:
-        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
 
 
 def _frozen_batchnorm_checks(model: nn.Module):

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .algorithms import Recipe
+from .algorithms import Grad, Norm, Recipe
 from .capture import Call, LayerState
 from .clipping import clipping_factors
 from .layers.base import LayerDims, shared_sq_norm
@@ -220,7 +220,7 @@ class BackwardPipeline:
         _, norm_via, grad_via = decide_parameter(self.recipe, self.decision_rule, described, tuple(p.shape))
 
         per_sample = None
-        if norm_via == "ghost":
+        if norm_via is Norm.GHOST:
             if len(parts) == 1:
                 sq_norm = first.state.rule.ghost_sq_norm(first.state.module, first.ops)
             else:
@@ -234,8 +234,8 @@ class BackwardPipeline:
             group=self.group_of[p],
             batch_size=first.batch_size,
             sq_norm=sq_norm,
-            per_sample=per_sample if grad_via == "weighted-sum" else None,
-            book=[(r.state, n, r.ops) for r, n in parts] if grad_via == "book-keeping" else [],
+            per_sample=per_sample if grad_via is Grad.WEIGHTED_SUM else None,
+            book=[(r.state, n, r.ops) for r, n in parts] if grad_via is Grad.BOOK_KEEPING else [],
         )
         for ready, n in parts:  # a layer is described by its weight's decision (or its first parameter's)
             if n == "weight" or ("weight" not in ready.state.params and id(ready.state) not in self._decisions):

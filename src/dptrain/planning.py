@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from .algorithms import RECIPES, GradVia, NormVia, Recipe
+from .algorithms import RECIPES, Grad, GradVia, Norm, NormVia, Recipe
 from .layers import resolve_rule
 from .layers.base import LayerDims, layer_params
 
@@ -66,14 +66,14 @@ class LayerDecision:
     d: int
     ghost_cost: int
     instantiate_cost: int
-    norm: str   # "ghost", "instantiate", or "fallback" (instantiated by replaying the call, torch.func)
-    grad: str   # "book-keeping", "weighted-sum" or "second-pass"
+    norm: Norm  # ghost, instantiate, or fallback (instantiated by replaying the call, torch.func)
+    grad: Grad  # book-keeping, weighted-sum or second-pass
 
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def decide(recipe: Recipe, dims: LayerDims, decision_rule: str, weight_trainable: bool) -> tuple[str, str]:
+def decide(recipe: Recipe, dims: LayerDims, decision_rule: str, weight_trainable: bool) -> tuple[Norm, Grad]:
     """(norm primitive, gradient primitive) a recipe uses for one layer call.
 
     The ghost norm applies to the weight; biases and norm layers are always instantiated
@@ -84,12 +84,12 @@ def decide(recipe: Recipe, dims: LayerDims, decision_rule: str, weight_trainable
         recipe.norm is NormVia.GHOST or (recipe.norm is NormVia.MIXED and prefers_ghost(dims, decision_rule, keeps))
     )
     if recipe.grad is GradVia.SECOND_PASS:
-        grad = "second-pass"
+        grad = Grad.SECOND_PASS
     elif recipe.grad is GradVia.WEIGHTED_SUM or (recipe.grad is GradVia.FOLLOW_NORM and not ghost):
-        grad = "weighted-sum"
+        grad = Grad.WEIGHTED_SUM
     else:
-        grad = "book-keeping"
-    return ("ghost" if ghost else "fallback" if dims.fallback else "instantiate"), grad
+        grad = Grad.BOOK_KEEPING
+    return (Norm.GHOST if ghost else Norm.FALLBACK if dims.fallback else Norm.INSTANTIATE), grad
 
 
 def join_dims(dims: list[LayerDims]) -> LayerDims:
@@ -98,7 +98,7 @@ def join_dims(dims: list[LayerDims]) -> LayerDims:
 
 
 def decide_parameter(recipe: Recipe, decision_rule: str, parts: list[tuple[str, LayerDims, bool]],
-                     shape: tuple[int, ...]) -> tuple[LayerDims, str, str]:
+                     shape: tuple[int, ...]) -> tuple[LayerDims, Norm, Grad]:
     """(sizes, norm primitive, gradient primitive) for one parameter in one backward.
 
     ``parts``: for every layer that uses the parameter, (its name for the parameter, its calls'

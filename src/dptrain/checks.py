@@ -1,0 +1,77 @@
+"""Argument checks for the public API, with one message style: ``<name> must be <requirement>, got <value>``.
+
+Integers are whatever ``operator.index`` accepts (``int``, ``numpy.int64``), never ``bool``; real numbers
+are ``numbers.Real``, never ``bool``.
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+
+def _fail(name: str, requirement: str, value: Any, meaning: str = "") -> ValueError:
+    return ValueError(f"{name} must be {requirement}{f' ({meaning})' if meaning else ''}, got {value!r}")
+
+
+def choice(name: str, value: Any, valid: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in valid:
+        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+    return value
+
+
+def integer(name: str, value: Any, minimum: int, meaning: str = "", integral_floats: bool = False) -> int:
+    """An integer >= ``minimum``; ``integral_floats`` also takes 10.0 (from epochs * steps arithmetic), not 10.5."""
+    number = None
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            if integral_floats and isinstance(value, numbers.Real) and float(value).is_integer():
+                number = int(value)
+    if number is None or number < minimum:
+        requirement = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise _fail(name, requirement, value, meaning)
+    return number
+
+
+def positive_int(name: str, value: Any, meaning: str = "") -> int:
+    return integer(name, value, 1, meaning)
+
+
+def real(name: str, value: Any, meaning: str = "") -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _fail(name, "a real number", value, meaning)
+    return float(value)
+
+
+def positive(name: str, value: Any, meaning: str = "") -> float:
+    number = real(name, value, meaning)
+    if not (math.isfinite(number) and number > 0):
+        raise _fail(name, "a finite number > 0", value, meaning)
+    return number
+
+
+def non_negative(name: str, value: Any, meaning: str = "") -> float:
+    number = real(name, value, meaning)
+    if not (math.isfinite(number) and number >= 0):
+        raise _fail(name, "a finite number >= 0", value, meaning)
+    return number
+
+
+def rate(name: str, value: Any, meaning: str = "") -> float:
+    """A probability in (0, 1]."""
+    number = real(name, value, meaning)
+    if not 0.0 < number <= 1.0:
+        raise _fail(name, "in (0, 1]", value, meaning)
+    return number
+
+
+def open_unit(name: str, value: Any, meaning: str = "") -> float:
+    """A number in (0, 1), such as delta."""
+    number = real(name, value, meaning)
+    if not 0.0 < number < 1.0:
+        raise _fail(name, "in (0, 1)", value, meaning)
+    return number

@@ -676,3 +676,33 @@ def test_a_layer_replaced_after_attach_is_never_trained_on_a_raw_gradient(float6
     engine.backward(_losses(model, *_data(3)))
     opt.step()
     assert model[4].weight.grad is not None
+
+
+class WithChild(nn.Module):
+    """A module without a rule (a parameter of its own) around a covered child: the fallback replays it
+    with the child as it is, and the child's own rule clips the child."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, h):
+        return torch.tanh(self.inner(h)) * self.gate
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_a_fallback_replay_records_nothing_of_its_covered_children(float64, mode, path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), WithChild(), nn.Linear(8, 3)).double()
+    batch = _data(4, seed=2)
+    reference = _reference(model, [batch])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    _backward(engine, model, *batch, path)
+    assert sum(len(s.calls) for s in engine._layers) == 0  # the replay left no call behind
+    opt.step()
+    assert_matches({n: p.grad for n, p in model.named_parameters()}, reference, what="fallback with a child")

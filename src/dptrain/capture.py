@@ -25,6 +25,7 @@ from torch.nn.modules import module as _module_globals
 
 from .distributed import is_dtensor
 from .layers.base import LayerDims, LayerRule
+from .layers.fallback import in_replay
 
 
 def in_backward() -> bool:
@@ -178,7 +179,7 @@ class Capture:
 
     # ------------------------------------------------------------------ the model's own call
     def _model_pre_hook(self, module, args, kwargs):
-        if in_backward() or not torch.is_grad_enabled():  # a recomputation (checkpointing), or evaluation
+        if in_backward() or not torch.is_grad_enabled() or in_replay():  # checkpointing, evaluation, a replay
             return None
         if self._open_forward is not None:
             # The last model call never returned (an exception the always-called hook could not
@@ -197,7 +198,7 @@ class Capture:
         return None
 
     def _model_post_hook(self, module, args, output):
-        if in_backward() or self._open_forward is None:
+        if in_backward() or self._open_forward is None or in_replay():
             return None
         self._finished_forward = True
         self._open_forward = None
@@ -261,7 +262,8 @@ class Capture:
     def _make_pre_hook(self, module: nn.Module):
         def pre_hook(module, inputs):
             state = self._state_of.get(id(module))
-            if state is None or not torch.is_grad_enabled():
+            # A replay by the per-sample fallback runs children as they are: nothing to switch or record.
+            if state is None or not torch.is_grad_enabled() or in_replay():
                 return None
             self._check_hook_order(module, state)
             params = self._current_params(state) if self.params_by_name else state.params.values()
@@ -294,6 +296,8 @@ class Capture:
 
     def _make_post_hook(self, module: nn.Module):
         def post_hook(module, args, kwargs, output):
+            if in_replay():
+                return None
             self._restore(module)
             state = self._state_of.get(id(module))
             if state is None or state.rule.captures_input or not torch.is_grad_enabled() or output is None:
@@ -315,7 +319,7 @@ class Capture:
 
         def keep(source, tensor):
             state = self._state_of.get(id(module))
-            if state is None:
+            if state is None or in_replay():
                 return
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{state.name}: the activation source {type(source).__name__} of capture site "
@@ -337,7 +341,8 @@ class Capture:
 
         def input_hook(target, inputs):
             state = self._state_of.get(id(module))
-            if state is None or not torch.is_grad_enabled() or not inputs or not isinstance(inputs[0], torch.Tensor):
+            if (state is None or not torch.is_grad_enabled() or in_replay() or not inputs
+                    or not isinstance(inputs[0], torch.Tensor)):
                 return None
             captured = inputs
             if has_source:

@@ -546,3 +546,14 @@ def test_empty_batch_and_batch_of_one(mode):
         engine.detach()
     one = Case(case.model, case.losses_fn, (x[:1], y[:1]))
     assert_matches(got, reference(one, max_grad_norm=0.5), what=f"{mode}: empty batch, then one sample")
+
+
+def test_recognised_norm_input_modified_in_place_is_refused():
+    norm = PlainRMSNorm(4)
+    rule = resolve_rule(norm)
+    x = torch.randn(3, 2, 4)
+    out = norm(x)
+    call = rule.capture_call(norm, (x,), {}, out)
+    x.add_(1)
+    with pytest.raises(RuntimeError, match="PlainRMSNorm was modified in place"):
+        rule.operands(norm, call, torch.ones_like(out))

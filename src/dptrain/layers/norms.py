@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -176,6 +177,15 @@ def recognise_rms_norm(module: nn.Module, fallback: LayerRule | None = None) -> 
     return RecognisedRMSNormRule(fallback)
 
 
+@dataclass
+class NormCall:
+    """A recognised norm's call: its input, the input's version counter, and the autocast it ran under."""
+
+    x: torch.Tensor
+    version: int
+    autocast: tuple[str, bool, torch.dtype]
+
+
 class NotAnRMSNorm(ValueError):
     """A module recognised as an RMS norm by its structure failed the numerical check."""
 
@@ -221,11 +231,13 @@ class RecognisedRMSNormRule(_AffineNormRule):
                 f"{type(module).__name__} looks like an RMS norm over a last dim of {d}, but it was called with "
                 f"{_describe_inputs(inputs)}"
             )
-        key = (tuple(x.shape), x.dtype, torch.is_autocast_enabled(x.device.type))
+        device = x.device.type
+        autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        key = (tuple(x.shape), x.dtype, autocast)
         if key not in self._checked:
             self._check(module, x, output)
             self._checked.add(key)
-        return x.detach()
+        return NormCall(x.detach(), x._version, autocast)
 
     def _check(self, module, x, output):
         """Numerical check of the structure: the module's output is s(w) * x / sqrt(mean(x^2) + eps)."""
@@ -261,8 +273,8 @@ class RecognisedRMSNormRule(_AffineNormRule):
     def dims(self, module, activation, output):
         if isinstance(activation, FallbackCall):
             return self.fallback.dims(module, activation, output)
-        n = module.weight.numel()
-        return LayerDims(T=activation.numel() // max(1, activation.shape[0] * n), p=n, d=1, ghost_supported=False)
+        n, x = module.weight.numel(), activation.x
+        return LayerDims(T=x.numel() // max(1, x.shape[0] * n), p=n, d=1, ghost_supported=False)
 
     def expand_batch(self, module, activation, output, batch):
         if isinstance(activation, FallbackCall):
@@ -272,7 +284,14 @@ class RecognisedRMSNormRule(_AffineNormRule):
     def operands(self, module, activation, grad_output):
         if isinstance(activation, FallbackCall):
             return self.fallback.operands(module, activation, grad_output)
-        return super().operands(module, activation, grad_output)
+        if activation.x._version != activation.version:
+            raise RuntimeError(
+                f"the input of {type(module).__name__} was modified in place after the norm used it (e.g. `h += "
+                "norm(h)`), so its per-sample gradients cannot be computed: use an out-of-place operation"
+            )
+        device, enabled, dtype = activation.autocast
+        with torch.autocast(device, dtype=dtype, enabled=enabled):  # xhat as the forward computed it
+            return super().operands(module, activation.x, grad_output)
 
     def concat_calls(self, calls):
         kinds = {isinstance(ops[0], FallbackOperands) for ops in calls}

@@ -7,6 +7,10 @@ Each rank Poisson-samples its shard of scikit-learn's digits with the *global* r
 q = batch_size / len(dataset); the engine clips each rank's samples, sums the clipped
 gradients across ranks once per step and adds the noise once. Rank 0 prints the result.
 Needs scikit-learn for the data (pip install -e '.[cli]'); FSDP2 needs torch >= 2.6.
+
+Measured at the defaults (epsilon 3, 3 epochs = 36 steps of expected batch 128), DDP on 2 CPU
+processes: test accuracy 0.815 (chance 0.1) in 23 s of wall time, almost all of it starting the
+two processes, on a 2-core CPU busy with other jobs.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import TensorDataset
+from tqdm import tqdm
 
 import dptrain
 from dptrain.data import poisson_loader
@@ -83,6 +88,7 @@ def main(argv=None) -> dict:
         epochs, rest = int(args.epochs), args.epochs - int(args.epochs)
         steps = epochs * len(loader) + round(rest * len(loader))
         done = 0
+        bar = tqdm(total=steps, unit="step", desc="DP-Adam", disable=rank != 0)  # one bar, on rank 0
         while done < steps:
             for x, y in loader:
                 x, y = x.to(device), y.to(device)
@@ -90,8 +96,10 @@ def main(argv=None) -> dict:
                 optimizer.step()
                 optimizer.zero_grad()
                 done += 1
+                bar.update(1)
                 if done == steps:
                     break
+        bar.close()
 
         net.eval()
         with torch.no_grad():  # every rank evaluates the same (identical) model on its half of the test set

@@ -11,8 +11,10 @@ sentences with a character-level vocabulary, so nothing is downloaded.
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import tempfile
+from collections import Counter
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
@@ -67,18 +69,38 @@ class SentenceDataset(torch.utils.data.Dataset):
         return self.items[i]
 
 
+def held_out_loss(model, dataset: SentenceDataset) -> float:
+    """Mean cross-entropy per predicted character (nats) on sentences the model never saw."""
+    batch = {k: torch.stack([item[k] for item in dataset.items]) for k in ("input_ids", "attention_mask", "labels")}
+    model.eval()
+    with torch.no_grad():
+        return model(**batch).loss.item()  # transformers shifts the labels: each character predicts the next
+
+
+def context_free_loss(texts: list[str], vocab: CharVocab) -> float:
+    """The best loss without context: the entropy of the character frequencies (what a learner beats by
+    using the characters before)."""
+    counts = Counter(c for text in texts for c in text[1:])  # the characters that get predicted
+    total = sum(counts.values())
+    return -sum(n / total * math.log(n / total) for n in counts.values())
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a very small model and dataset (CI)")
     parser.add_argument("--max-steps", type=int, default=300)
+    parser.add_argument("--sentences", type=int, default=None, help="training sentences (default 2000; --tiny 64)")
+    parser.add_argument("--batch-size", type=int, default=None, help="expected batch size (default 64; --tiny 16)")
+    parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--clipping-mode", default="bk-mixopt")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    texts = generated_sentences(64 if args.tiny else 2000, args.seed)
-    vocab = CharVocab(texts)
+    texts = generated_sentences(args.sentences or (64 if args.tiny else 2000), args.seed)
+    held_out = generated_sentences(200, args.seed + 1)
+    vocab = CharVocab(texts + held_out)
     length = max(len(t) for t in texts)
     width, layers = (16, 1) if args.tiny else (64, 2)
     config = GPT2Config(vocab_size=len(vocab), n_positions=length, n_embd=width, n_layer=layers, n_head=2,
@@ -88,9 +110,9 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as output_dir:
         training_args = TrainingArguments(
             output_dir=output_dir,
-            per_device_train_batch_size=16 if args.tiny else 64,  # the expected (Poisson) batch size
+            per_device_train_batch_size=args.batch_size or (16 if args.tiny else 64),  # expected (Poisson) batch
             max_steps=args.max_steps,
-            learning_rate=2e-3,
+            learning_rate=args.lr,
             logging_steps=max(1, args.max_steps // 10),
             save_strategy="no",
             report_to=[],
@@ -109,14 +131,17 @@ def main(argv: list[str] | None = None) -> dict:
         result = trainer.train()
 
     epsilon = trainer.privacy_engine.get_epsilon()
-    model.eval()
+    loss = held_out_loss(model, SentenceDataset(held_out, vocab, length))
+    baseline = context_free_loss(texts, vocab)
     prompt = torch.tensor([vocab.encode("the ")])
     with torch.no_grad():
         sample = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=20, do_sample=False,
                                 pad_token_id=0)
-    print(f"train loss {result.training_loss:.3f}, epsilon {epsilon:.2f} "
-          f"(delta {trainer.privacy_engine.target_delta:.1e}), sample: {vocab.decode(sample[0].tolist())!r}")
-    return {"loss": result.training_loss, "epsilon": epsilon, "steps": trainer.privacy_engine.steps_taken}
+    print(f"held-out loss {loss:.3f} nats per character (context-free best {baseline:.3f}, uniform guess "
+          f"{math.log(len(vocab)):.3f}), epsilon {epsilon:.2f} (delta {trainer.privacy_engine.target_delta:.1e}), "
+          f"sample: {vocab.decode(sample[0].tolist())!r}")
+    return {"loss": result.training_loss, "held_out_loss": loss, "context_free_loss": baseline,
+            "uniform_loss": math.log(len(vocab)), "epsilon": epsilon, "steps": trainer.privacy_engine.steps_taken}
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 from peft import LoraConfig, get_peft_model
+from tqdm import tqdm
 from transformers import RobertaConfig, RobertaForSequenceClassification
 
 import dptrain
@@ -43,14 +44,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tiny", action="store_true", help="a very small model and dataset (CI)")
     parser.add_argument("--bitfit", action="store_true", help="train only the biases instead of LoRA adapters")
     parser.add_argument("--epochs", type=float, default=3)
+    parser.add_argument("--batch-size", type=int, default=None, help="expected batch size (default 128; --tiny 32)")
+    parser.add_argument("--lr", type=float, default=5e-2, help="AdamW learning rate")
+    parser.add_argument("--samples", type=int, default=None, help="training sequences (default 4000; --tiny 256)")
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--clipping-mode", default="bk-mixopt")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
     length = 12
-    train = marked_sequences(256 if args.tiny else 4000, length, args.seed)
+    train = marked_sequences(args.samples or (256 if args.tiny else 4000), length, args.seed)
     test = marked_sequences(256 if args.tiny else 1000, length, args.seed + 1)
     width, layers = (16, 1) if args.tiny else (64, 2)
     config = RobertaConfig(vocab_size=VOCAB, hidden_size=width, num_hidden_layers=layers, num_attention_heads=2,
@@ -66,8 +71,8 @@ def main(argv: list[str] | None = None) -> dict:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
 
-    batch_size = 32 if args.tiny else 128
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-3)
+    batch_size = args.batch_size or (32 if args.tiny else 128)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
     engine = dptrain.PrivacyEngine(
         model, batch_size=batch_size, sample_size=len(train), max_grad_norm=1.0,
         target_epsilon=args.epsilon, epochs=args.epochs, clipping_mode=args.clipping_mode,
@@ -77,27 +82,33 @@ def main(argv: list[str] | None = None) -> dict:
 
     steps = 0
     model.train()  # LoRA dropout on: its randomness is per sample, which per-sample clipping allows
+    bar = tqdm(total=engine.planned_steps, unit="step", desc="BiTFiT" if args.bitfit else "LoRA", disable=args.quiet)
     while steps < engine.planned_steps:
         for ids, mask, y in loader:
             if steps == engine.planned_steps:
                 break
             if len(y):
                 logits = model(input_ids=ids, attention_mask=mask).logits
-                engine.backward(F.cross_entropy(logits, y, reduction="none"))
+                losses = F.cross_entropy(logits, y, reduction="none")
+                engine.backward(losses)
+                bar.set_postfix(loss=f"{losses.mean().item():.3f}", refresh=False)
             optimizer.step()  # an empty Poisson batch still takes a (noise-only) step
             optimizer.zero_grad()
             steps += 1
+            bar.update(1)
+    bar.close()
 
     model.eval()
     with torch.no_grad():
         ids, mask, y = test.tensors
         accuracy = (model(input_ids=ids, attention_mask=mask).logits.argmax(1) == y).float().mean().item()
+    majority = max(y.float().mean().item(), 1 - y.float().mean().item())  # always answering the commoner class
     epsilon = engine.get_epsilon()
     engine.detach()
     what = "BiTFiT" if args.bitfit else "LoRA"
     print(f"{what}: {trainable} of {total} parameters trained, {steps} private steps, test accuracy "
-          f"{accuracy:.3f}, epsilon {epsilon:.2f} (delta {engine.target_delta:.1e})")
-    return {"accuracy": accuracy, "epsilon": epsilon, "steps": steps, "trainable": trainable}
+          f"{accuracy:.3f} (majority class {majority:.3f}), epsilon {epsilon:.2f} (delta {engine.target_delta:.1e})")
+    return {"accuracy": accuracy, "majority": majority, "epsilon": epsilon, "steps": steps, "trainable": trainable}
 
 
 if __name__ == "__main__":

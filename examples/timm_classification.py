@@ -3,13 +3,26 @@
 The model comes from timm unchanged (random weights, nothing downloaded); the training loop
 is the usual one plus ``engine.attach`` and ``engine.backward``. Batches are Poisson-sampled,
 as the privacy accounting assumes. The images are generated: a bright square whose corner
-(one of four) is the class, on noise.
+(one of four) is the class, on noise. Chance is 25 %.
 
     python examples/timm_classification.py --model vit        # ViT (class token, position embedding)
     python examples/timm_classification.py --model deit       # DeiT with distillation token
     python examples/timm_classification.py --model resnet-gn  # ResNet with GroupNorm instead of BatchNorm
     python examples/timm_classification.py --model convnext   # ConvNeXt (depthwise convs, LayerNorm2d)
-    python examples/timm_classification.py --tiny --epochs 1  # the CI smoke run
+    python examples/timm_classification.py --tiny --epochs 5 --model convnext  # the test's run
+
+Measured at the defaults (epsilon 8, delta 1/(10 n), 8000 images, 10 epochs of 16 steps of
+expected batch 512, DP-SGD), seed 0, on a 2-core CPU busy with other jobs (load average ~8,
+OMP_NUM_THREADS=1; an idle machine is several times faster): test accuracy, wall time
+
+    vit 0.987 (190 s), convnext 1.000 (125 s)
+
+The private optimiser settings matter more than the model: DP-SGD with a large learning rate
+and enough steps. Adam moves every coordinate by about its learning rate whatever the size of
+its gradient, so where the noise outweighs the clipped signal (most coordinates of a model
+trained from scratch) it random-walks the weights: the ViT stayed at chance with DP-Adam even
+at epsilon 1000, and learns in a few steps with Adam without privacy. A ViT also needs more
+steps than a convolutional network before it starts to learn (the test runs ConvNeXt).
 """
 from __future__ import annotations
 
@@ -20,11 +33,13 @@ import timm
 import torch
 import torch.nn.functional as F
 from timm.layers import GroupNorm
+from tqdm import tqdm
 
 import dptrain
 from dptrain.data import poisson_loader
 
 CLASSES = 4
+MODELS = ("vit", "deit", "resnet-gn", "convnext")
 
 
 def corner_squares(n: int, size: int, seed: int) -> torch.utils.data.TensorDataset:
@@ -39,41 +54,60 @@ def corner_squares(n: int, size: int, seed: int) -> torch.utils.data.TensorDatas
 
 
 def build(name: str, size: int, tiny: bool) -> torch.nn.Module:
-    width = 16 if tiny else 64
-    vit = dict(img_size=size, patch_size=size // 4, embed_dim=width, depth=1 if tiny else 4, num_heads=2,
+    # Small on purpose: the noise grows with the number of parameters (sqrt of it, in norm).
+    width = 16 if tiny else 32
+    vit = dict(img_size=size, patch_size=size // 4, embed_dim=width, depth=1 if tiny else 2, num_heads=2,
                num_classes=CLASSES)
     if name == "vit":
         return timm.models.VisionTransformer(**vit)
     if name == "deit":
         return timm.models.deit.VisionTransformerDistilled(**vit)
     if name == "resnet-gn":  # BatchNorm mixes samples: timm builds the ResNet with GroupNorm instead
-        return timm.create_model("resnet18", pretrained=False, num_classes=CLASSES,
-                                 norm_layer=partial(GroupNorm, num_groups=4))
+        channels = (8, 8, 16, 16) if tiny else (16, 32, 64, 128)
+        return timm.models.resnet.ResNet(timm.models.resnet.BasicBlock, layers=(1, 1, 1, 1), channels=channels,
+                                         stem_width=channels[0], num_classes=CLASSES,
+                                         norm_layer=partial(GroupNorm, num_groups=4))
     if name == "convnext":  # layer scale off: see docs/models.md
-        dims = (8, 8, 16, 16) if tiny else (32, 64, 128, 256)
+        dims = (8, 8, 16, 16) if tiny else (16, 32, 64, 128)
         return timm.models.convnext.ConvNeXt(depths=(1, 1, 1, 1), dims=dims, ls_init_value=None,
                                              num_classes=CLASSES)
-    raise ValueError(f"unknown model {name!r}")
+    raise ValueError(f"unknown model {name!r}; valid: {', '.join(MODELS)}")
+
+
+def accuracy(model: torch.nn.Module, data: torch.utils.data.TensorDataset) -> float:
+    model.eval()
+    with torch.no_grad():
+        x, y = data.tensors
+        correct = sum(int((model(xb).argmax(1) == yb).sum()) for xb, yb in zip(x.split(500), y.split(500)))
+    model.train()
+    return correct / len(y)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="vit", choices=["vit", "deit", "resnet-gn", "convnext"])
+    parser.add_argument("--model", default="vit", choices=MODELS)
     parser.add_argument("--tiny", action="store_true", help="a very small model and dataset (CI)")
-    parser.add_argument("--epochs", type=float, default=5)
+    parser.add_argument("--samples", type=int, default=None, help="training images (default 8000; --tiny 1000)")
+    parser.add_argument("--epochs", type=float, default=10)
+    parser.add_argument("--batch-size", type=int, default=None, help="expected batch size (default 512; --tiny 125)")
+    parser.add_argument("--lr", type=float, default=4.0, help="DP-SGD learning rate")
+    parser.add_argument("--momentum", type=float, default=0.5)
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--clipping-mode", default="bk-mixopt")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
     size = 32
-    train = corner_squares(256 if args.tiny else 4000, size, args.seed)
-    test = corner_squares(128 if args.tiny else 1000, size, args.seed + 1)
-    batch_size = 32 if args.tiny else 256
+    train = corner_squares(args.samples or (1000 if args.tiny else 8000), size, args.seed)
+    test = corner_squares(200 if args.tiny else 1000, size, args.seed + 1)
+    batch_size = args.batch_size or (125 if args.tiny else 512)
 
     model = build(args.model, size, args.tiny)
-    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    # Clipped gradients have norm at most max_grad_norm (1) before averaging over the batch,
+    # so the averaged private gradient is small: DP-SGD takes a learning rate far above the usual.
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     engine = dptrain.PrivacyEngine(
         model, batch_size=batch_size, sample_size=len(train), max_grad_norm=1.0,
         target_epsilon=args.epsilon, epochs=args.epochs, clipping_mode=args.clipping_mode,
@@ -83,24 +117,29 @@ def main(argv: list[str] | None = None) -> dict:
 
     steps = 0
     model.train()
+    bar = tqdm(total=engine.planned_steps, unit="step", desc=f"{args.model}", disable=args.quiet)
     while steps < engine.planned_steps:
         for x, y in loader:
             if steps == engine.planned_steps:
                 break
-            engine.backward(F.cross_entropy(model(x), y, reduction="none"))  # an empty batch adds noise only
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            engine.backward(losses)  # an empty batch adds noise only
             optimizer.step()
             optimizer.zero_grad()
             steps += 1
+            bar.update(1)
+            if len(losses):
+                bar.set_postfix(loss=f"{losses.mean().item():.3f}", refresh=False)
+        # once per pass over the data: an exact accountant takes ~0.1 s per evaluation
+        bar.set_postfix(epsilon=f"{engine.get_epsilon():.2f}", test_acc=f"{accuracy(model, test):.3f}")
+    bar.close()
 
-    model.eval()
-    with torch.no_grad():
-        x, y = test.tensors
-        accuracy = (model(x).argmax(1) == y).float().mean().item()
+    test_accuracy = accuracy(model, test)
     epsilon = engine.get_epsilon()
     engine.detach()
-    print(f"{args.model}: {steps} private steps, test accuracy {accuracy:.3f}, "
+    print(f"{args.model}: {steps} private steps, test accuracy {test_accuracy:.3f} (chance 0.25), "
           f"epsilon {epsilon:.2f} (delta {engine.target_delta:.1e})")
-    return {"accuracy": accuracy, "epsilon": epsilon, "steps": steps}
+    return {"accuracy": test_accuracy, "epsilon": epsilon, "steps": steps}
 
 
 if __name__ == "__main__":

@@ -557,3 +557,33 @@ def test_recognised_norm_input_modified_in_place_is_refused():
     x.add_(1)
     with pytest.raises(RuntimeError, match="PlainRMSNorm was modified in place"):
         rule.operands(norm, call, torch.ones_like(out))
+
+
+class TimeMix(nn.Module):
+    """Sequence-first [T, B, d]: mixes the time steps (dim 0) of each sample, never the samples."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x, lengths):
+        return x * self.weight + 0.5 * x.cumsum(0) * self.weight.square() + lengths[:, None]
+
+
+def test_sequence_first_calls_are_replayed_in_their_own_layout():
+    """With batch_first=False the engine hands rules a call with dims 0 and 1 of its tensors swapped
+    (batch first); the fallback swaps them back to replay it: per-sample gradients as autograd's."""
+    torch.manual_seed(0)
+    module = TimeMix(3).double()
+    rule = resolve_rule(module, batch_first=False)
+    x = torch.randn(5, 4, 3, dtype=torch.float64)  # [T, B, d]
+    lengths = torch.rand(4, dtype=torch.float64)   # [B]: one dim, not swapped
+    out = module(x, lengths)
+    call = rule.capture_call(module, (x.transpose(0, 1), lengths), {}, out.transpose(0, 1))
+    g = torch.randn_like(out)
+    got = rule.per_sample_grads(module, rule.operands(module, call, g.transpose(0, 1)), {"weight"})["weight"]
+    for i in range(4):
+        want = torch.autograd.grad(module(x[:, i:i + 1], lengths[i:i + 1]), module.weight, g[:, i:i + 1])[0]
+        torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(RuntimeError, match="TimeMix.*could not replay this call"):  # the call taken as batch first
+        resolve_rule(module).capture_call(module, (x.transpose(0, 1), lengths), {}, out.transpose(0, 1))

@@ -154,10 +154,13 @@ class FallbackRule(LayerRule):
 
     fallback = True
 
-    def __init__(self, module: nn.Module, name: str | None = None):
+    def __init__(self, module: nn.Module, name: str | None = None, batch_first: bool = True):
         # its own parameters, and those it reads from its parameter containers (by dotted name)
         self.param_names = tuple(n for n, _ in module.named_parameters(recurse=False)) + container_params(module)
         self.label = name or type(module).__name__
+        # batch_first=False: the engine hands rules every tensor of 2 or more dims with dims 0 and 1
+        # swapped (the batch first), the output and its gradient too; a replay swaps them back
+        self.swapped = not batch_first
         self._forward_checked: set[tuple] = set()   # call signatures whose outputs were checked
         self._backward_checked: set[tuple] = set()  # ... whose per-sample gradients were checked
 
@@ -252,13 +255,21 @@ class FallbackRule(LayerRule):
         device, enabled, dtype = call.autocast
         args, kwargs = call.arguments()
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            out, pullback = torch.func.vjp(lambda p: replay(module, args, kwargs, p), primals)
+            out, pullback = torch.func.vjp(lambda p: self._replay(module, args, kwargs, p), primals)
             cotangent = scale_samples(g, factor)
             if out.shape[0] != cotangent.shape[0]:  # an output broadcast over the batch
                 cotangent = cotangent.sum(0, keepdim=True)
             return pullback(cotangent.to(out.dtype))[0]
 
     # ------------------------------------------------------------------ the replay
+    def _replay(self, module, args, kwargs, params=None):
+        """``replay`` of a call kept as the engine handed it: batch first, as its output and gradient."""
+        if not self.swapped:
+            return replay(module, args, kwargs, params)
+        args, kwargs = pytree.tree_map(_swap01, (args, kwargs))
+        out = replay(module, args, kwargs, params)
+        return _swap01(out)
+
     def _per_sample(self, module, calls, names) -> dict[str, torch.Tensor]:
         primals = {n: module.get_parameter(n).detach() for n in names}
         total: dict[str, torch.Tensor] = {}
@@ -275,7 +286,7 @@ class FallbackRule(LayerRule):
             args, kwargs = call.arguments({k: t.unsqueeze(0) for k, t in zip(batched, batched_leaves)})
 
             def forward(p):
-                return replay(module, args, kwargs, p)
+                return self._replay(module, args, kwargs, p)
 
             out, pullback = torch.func.vjp(forward, primals)
             return pullback(g_i.unsqueeze(0).to(out.dtype))[0]
@@ -286,12 +297,8 @@ class FallbackRule(LayerRule):
                 grads = torch.func.vmap(one_sample, randomness="error")([call.leaves[k] for k in batched], g)
         except SampleMixingError:
             raise
-        except (RuntimeError, ValueError) as err:
-            raise RuntimeError(
-                f"{self._name(module)}: the per-sample fallback could not replay this call one sample at a time "
-                f"({_first_line(err)}). Register a rule for {type(module).__name__} with dptrain.register_layer, "
-                "or freeze its parameters"
-            ) from err
+        except (RuntimeError, ValueError, TypeError) as err:
+            raise self._cannot_replay(module, err, " one sample at a time") from err
         if call.signature not in self._backward_checked:
             self._check_gradient_sum(module, call, g, primals, grads)
             self._backward_checked.add(call.signature)
@@ -302,7 +309,10 @@ class FallbackRule(LayerRule):
         """Forward check: the replay reproduces the output, and perturbing sample 0 moves no other sample."""
         device, enabled, dtype = call.autocast
         with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            again = replay(module, *call.arguments())
+            try:
+                again = self._replay(module, *call.arguments())
+            except (RuntimeError, ValueError, TypeError) as err:
+                raise self._cannot_replay(module, err) from err
             if not isinstance(again, torch.Tensor) or not _close(again, output):
                 raise SampleMixingError(
                     f"{self._name(module)}: replaying this call does not reproduce its output (random operations "
@@ -314,7 +324,7 @@ class FallbackRule(LayerRule):
             perturbed = {k: _perturb_first(call.leaves[k]) for k in call.batched}
             if not perturbed:
                 return
-            moved = replay(module, *call.arguments(perturbed))
+            moved = self._replay(module, *call.arguments(perturbed))
             # the same computation on the same shapes: other samples' rows move by no more than a rounding
             same = 4 * torch.finfo(min_dtype(again.dtype, torch.float32)).eps
             if moved.shape != again.shape or not _close(moved[1:], again[1:], again[1:].abs().max(), same):
@@ -330,7 +340,7 @@ class FallbackRule(LayerRule):
         device, enabled, dtype = call.autocast
         args, kwargs = call.arguments()
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            out, pullback = torch.func.vjp(lambda p: replay(module, args, kwargs, p), primals)
+            out, pullback = torch.func.vjp(lambda p: self._replay(module, args, kwargs, p), primals)
             if out.shape[0] != g.shape[0]:  # an output broadcast over the batch: its gradient sums over it
                 g = g.sum(0, keepdim=True)
             whole = pullback(g.to(out.dtype))[0]
@@ -346,6 +356,12 @@ class FallbackRule(LayerRule):
                     "nn.LayerNorm), register a rule for it with dptrain.register_layer, or freeze its parameters"
                 )
 
+    def _cannot_replay(self, module, err: BaseException, how: str = "") -> RuntimeError:
+        return RuntimeError(
+            f"{self._name(module)}: the per-sample fallback could not replay this call{how} ({_first_line(err)}). "
+            f"Register a rule for {type(module).__name__} with dptrain.register_layer, or freeze its parameters"
+        )
+
     def _name(self, module) -> str:
         return f"{self.label} ({type(module).__name__})" if self.label != type(module).__name__ else self.label
 
@@ -360,6 +376,10 @@ def _perturb_first(t: torch.Tensor) -> torch.Tensor:
     else:
         out[0] = t[1]
     return out
+
+
+def _swap01(t):
+    return t.transpose(0, 1) if isinstance(t, torch.Tensor) and t.dim() >= 2 else t
 
 
 def _describe(x) -> str:

@@ -304,6 +304,13 @@ def test_without_the_fallback_uncovered_modules_are_refused_as_before():
     dptrain.validate(NormNet(PlainRMSNorm(6)), allow_fallback=False)
 
 
+def test_plan_counts_no_call_of_a_replay():
+    """The fallback's forward checks replay its module, children included: plan() counts only real calls."""
+    case = block_case()
+    planned = {d.name: d for d in dptrain.plan(case.model, case.batch[0])}
+    assert planned["1"].norm == "fallback" and planned["1.fc"].T == 1 and planned["2.fc"].T == 1
+
+
 def test_plan_and_last_decisions_label_fallback_layers():
     torch.manual_seed(0)
     model = FallbackNet()

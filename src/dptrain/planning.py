@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .algorithms import RECIPES, Grad, GradVia, Norm, NormVia, Recipe
-from .layers import resolve_rule
+from .layers import in_replay, resolve_rule
 from .layers.base import LayerDims, layer_params
 
 DECISION_RULES = ("memory", "space", "time")
@@ -143,6 +143,8 @@ def plan(model: nn.Module, *example_args, clipping_mode: str = "bk-mixopt",
         layers[name] = (module, rule, params)
 
         def record(mod, inputs, tensor, site=None, _name=name, _rule=rule):
+            if in_replay():  # a fallback replaying its module's call (its checks) runs the children again
+                return
             if site is None:
                 args, kwargs = inputs
                 activation = _rule.capture_call(mod, args, kwargs, tensor)

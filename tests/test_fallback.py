@@ -449,11 +449,25 @@ def test_recognised_norm_reproduces_float32_statistics_in_bfloat16():
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
 
 
+class DtypeProbe(BareLinear):
+    """Records the dtype its linear map computes in, at every call and replay."""
+
+    def __init__(self, d, h):
+        super().__init__(d, h)
+        self.seen: list[torch.dtype] = []
+
+    def forward(self, x, mask=None):
+        out = F.linear(x, self.w, self.b)
+        self.seen.append(out.dtype)
+        return torch.tanh(out)
+
+
 def test_replay_runs_under_the_autocast_of_the_recorded_call():
-    """bf16 autocast around the forward: the replay runs under it, its checks pass at bf16's precision,
-    and the per-sample gradients are autograd's one sample at a time under autocast."""
+    """bf16 autocast around the forward: the replays (checks, per-sample gradients, in the backward
+    outside autocast) run under it, and the per-sample gradients are autograd's one sample at a time
+    under autocast."""
     torch.manual_seed(0)
-    module = BareLinear(8, 6)
+    module = DtypeProbe(8, 6)
     rule = resolve_rule(module)
     x = torch.randn(4, 3, 8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -462,6 +476,7 @@ def test_replay_runs_under_the_autocast_of_the_recorded_call():
     assert out.dtype == torch.bfloat16
     g = torch.randn(out.shape).to(out.dtype)
     got = rule.per_sample_grads(module, rule.operands(module, call, g), {"w", "b"})
+    assert len(module.seen) > 3 and set(module.seen) == {torch.bfloat16}  # call, check replays, vmap, sum check
     for i in range(4):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out_i = module(x[i:i + 1])

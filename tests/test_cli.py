@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dptrain import accounting
-from dptrain.cli import main, plan_report
+from dptrain.cli import DATASETS, main, plan_report
 from dptrain.planning import plan
 
 torchvision = pytest.importorskip("torchvision")
@@ -282,10 +282,11 @@ def test_invalid_values_give_one_line_and_nonzero_exit(argv, message, capsys):
     assert "Traceback" not in err
 
 
-def test_missing_dataset_is_an_error_not_a_download(tmp_path, capsys):
-    status, _, err = run(["train", "--dataset", "cifar10", "--data-dir", str(tmp_path)], capsys)
+@pytest.mark.parametrize("dataset", [name for name in DATASETS if name != "digits"])  # torchvision's
+def test_missing_dataset_is_an_error_not_a_download(dataset, tmp_path, capsys):
+    status, _, err = run(["train", "--dataset", dataset, "--data-dir", str(tmp_path)], capsys)
     assert status == 1 and len(err.strip().splitlines()) == 1
-    assert "dataset cifar10 not found" in err and "never downloads" in err
+    assert f"dataset {dataset} not found" in err and "never downloads" in err
     assert list(tmp_path.iterdir()) == []  # nothing was fetched or created
 
 

@@ -307,6 +307,14 @@ def test_plan_counts_no_call_of_a_replay():
     assert planned["1"].norm == "fallback" and planned["1.fc"].T == 1 and planned["2.fc"].T == 1
 
 
+def test_plan_on_the_meta_device_needs_no_data():
+    """Shapes are all plan() needs: the fallback's and recognised norms' numerical checks wait for real data."""
+    with torch.device("meta"):
+        model = nn.Sequential(FallbackNet(), NormNet(PlainRMSNorm(6), d=3))
+        planned = {d.name: d.norm for d in dptrain.plan(model, torch.zeros(4, 3, 4))}
+    assert planned["0.sq"] == "fallback" and planned["1.norm"] == "instantiate"
+
+
 def test_plan_and_last_decisions_label_fallback_layers():
     torch.manual_seed(0)
     model = FallbackNet()

@@ -181,14 +181,13 @@ class FallbackRule(LayerRule):
                     batched.append(k)
                 leaf = leaf.detach()
             kept.append(leaf)
-        device = output.device.type
-        autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        autocast = autocast_state(output.device.type)
         signature = (
             module.training, autocast,
             tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in kept),
         )
         call = FallbackCall(kept, spec, batched, batch, versions, autocast, signature)
-        if signature not in self._forward_checked and batch > 1:
+        if signature not in self._forward_checked and batch > 1 and not output.is_meta:  # meta: shapes only (plan)
             self._check_independence(module, call, output)
             self._forward_checked.add(signature)
         return call
@@ -376,6 +375,14 @@ def _perturb_first(t: torch.Tensor) -> torch.Tensor:
     else:
         out[0] = t[1]
     return out
+
+
+def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    """(device type, enabled, dtype) of the autocast in force, to replay a call under it later."""
+    try:
+        return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    except RuntimeError:  # a device type without autocast (meta)
+        return "cpu", False, torch.bfloat16
 
 
 def _swap01(t):

@@ -18,7 +18,7 @@ from torch import nn
 from .base import (
     LayerDims, LayerRule, accumulation_dtype, float32_at_least, positional_inputs, register_layer, weighted_sum,
 )
-from .fallback import FallbackCall, FallbackOperands, replay
+from .fallback import FallbackCall, FallbackOperands, autocast_state, replay
 
 
 class _AffineNormRule(LayerRule):
@@ -231,10 +231,9 @@ class RecognisedRMSNormRule(_AffineNormRule):
                 f"{type(module).__name__} looks like an RMS norm over a last dim of {d}, but it was called with "
                 f"{_describe_inputs(inputs)}"
             )
-        device = x.device.type
-        autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+        autocast = autocast_state(x.device.type)
         key = (tuple(x.shape), x.dtype, autocast)
-        if key not in self._checked:
+        if key not in self._checked and not x.is_meta:  # a meta tensor has shapes only (plan): nothing to check
             self._check(module, x, output)
             self._checked.add(key)
         return NormCall(x.detach(), x._version, autocast)

@@ -706,3 +706,39 @@ def test_a_fallback_replay_records_nothing_of_its_covered_children(float64, mode
     assert sum(len(s.calls) for s in engine._layers) == 0  # the replay left no call behind
     opt.step()
     assert_matches({n: p.grad for n, p in model.named_parameters()}, reference, what="fallback with a child")
+
+
+class WithPositions(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tokens = nn.Embedding(20, 8)
+        self.positions = nn.Embedding(10, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1]).unsqueeze(0)  # [1, T]: broadcast over the batch
+        return self.head(self.tokens(ids) + self.positions(positions)).sum(1)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_empty_batch_through_a_broadcast_position_embedding(mode):
+    torch.manual_seed(0)
+    model = WithPositions()
+    engine = _engine(model, mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.attach(opt)
+    ids = torch.zeros(0, 7, dtype=torch.long)  # Poisson sampling draws empty batches
+    engine.backward(F.cross_entropy(model(ids), torch.zeros(0, dtype=torch.long), reduction="none"))
+    opt.step()
+    assert engine.steps_taken == 1
+
+
+def test_a_keyword_call_that_skips_an_argument_keeps_the_others_in_place():
+    from dptrain.layers.base import positional_inputs
+
+    class Three(nn.Module):
+        def forward(self, x, scale=None, shift=0.0):
+            return x
+
+    x = torch.ones(2)
+    assert positional_inputs(Three(), (x,), {"shift": 3.0}) == (x, None, 3.0)

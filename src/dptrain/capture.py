@@ -373,7 +373,7 @@ class Capture:
         seen = tensor if self.batch_first else _swap01(tensor)
         recomputed = in_backward()
         forward_batch = self.forward_batch if self._open_forward is not None or recomputed else None
-        if seen.dim() and seen.shape[0] == 1 and (forward_batch or 1) > 1:
+        if seen.dim() and seen.shape[0] == 1 and forward_batch is not None and forward_batch != 1:
             if not self.batch_first:
                 raise ValueError(
                     f"{state.name or '<root>'} ({type(module).__name__}) got an input broadcast over the batch "

@@ -277,7 +277,8 @@ class PrivacyEngine:
                 continue
             state = previous.get(id(module))
             if state is None:
-                state = LayerState(name, module, resolve_rule(module, self.allow_fallback), covered[module])
+                rule = resolve_rule(module, self.allow_fallback, batch_first=self.batch_first)
+                state = LayerState(name, module, rule, covered[module])
             else:
                 state.params = covered[module]
             layers.append(state)

@@ -265,10 +265,19 @@ def positional_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     if not kwargs:
         return args
     try:
-        bound = inspect.signature(module.forward).bind(*args, **kwargs)
+        signature = inspect.signature(module.forward)
+        bound = signature.bind(*args, **kwargs)
     except TypeError as err:
         raise TypeError(f"{type(module).__name__} was called with arguments its forward does not take: {err}") from None
-    return tuple(bound.arguments.values())
+    bound.apply_defaults()  # an argument skipped by keyword keeps its place (its default)
+    out: list = []
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            out.extend(value)
+        elif kind is not inspect.Parameter.VAR_KEYWORD:
+            out.append(value)
+    return tuple(out)
 
 
 def trainable_params(module: nn.Module) -> dict[str, nn.Parameter]:

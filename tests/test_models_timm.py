@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 import dptrain
-import dptrain.layers.base
 from helpers import (
     spread_init,
     MODES, RTOL, SINGLE_BACKWARD_MODES, Case, assert_matches, classify, reference, run_engine, split_max_grad_norm,
@@ -154,8 +153,7 @@ def beit_case(qkv_bias: bool = True):
 
 
 # Layer scale products, BEiT's attention biases: rules that need the engine's capture sites
-SITES = hasattr(dptrain.layers.base, "CaptureSite")
-SITE_CASES = {
+SITE_CASES = {  # parameters read between two submodules of a block (capture sites)
     "convnext-layer-scale": lambda: convnext_layer_scale_case(False),
     "convnext-conv-mlp-layer-scale": lambda: convnext_layer_scale_case(True),
     "beit": beit_case,
@@ -163,7 +161,7 @@ SITE_CASES = {
 }
 
 CASES = {
-    **(SITE_CASES if SITES else {}),
+    **SITE_CASES,
     "vit": vit_case,
     "vit-registers-layerscale": vit_registers_case,
     "vit-no-pos-embed": vit_no_pos_embed_case,
@@ -261,17 +259,6 @@ def test_crossvit_branches_of_identical_shape_are_refused():
         dptrain.validate(model)
 
 
-@pytest.mark.skipif(SITES, reason="this engine has capture sites: layer scale is trained exactly")
-def test_layer_scale_products_are_refused_without_capture_sites():
-    model = timm.models.convnext.ConvNeXt(depths=(1, 1, 1, 1), dims=(8, 8, 8, 16), num_classes=3)
-    with pytest.raises(ValueError, match="gamma.*does not offer"):
-        dptrain.validate(model)
-    for block in model.modules():
-        if isinstance(block, timm.models.convnext.ConvNeXtBlock):
-            block.gamma.requires_grad_(False)
-    dptrain.validate(model)
-
-
 def test_beit_shared_relative_position_bias_is_refused():
     model = timm.models.beit.Beit(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=3,
                                   use_shared_rel_pos_bias=True, use_abs_pos_emb=False)
@@ -279,7 +266,6 @@ def test_beit_shared_relative_position_bias_is_refused():
         dptrain.validate(model)
 
 
-@pytest.mark.skipif(not SITES, reason="needs the engine's capture sites")
 def test_beit_attention_dropout_is_refused():
     model = timm.models.beit.Beit(img_size=16, patch_size=8, embed_dim=16, depth=1, num_heads=2, num_classes=3,
                                   attn_drop_rate=0.1, use_rel_pos_bias=True)

@@ -35,7 +35,6 @@ class GradVia(_Named):
 class Recipe:
     norm: NormVia
     grad: GradVia
-    source: str
 
     @property
     def two_pass(self) -> bool:
@@ -59,13 +58,13 @@ class Grad(_Named):
 
 
 RECIPES: dict[str, Recipe] = {
-    "per-sample": Recipe(NormVia.INSTANTIATE, GradVia.WEIGHTED_SUM, "Opacus"),
-    "fast-grad-clip": Recipe(NormVia.INSTANTIATE, GradVia.SECOND_PASS, "Lee & Kifer"),
-    "ghost": Recipe(NormVia.GHOST, GradVia.SECOND_PASS, "Li et al.; Bu, Mao & Xu"),
-    "mix-ghost": Recipe(NormVia.MIXED, GradVia.SECOND_PASS, "Bu, Mao & Xu"),
-    "bk": Recipe(NormVia.GHOST, GradVia.BOOK_KEEPING, "Book-Keeping"),
-    "bk-mix-ghost": Recipe(NormVia.MIXED, GradVia.BOOK_KEEPING, "Book-Keeping"),
-    "bk-mixopt": Recipe(NormVia.MIXED, GradVia.FOLLOW_NORM, "Book-Keeping"),
+    "per-sample": Recipe(NormVia.INSTANTIATE, GradVia.WEIGHTED_SUM),  # Opacus
+    "fast-grad-clip": Recipe(NormVia.INSTANTIATE, GradVia.SECOND_PASS),  # Lee & Kifer
+    "ghost": Recipe(NormVia.GHOST, GradVia.SECOND_PASS),  # Li et al.; Bu, Mao & Xu
+    "mix-ghost": Recipe(NormVia.MIXED, GradVia.SECOND_PASS),  # Bu, Mao & Xu
+    "bk": Recipe(NormVia.GHOST, GradVia.BOOK_KEEPING),  # Book-Keeping
+    "bk-mix-ghost": Recipe(NormVia.MIXED, GradVia.BOOK_KEEPING),  # Book-Keeping
+    "bk-mixopt": Recipe(NormVia.MIXED, GradVia.FOLLOW_NORM),  # Book-Keeping
 }
 
 CLIPPING_MODES = tuple(RECIPES)

@@ -74,10 +74,9 @@ def refuse_unsupported(model: nn.Module) -> None:
 
 
 class DataParallel:
-    """What the engine needs from a data-parallel engine: rank, world and the noisy global sum."""
+    """What the engine needs from a data-parallel engine: its rank and the noisy global sum."""
 
     rank = 0
-    world_size = 1
     group = None  # the process group of the collectives (None: the default group)
 
     def attach(self) -> None:
@@ -115,7 +114,6 @@ class DDPGradients(DataParallel):
         self.ddp = ddp
         self.group = ddp.process_group
         self.rank = dist.get_rank(self.group)
-        self.world_size = dist.get_world_size(self.group)
         self._no_sync = None
 
     def attach(self) -> None:
@@ -168,7 +166,6 @@ class FSDP2Gradients(DataParallel):
         self.mesh = mesh
         self.group = mesh.get_group() if mesh.ndim == 1 else None
         self.rank = dist.get_rank()
-        self.world_size = mesh.size()
 
     def noisy_sum(self, params, local, add_noise):
         from torch.distributed.tensor import DTensor, Partial

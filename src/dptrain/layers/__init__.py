@@ -2,14 +2,14 @@
 from __future__ import annotations
 from torch import nn
 
-from .base import LayerDims, LayerRule, container_params, find_rule, register_layer, registered_rules, trainable_params
+from .base import LayerDims, LayerRule, container_params, find_rule, register_layer, trainable_params
 from . import linear, conv, embedding, norms, hf, timm  # noqa: F401  (registers the built-in rules)
 from .fallback import FallbackRule, fallback_modules, fallback_refusal, in_replay
 from .norms import recognise_rms_norm
 
 __all__ = [
     "FallbackRule", "LayerDims", "LayerRule", "fallback_modules", "fallback_refusal", "find_rule", "in_replay",
-    "register_layer", "registered_rules", "resolve_rule", "trainable_params",
+    "register_layer", "resolve_rule", "trainable_params",
 ]
 
 

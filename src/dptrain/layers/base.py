@@ -256,10 +256,6 @@ def covering_base(module: nn.Module) -> type | None:
     return None
 
 
-def registered_rules() -> list[LayerRule]:
-    return list(_REGISTRY)
-
-
 def positional_inputs(module: nn.Module, args: tuple, kwargs: dict) -> tuple:
     """A call's arguments in the order of ``module.forward``'s signature (keywords bound to their place)."""
     if not kwargs:

@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import base as _base
-from .base import LayerDims, LayerRule, accumulation_dtype, register_layer, weighted_sum
+from .base import CaptureSite, LayerDims, LayerRule, accumulation_dtype, register_layer, weighted_sum
 from .hf import TokenParamsRule, _check_positions
 from .norms import GroupNormRule, LayerNormRule, _AffineNormRule, _TrailingDimsNorm
 
@@ -246,17 +245,7 @@ class TimmCrossVitRule(TokenParamsRule):
 # --------------------------------------------------------------------------- layer scale and attention inside blocks
 # These parameters act between two submodules of a block (gamma * f(x), a bias table added to the
 # attention scores), so their rules read the activation at one point and the gradient at another:
-# the engine's capture sites. An engine without them refuses these parameters instead.
-_SITES = getattr(_base, "CaptureSite", None)
-
-
-def _needs_sites(module, what: str) -> None:
-    if _SITES is None or not hasattr(_base, "layer_params"):
-        raise ValueError(
-            f"{type(module).__name__}.{what}: its per-sample gradient needs a rule that reads the activation and the "
-            "gradient at two different points of the block, which this version of the dptrain engine does not "
-            "offer: freeze it (or build the model without it)"
-        )
+# the engine's capture sites.
 
 
 class _ProductScaleRule(LayerRule):
@@ -269,12 +258,8 @@ class _ProductScaleRule(LayerRule):
         """[(parameter name, the module computing f(x), the module receiving gamma * f(x), channels first?)]."""
         raise NotImplementedError
 
-    def validate(self, module):
-        for name, *_ in self.scales(module):
-            _needs_sites(module, name)
-
     def capture_sites(self, module):
-        return [_SITES(target, source=source) for _, source, target, _ in self.scales(module)]
+        return [CaptureSite(target, source=source) for _, source, target, _ in self.scales(module)]
 
     def capture_at(self, module, site, inputs, tensor):
         return site, inputs[0]
@@ -355,7 +340,6 @@ class BeitAttentionRule(LayerRule):
         return ("qkv.weight",) if module.q_bias is not None else ()  # without biases qkv is called as a layer
 
     def validate(self, module):
-        _needs_sites(module, "q_bias/v_bias/relative_position_bias_table")
         if module.qkv_bias_separate:
             raise ValueError("BEiT Attention(qkv_bias_separate=True) adds its q/v biases in place on the qkv output, "
                              "which is not supported: use qkv_bias_separate=False")
@@ -366,7 +350,7 @@ class BeitAttentionRule(LayerRule):
             )
 
     def capture_sites(self, module):
-        return [_SITES(module.proj, source=module, source_input=True)]
+        return [CaptureSite(module.proj, source=module, source_input=True)]
 
     def capture_at(self, module, site, inputs, tensor):
         return inputs[0]  # the attention's input x

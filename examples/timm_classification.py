@@ -9,7 +9,7 @@ as the privacy accounting assumes. The images are generated: a bright square who
     python examples/timm_classification.py --model deit       # DeiT with distillation token
     python examples/timm_classification.py --model resnet-gn  # ResNet with GroupNorm instead of BatchNorm
     python examples/timm_classification.py --model convnext   # ConvNeXt (depthwise convs, LayerNorm2d)
-    python examples/timm_classification.py --tiny --epochs 5 --model convnext  # the test's run
+    python examples/timm_classification.py --tiny --epochs 5 --model convnext  # a test's run (seconds)
 
 Measured at the defaults (epsilon 8, delta 1/(10 n), 8000 images, 10 epochs of 16 steps of
 expected batch 512, DP-SGD), seed 0, on a 2-core CPU busy with other jobs (load average ~8,
@@ -22,7 +22,8 @@ and enough steps. Adam moves every coordinate by about its learning rate whateve
 its gradient, so where the noise outweighs the clipped signal (most coordinates of a model
 trained from scratch) it random-walks the weights: the ViT stayed at chance with DP-Adam even
 at epsilon 1000, and learns in a few steps with Adam without privacy. A ViT also needs more
-steps than a convolutional network before it starts to learn (the test runs ConvNeXt).
+steps than a convolutional network before it starts to learn: with half the data and batch
+(160 steps of 250), the ViT reaches 0.70, the run the tests make.
 """
 from __future__ import annotations
 

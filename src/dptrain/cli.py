@@ -107,7 +107,7 @@ RESUME_MAY_CHANGE = ("epochs", "device", "threads", "data_dir", "output", "resum
 # Below this size a CPU step is many tiny operations, where handing work between threads
 # costs more than it saves (and stalls badly on a busy machine): one thread is faster.
 SMALL_MODEL_PARAMETERS = 1_000_000
-# Choices the parser needs before torch is imported; tests/test_cli.py checks that they are the
+# Choices the parser needs before torch is imported; tests/test_startup.py checks that they are the
 # library's own (dptrain.clipping.CLIPPING_FNS, dptrain.planning.DECISION_RULES).
 CLIPPING_FNS = ("abadi", "automatic", "global")
 DECISION_RULES = ("memory", "space", "time")

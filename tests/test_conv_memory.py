@@ -160,10 +160,25 @@ def test_per_sample_chunks_follow_the_budget(monkeypatch):
     calls = []
     folded = conv_rules.weight_grad
     monkeypatch.setattr(conv_rules, "weight_grad", lambda *a, **k: calls.append(a[1].shape[0]) or folded(*a, **k))
-    per_sample_bytes = 8 * (conv.weight.numel() + x[0].numel() + grad[0].numel())
+    per_sample_bytes = 8 * (2 * conv.weight.numel() + x[0].numel() + grad[0].numel())
     monkeypatch.setattr(ConvRule, "workspace_bytes", 2 * per_sample_bytes)
     chunked = ConvRule().per_sample_grads(conv, ops, {"weight", "bias"})
     assert calls == [2, 2, 2]
     for name in whole:
         torch.testing.assert_close(chunked[name], whole[name], rtol=1e-12, atol=1e-12)
     assert whole["weight"].shape == (6, *conv.weight.shape)
+
+
+@pytest.mark.parametrize("side,expect_patches", [(9, False), (2, True)])
+def test_per_sample_weight_takes_patches_only_where_they_are_small(side, expect_patches, monkeypatch):
+    """Few output positions (T <= C_out/groups): a product with the patches, else the folded kernel; both exact."""
+    conv = nn.Conv2d(4, 12, 3, padding=1, groups=2, padding_mode="replicate")
+    x = torch.randn(3, 4, side, side)
+    grad = torch.randn_like(conv(x))
+    unfolded = []
+    unfold = conv_rules.unfold_patches
+    monkeypatch.setattr(conv_rules, "unfold_patches", lambda m, t: unfolded.append(t.shape) or unfold(m, t))
+    got = ConvRule().per_sample_grads(conv, ConvRule().operands(conv, x, grad), {"weight"})["weight"]
+    assert bool(unfolded) == expect_patches
+    want = torch.stack([torch.autograd.grad(conv(x[i:i + 1]), conv.weight, grad[i:i + 1])[0] for i in range(3)])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -21,15 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import (
-    LayerDims,
-    LayerRule,
-    accumulation_dtype,
-    float32_at_least,
-    register_layer,
-    scale_samples,
-    weighted_sum,
-)
+from .numerics import accumulation_dtype, float32_at_least, scale_samples, weighted_sum
+from .protocol import LayerDims, LayerRule
+from .registry import register_layer
 
 
 def _explicit_padding(module: nn.modules.conv._ConvNd) -> list[int]:
@@ -187,9 +181,10 @@ class ConvRule(LayerRule):
         B = ops[0].grad.shape[0]
         out = {}
         if "weight" in names:
-            # A chunk's transient copies: the input cast and padded, the output gradient made contiguous.
+            # A chunk's transient copies: the input cast and padded, the output gradient made contiguous,
+            # patches no larger than the per-sample gradient (see _per_sample_weight).
             elem = ops[0].grad.element_size()
-            per_sample = elem * (module.weight.numel() + sum(
+            per_sample = elem * (2 * module.weight.numel() + sum(
                 math.prod(c.input.shape[1:]) + math.prod(c.grad.shape[1:]) for c in ops))
             chunk = max(1, min(B, self.workspace(ops[0].grad) // per_sample))
             parts = []
@@ -197,7 +192,7 @@ class ConvRule(LayerRule):
                 rows = slice(start, start + chunk)
                 w = None
                 for c in ops:
-                    term = weight_grad(module, c.input[rows].to(c.grad.dtype), c.grad[rows], batch_groups=True)
+                    term = self._per_sample_weight(module, c.input[rows].to(c.grad.dtype), c.grad[rows])
                     w = term if w is None else _add_widened(w, term)
                 parts.append(w)
             if not parts:  # an empty batch
@@ -206,6 +201,21 @@ class ConvRule(LayerRule):
         if "bias" in names:
             out["bias"] = self._per_sample_bias(ops)
         return out
+
+    @staticmethod
+    def _per_sample_weight(module, x, grad):
+        """[b, *weight.shape] for one call: a batched product with the patches where they are no larger than
+        the per-sample gradient itself (few output positions, T <= C_out/groups), else the weight-gradient
+        kernel with the batch folded into the groups (measured on 2 CPU cores: the folded kernel was 5-10x
+        slower than the product for 512 channels at 4x4, and 2-8x faster for 64-128 channels at 16x16+)."""
+        g, T = module.groups, math.prod(grad.shape[2:])
+        p = module.out_channels // g
+        if T > p:
+            return weight_grad(module, x, grad, batch_groups=True)
+        b = x.shape[0]
+        patches = unfold_patches(module, x).reshape(b, g, -1, T)
+        w = torch.einsum("bgpt,bgdt->bgpd", grad.reshape(b, g, p, T), patches)
+        return w.reshape(b, *module.weight.shape)
 
     @staticmethod
     def _per_sample_bias(ops):

@@ -8,7 +8,8 @@ the layer input and the output gradient, the tensors autograd keeps anyway. From
 - the clipped gradient 2b(C) is the convolution's own weight-gradient kernel applied to the
   output gradient scaled per sample by C_i (exact: the weight gradient is linear in it);
 - per-sample gradients (module 4) are that same kernel with the batch folded into the groups
-  (input [1, B*C_in, ...], gradient [1, B*C_out, ...], groups B*groups);
+  (input [1, B*C_in, ...], gradient [1, B*C_out, ...], groups B*groups), or, where the patches
+  are no larger than the per-sample gradient itself, a batched product with the patches;
 - the ghost norm (module 3) needs the patches' Gram matrices: patches are formed there only,
   a batch chunk at a time under ``ConvRule.workspace_bytes``, and freed at once.
 """

@@ -8,6 +8,7 @@ the applied update must have norm <= R (the property the accountant relies on).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import math
 import warnings
@@ -551,7 +552,7 @@ def test_a_forward_back_propagated_twice_is_refused(float64):
     engine = _engine(model, "bk-mixopt").attach(torch.optim.SGD(model.parameters(), lr=0.1))
     loss = _losses(model, *_data(3)).sum()
     loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="back-propagated twice"):
+    with pytest.raises(RuntimeError, match="already back-propagated in this step"):
         loss.backward()
     assert engine.steps_taken == 0
 
@@ -734,7 +735,7 @@ def test_an_empty_batch_through_a_broadcast_position_embedding(mode):
 
 
 def test_a_keyword_call_that_skips_an_argument_keeps_the_others_in_place():
-    from dptrain.layers.base import positional_inputs
+    from dptrain.layers.protocol import positional_inputs
 
     class Three(nn.Module):
         def forward(self, x, scale=None, shift=0.0):
@@ -742,3 +743,237 @@ def test_a_keyword_call_that_skips_an_argument_keeps_the_others_in_place():
 
     x = torch.ones(2)
     assert positional_inputs(Three(), (x,), {"shift": 3.0}) == (x, None, 3.0)
+
+
+# ---------------------------------------------------------------------------------------- a second reader's cases
+class TiedCheckpoints(nn.Module):
+    """One block applied twice, each application in its own reentrant checkpoint."""
+
+    def __init__(self, checkpointed: bool = True):
+        super().__init__()
+        self.inp, self.a, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.checkpointed = checkpointed
+
+    def block(self, h):
+        return torch.tanh(self.a(h))
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        for _ in range(2):
+            h = checkpoint(self.block, h, use_reentrant=True) if self.checkpointed else self.block(h)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_a_layer_recomputed_in_several_checkpoints_is_exact(float64, mode, path):
+    torch.manual_seed(0)
+    model = TiedCheckpoints().double()
+    plain = TiedCheckpoints(checkpointed=False).double()
+    plain.load_state_dict(model.state_dict())
+    batch = _data(4, seed=3)
+    assert_matches(_clipped_sum(model, mode, path, [batch]), _reference(plain, [batch]), what="tied checkpoints")
+    x, y = _data(1, seed=4)
+    assert _one_sample_update(TiedCheckpoints().double(), mode, path, x * 10, y) <= R * (1 + 1e-9)
+
+
+class TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.h1, self.h2 = nn.Linear(6, 8), nn.Linear(8, 3), nn.Linear(8, 3)
+        self.trunk.requires_grad_(False)
+
+    def forward(self, x):
+        z = torch.tanh(self.trunk(x))
+        return self.h1(z), self.h2(z)
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_one_forward_back_propagated_in_two_passes_is_refused(float64, mode, path):
+    model = TwoHeads().double()
+    engine = _engine(model, mode, loss_reduction="sum")
+    engine.attach(torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0))
+    o1, o2 = model(_data(1)[0])
+    l1 = F.cross_entropy(o1, torch.tensor([1]), reduction="none")
+    l2 = F.cross_entropy(o2, torch.tensor([2]), reduction="none")
+    engine.backward(l1) if path == "engine" else l1.sum().backward()
+    with pytest.raises(RuntimeError, match="already back-propagated in this step"):
+        engine.backward(l2) if path == "engine" else l2.sum().backward()
+
+
+@pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
+def test_input_gradients_inside_paused_are_not_training(float64, mode):
+    model = _three_layers()
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(opt)
+    before = copy.deepcopy(model)
+    x, y = _data(1)
+    x = x.clone().requires_grad_()
+    with engine.paused():  # an adversarial example: the gradient with respect to the input only
+        (gx,) = torch.autograd.grad(_losses(model, x, y).sum(), x)
+    engine.backward(_losses(model, (x + 0.5 * gx.sign()).detach(), y))
+    opt.step()
+    assert _update_norm(before, model) <= R * (1 + 1e-9)
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+
+
+class DataclassOutput(nn.Module):
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.emb, self.b1, self.b2 = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.reentrant = reentrant
+
+    def forward(self, x):
+        h = checkpoint(lambda t: torch.tanh(self.b1(t)), torch.tanh(self.emb(x)), use_reentrant=self.reentrant)
+        return Out(checkpoint(self.b2, h, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
+def test_a_dataclass_output_with_checkpoints_is_clipped_once(float64, mode):
+    torch.manual_seed(0)
+    model = DataclassOutput(reentrant=True).double()
+    before = copy.deepcopy(model)
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(opt)
+    x, y = _data(1)
+    F.cross_entropy(model(x * 3).logits, y, reduction="sum").backward()
+    opt.step()
+    assert _update_norm(before, model) <= R * (1 + 1e-9)
+
+
+class FoldsADict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, batch):
+        x = batch["x"]
+        B, T, _ = x.shape
+        return self.l2(torch.tanh(self.l1(x.reshape(B * T, 6)))).view(B, T, 3).sum(1)
+
+    def encode(self, x):
+        return self.forward({"x": x})
+
+
+@pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
+@pytest.mark.parametrize("call", ["dict input", "method"])
+def test_the_batch_is_read_through_dicts_and_a_model_used_through_a_method_is_refused(float64, mode, call):
+    model = FoldsADict().double()
+    engine = _engine(model, mode, loss_reduction="sum")
+    engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    x = torch.randn(1, 20, 6)
+    if call == "dict input":
+        with pytest.raises(ValueError, match="folds another axis into the batch"):
+            model({"x": x})
+    else:
+        with pytest.raises(ValueError, match="called outside a call of the model"):
+            F.cross_entropy(model.encode(x), torch.tensor([1]), reduction="sum").backward()
+
+
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_a_loss_parameter_added_to_the_optimizer_is_refused(float64, mode):
+    model = _three_layers()
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(opt)
+    centres = nn.Parameter(torch.randn(3, 3))
+    opt.add_param_group({"params": [centres]})
+    before = centres.detach().clone()
+    engine.backward(F.cross_entropy(model(_data(1)[0]) @ centres * 10, torch.tensor([1]), reduction="none"))
+    with pytest.raises(RuntimeError, match="not part of the model"):
+        opt.step()
+    assert torch.equal(centres.detach(), before) and centres.grad is None
+
+
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost", "per-sample"])
+def test_a_weight_swapped_in_place_of_the_registered_one_is_never_applied_raw(float64, mode):
+    model = _three_layers()
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(opt)
+    engine.backward(_losses(model, *_data(2)))
+    opt.step(), opt.zero_grad()
+    swapped = nn.Parameter(model[2].weight.detach().clone())
+    model[2]._parameters["weight"] = swapped  # no registration hook sees this (accelerate does it)
+    opt.param_groups[0]["params"][2] = swapped
+    before = copy.deepcopy(model)
+    try:
+        engine.backward(_losses(model, *_data(2)))
+        opt.step()
+    except RuntimeError as err:
+        assert "gradient" in str(err)
+    assert _update_norm(before, model) <= R * (1 + 1e-9)
+
+
+def test_a_frozen_batchnorm_in_training_mode_added_after_attach_is_refused(float64):
+    model = nn.Sequential(nn.Linear(6, 8), nn.Identity(), nn.Linear(8, 3)).double()
+    engine = _engine(model, "bk-mixopt")
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    engine.backward(_losses(model, *_data(3)))
+    model[1] = nn.BatchNorm1d(8).double().requires_grad_(False)
+    with pytest.raises(RuntimeError, match="mixes samples"):
+        model(_data(3)[0])
+
+
+class PooledSequenceFirst(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Linear(6, 8), nn.Linear(8, 8)
+
+    def forward(self, x):  # [T, B, 6] -> [B, 8]: the head sees a batch-first [B, d]
+        return self.head(torch.tanh(self.emb(x)).mean(0))
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_sequence_first_layers_after_pooling_see_the_batch_first(float64, mode, path):
+    torch.manual_seed(0)
+    model = PooledSequenceFirst().double()
+    x, y = torch.randn(4, 5, 6), torch.randint(0, 8, (4,))
+    reference = reference_clipped_gradient(model, _seq_first_losses, (x, y), max_grad_norm=R)
+    trained = copy.deepcopy(model)
+    engine = _engine(trained, mode, loss_reduction="sum", batch_first=False)
+    opt = torch.optim.SGD(trained.parameters(), lr=0.0)
+    engine.attach(opt)
+    losses = _seq_first_losses(trained, x, y)
+    engine.backward(losses) if path == "engine" else losses.sum().backward()
+    opt.step()
+    assert_matches({n: p.grad for n, p in trained.named_parameters()}, reference, what="pooled sequence first")
+    # A batch as large as the head's width makes its [B, d] input ambiguous: refused, never guessed.
+    with pytest.raises(ValueError, match="cannot tell which axis is the batch"):
+        trained(torch.randn(5, 8, 6))
+
+
+def test_a_keyboard_interrupt_in_a_forward_then_a_step(float64):
+    model = _failing_model()
+    engine = _engine(model, "bk-mixopt", loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    batch = _data(3, seed=1)
+    reference = None
+    engine.detach()
+    reference = _reference(model, [batch])
+    engine.attach(opt)
+    engine.backward(_losses(model, *batch))
+    model[2].fail_forward = KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        model(_data(2)[0])
+    model[2].fail_forward = None
+    opt.step()  # the interrupted forward is settled here: every parameter trainable, the earlier sum applied
+    assert all(p.requires_grad for p in model.parameters())
+    assert_matches({n: p.grad for n, p in model.named_parameters()}, reference, what="interrupted forward")
+
+
+def test_heads_replaced_many_times_are_always_hooked(float64):
+    model = _three_layers()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = _engine(model, "bk").attach(opt)
+    for _ in range(30):  # freed modules' ids come back
+        model[4] = nn.Linear(8, 3).double()
+        opt.param_groups[0]["params"] = list(model.parameters())
+        engine.backward(_losses(model, *_data(2)))
+        opt.step(), opt.zero_grad()

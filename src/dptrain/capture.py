@@ -16,6 +16,7 @@ while a backward pass runs is a recomputation (activation checkpointing) and is 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -49,6 +50,7 @@ class Call:
     version: int | None = None  # the activation's version counter when it was captured
     forward_id: int | None = None  # the model call it belongs to (None: outside one, or a recomputation)
     recomputed: bool = False  # recorded during a backward pass (checkpointing recomputes the forward)
+    batch_checked: bool = False  # its leading dimension was checked against the batch of the model's call
     grad: torch.Tensor | None = None
 
 
@@ -77,15 +79,21 @@ class _Origin(torch.autograd.Function):
 
 
 def _tensors(obj, depth: int = 0):
-    """The tensors in a model output (a tensor, tuple/list, dict or Hugging Face ModelOutput)."""
+    """The tensors in a model's input or output (a tensor, tuple/list, dict, Hugging Face ModelOutput or
+    dataclass), in order."""
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif depth < 3 and isinstance(obj, (tuple, list)):
+    elif depth >= 4:
+        return
+    elif isinstance(obj, (tuple, list)):
         for item in obj:
             yield from _tensors(item, depth + 1)
-    elif depth < 3 and isinstance(obj, dict):
+    elif isinstance(obj, dict):
         for item in obj.values():
             yield from _tensors(item, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _tensors(getattr(obj, f.name), depth + 1)
 
 
 class Capture:
@@ -107,7 +115,10 @@ class Capture:
         self.on_output_grad = on_output_grad
         self.layers: list[LayerState] = []
         self._state_of: dict[int, LayerState] = {}
-        self._hooked: set[int] = set()
+        self._hooked: dict[int, nn.Module] = {}  # by id, with the module itself (an id is reused after a module dies)
+        self._checked: dict[int, nn.Module] = {}
+        #: while set (engine.paused()), nothing is switched or recorded
+        self.paused = False
         self._handles: list[Any] = []
         self._own_ids: set[int] = set()  # ids of every hook the engine registered (for the order checks)
         self._pre_ids: dict[int, int] = {}
@@ -127,9 +138,15 @@ class Capture:
         self._keep(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True, prepend=True))
         self._keep(self.model.register_forward_hook(self._model_post_hook, prepend=True))
         self._keep(self.model.register_forward_hook(self._model_failed_hook, always_call=True))
-        for module, check in extra_checks:
-            self._keep(module.register_forward_pre_hook(check))
+        self.add_checks(extra_checks)
         self.set_layers(layers)
+
+    def add_checks(self, checks: list[tuple[nn.Module, Callable]]) -> None:
+        """Forward pre-hooks that refuse a module's call (a frozen BatchNorm in training mode), once per module."""
+        for module, check in checks:
+            if self._checked.get(id(module)) is not module:
+                self._checked[id(module)] = module
+                self._keep(module.register_forward_pre_hook(check))
 
     def _keep(self, handle):
         self._handles.append(handle)
@@ -140,10 +157,10 @@ class Capture:
         self.layers = layers
         self._state_of = {id(s.module): s for s in layers}
         for state in layers:
-            if id(state.module) in self._hooked:
+            if self._hooked.get(id(state.module)) is state.module:
                 continue
-            self._hooked.add(id(state.module))
             module = state.module
+            self._hooked[id(module)] = module
             self._pre_hook_fns[id(module)] = self._make_pre_hook(module)
             pre = self._keep(module.register_forward_pre_hook(self._pre_hook_fns[id(module)]))
             post = self._keep(module.register_forward_hook(
@@ -164,6 +181,7 @@ class Capture:
         self._handles.clear()
         self._own_ids.clear()
         self._hooked.clear()
+        self._checked.clear()
         self.restore_switched()
         for state in self.layers:
             state.calls.clear()
@@ -179,26 +197,26 @@ class Capture:
 
     # ------------------------------------------------------------------ the model's own call
     def _model_pre_hook(self, module, args, kwargs):
-        if in_backward() or not torch.is_grad_enabled() or in_replay():  # checkpointing, evaluation, a replay
-            return None
+        if in_backward() or not torch.is_grad_enabled() or in_replay() or self.paused:
+            return None  # a recomputation (checkpointing), evaluation, a fallback's replay, or paused
         if self._open_forward is not None:
             # The last model call never returned (an exception the always-called hook could not
             # see, such as KeyboardInterrupt): drop what it recorded.
             self.drop_forward(self._open_forward)
-        hooked = id(module) in self._hooked
+        hooked = self._hooked.get(id(module)) is module
         self.on_model_call()
-        if not hooked and id(module) in self._hooked:  # the model became a layer: its pre-hook missed this call
+        if not hooked and self._hooked.get(id(module)) is module:  # the model became a layer: its pre-hook missed
             self._pre_hook_fns[id(module)](module, args)
         self._forward_count += 1
         self._open_forward = self._forward_count
         self._finished_forward = False
         dim = 0 if self.batch_first else 1
-        first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() > dim), None)
+        first = next((t for t in _tensors((args, kwargs)) if t.dim() > dim), None)
         self.forward_batch = first.shape[dim] if first is not None else None
         return None
 
     def _model_post_hook(self, module, args, output):
-        if in_backward() or self._open_forward is None or in_replay():
+        if in_backward() or self._open_forward is None or in_replay() or self.paused:
             return None
         self._finished_forward = True
         self._open_forward = None
@@ -223,8 +241,11 @@ class Capture:
         for state in self.layers:
             state.calls = [c for c in state.calls if c.forward_id != forward_id]
 
-    def model_call_open(self) -> bool:
-        return self._open_forward is not None
+    def settle_open_forward(self) -> None:
+        """Outside any model call: a model call still open never returned (Ctrl-C in its forward)."""
+        if self._open_forward is not None:
+            self.drop_forward(self._open_forward)
+            self._open_forward = None
 
     # ------------------------------------------------------------------ layer hooks
     def _anchor(self, device: torch.device) -> torch.Tensor:
@@ -263,7 +284,7 @@ class Capture:
         def pre_hook(module, inputs):
             state = self._state_of.get(id(module))
             # A replay by the per-sample fallback runs children as they are: nothing to switch or record.
-            if state is None or not torch.is_grad_enabled() or in_replay():
+            if state is None or not torch.is_grad_enabled() or in_replay() or self.paused:
                 return None
             self._check_hook_order(module, state)
             params = self._current_params(state) if self.params_by_name else state.params.values()
@@ -296,7 +317,7 @@ class Capture:
 
     def _make_post_hook(self, module: nn.Module):
         def post_hook(module, args, kwargs, output):
-            if in_replay():
+            if in_replay() or self.paused:
                 return None
             self._restore(module)
             state = self._state_of.get(id(module))
@@ -319,7 +340,7 @@ class Capture:
 
         def keep(source, tensor):
             state = self._state_of.get(id(module))
-            if state is None or in_replay():
+            if state is None or in_replay() or self.paused:
                 return
             if not isinstance(tensor, torch.Tensor):
                 raise TypeError(f"{state.name}: the activation source {type(source).__name__} of capture site "
@@ -341,7 +362,7 @@ class Capture:
 
         def input_hook(target, inputs):
             state = self._state_of.get(id(module))
-            if (state is None or not torch.is_grad_enabled() or in_replay() or not inputs
+            if (state is None or not torch.is_grad_enabled() or in_replay() or self.paused or not inputs
                     or not isinstance(inputs[0], torch.Tensor)):
                 return None
             captured = inputs
@@ -360,19 +381,22 @@ class Capture:
     def _record(self, state: LayerState, module: nn.Module, inputs: tuple, tensor: torch.Tensor,
                 site: int | None = None) -> torch.Tensor:
         """Keep the activation, and hook the gradient of ``tensor`` (a layer output, or a hooked input)."""
-        if not self.batch_first:  # every layer sees [T, B, ...]: the rules get the batch first
-            inputs = _batch_to_front(inputs)
-        if site is None:
-            args, kwargs = inputs
-            activation = state.rule.capture_call(module, args, kwargs, tensor if self.batch_first else
-                                                 _swap01(tensor))
-        else:
-            activation = state.rule.capture_at(module, site, inputs, tensor if self.batch_first else _swap01(tensor))
-        if not tensor.requires_grad:
-            tensor = _Origin.apply(self._anchor(tensor.device), tensor)
-        seen = tensor if self.batch_first else _swap01(tensor)
         recomputed = in_backward()
         forward_batch = self.forward_batch if self._open_forward is not None or recomputed else None
+        # Sequence first: a tensor [T, B, ...] is given to the rules as [B, T, ...]; one that already leads with
+        # the batch (a pooled [B, d]) stays; T == B cannot be told apart and is refused.
+        swap = (lambda t: _batch_to_front(t, forward_batch, state)) if not self.batch_first else (lambda t: t)
+        inputs = swap(inputs)
+        seen_output = swap(tensor)
+        if site is None:
+            args, kwargs = inputs
+            activation = state.rule.capture_call(module, args, kwargs, seen_output)
+        else:
+            activation = state.rule.capture_at(module, site, inputs, seen_output)
+        output_swapped = seen_output is not tensor
+        if not tensor.requires_grad:
+            tensor = _Origin.apply(self._anchor(tensor.device), tensor)
+        seen = _swap01(tensor) if output_swapped else tensor
         if seen.dim() and seen.shape[0] == 1 and forward_batch is not None and forward_batch != 1:
             if not self.batch_first:
                 raise ValueError(
@@ -398,12 +422,12 @@ class Capture:
         dims = state.rule.dims(module, activation, seen)
         version = activation._version if isinstance(activation, torch.Tensor) else None
         forward_id = None if recomputed else self._open_forward
-        call = Call(activation, dims, batch, version, forward_id, recomputed)
+        call = Call(activation, dims, batch, version, forward_id, recomputed, forward_batch is not None)
         state.calls.append(call)
-        if self.batch_first:
-            tensor.register_hook(lambda g: self.on_grad(state, call, g))
-        else:
+        if output_swapped:
             tensor.register_hook(lambda g: self.on_grad(state, call, _swap01(g)))
+        else:
+            tensor.register_hook(lambda g: self.on_grad(state, call, g))
         return tensor
 
 
@@ -411,11 +435,24 @@ def _swap01(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1) if isinstance(t, torch.Tensor) and t.dim() >= 2 else t
 
 
-def _batch_to_front(inputs):
+def _batch_to_front(inputs, batch: int | None, state: LayerState):
+    """Tensors [T, B, ...] of a sequence-first model as [B, T, ...] (every tensor, if the batch is unknown)."""
     if isinstance(inputs, torch.Tensor):
-        return _swap01(inputs)
+        if inputs.dim() < 2:
+            return inputs
+        if batch is None:
+            return _swap01(inputs)
+        first, second = inputs.shape[0] == batch, inputs.shape[1] == batch
+        if first and second:
+            raise ValueError(
+                f"{state.name or '<root>'} ({type(state.module).__name__}) got a tensor of shape "
+                f"{tuple(inputs.shape)} in a sequence-first model (batch_first=False) whose batch is {batch}: with "
+                "as many positions as samples the engine cannot tell which axis is the batch. Use another batch "
+                "size for this step"
+            )
+        return _swap01(inputs) if second else inputs
     if isinstance(inputs, tuple):
-        return tuple(_batch_to_front(x) for x in inputs)
+        return tuple(_batch_to_front(x, batch, state) for x in inputs)
     if isinstance(inputs, dict):
-        return {k: _batch_to_front(v) for k, v in inputs.items()}
+        return {k: _batch_to_front(v, batch, state) for k, v in inputs.items()}
     return inputs

@@ -5,6 +5,7 @@ the GradScaler protocol is ``precision.LossScaling``; the hooks are ``capture.Ca
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 import weakref
@@ -241,6 +242,7 @@ class PrivacyEngine:
 
         # Which backward is running, and the end-of-backward callback of a plain loss.backward().
         self._phase = _Phase.IDLE
+        self._done_forwards: set[int] = set()  # model calls already back-propagated in this step
         self._callback_queued = False
         self._callback_task = -1
 
@@ -311,6 +313,7 @@ class PrivacyEngine:
             return
         self._build_layers()
         if self._capture is not None:
+            self._capture.add_checks(_frozen_batchnorm_checks(self.model))  # modules added since attach
             self._capture.set_layers(self._layers)
             self._sync_grad_hooks()
 
@@ -430,6 +433,24 @@ class PrivacyEngine:
         self._pipeline.forget_calls()
         self._sums.clear()
 
+    @contextlib.contextmanager
+    def paused(self):
+        """Forwards and backwards inside are not training: nothing is recorded or clipped.
+
+        For gradients with respect to the *inputs* (adversarial examples, saliency maps) taken with
+        ``torch.autograd.grad(loss, x)``: outside this context the engine cannot tell such a backward
+        from a training one, and would add the sample's clipped gradient to the step. A ``.backward()``
+        inside still refuses to leave parameter gradients (they would not be private).
+        """
+        if self._capture is None:
+            raise RuntimeError("call engine.attach(optimizer) first")
+        previous = self._capture.paused
+        self._capture.paused = True
+        try:
+            yield self
+        finally:
+            self._capture.paused = previous
+
     # ------------------------------------------------------------------ every exit of a backward
     def _abort_backward(self) -> None:
         """Drop everything a failed (or abandoned) forward/backward captured; the step's earlier sums stay
@@ -465,6 +486,7 @@ class PrivacyEngine:
                 "in a single-backward mode"
             )
         self._settle_failed_backward()
+        self._capture.settle_open_forward()
         if losses.dim() > 1:
             losses = losses.flatten(1).sum(1)
         # Without a scaler, non-finite losses show as non-finite norms (checked once, with them): no extra
@@ -500,6 +522,7 @@ class PrivacyEngine:
         overflow = False
         try:
             overflow = self._scaled_backward(losses)
+            self._backward_done()
         except FloatingPointError as err:
             self._abort_backward()
             bad = (~torch.isfinite(losses.detach())).nonzero().flatten().tolist()
@@ -579,8 +602,13 @@ class PrivacyEngine:
             self._pipeline.second_pass_gradients(params, ones)
         self._sums.commit()
 
+    def _backward_done(self) -> None:
+        """A backward completed: its model calls may not be back-propagated again in this step."""
+        self._done_forwards |= self._pipeline.forwards
+        self._pipeline.forwards = set()
+
     def _on_output_grad(self, state: LayerState, call: Call, grad: torch.Tensor) -> None:
-        if self._phase is _Phase.DISCARD:
+        if self._phase is _Phase.DISCARD or self._capture.paused:
             return
         if self._phase is _Phase.SECOND_PASS:
             call.grad = grad.detach()
@@ -593,6 +621,20 @@ class PrivacyEngine:
                     "engine.backward(per_sample_losses) instead of loss.backward()"
                 )
             self._begin_plain_backward(from_layer=call)
+            if not call.batch_checked and not call.recomputed:
+                raise ValueError(
+                    f"{state.name or '<root>'} ({type(state.module).__name__}) was called outside a call of the model "
+                    "given to the engine, or the model's input held no tensor to read the batch size from: through a "
+                    "plain loss.backward() the engine cannot check that this layer's rows are samples. Call the "
+                    "model itself (model(x)), or use engine.backward(per_sample_losses)"
+                )
+        if call.forward_id is not None and call.forward_id in self._done_forwards:
+            raise RuntimeError(
+                f"{state.name or '<root>'}: this model call was already back-propagated in this step (one forward, "
+                "two backward passes, e.g. two heads' losses back-propagated one after the other): each would be "
+                "clipped on its own, so a sample could contribute more than max_grad_norm. Add the losses and "
+                "back-propagate them once"
+            )
         if not any(c is call for c in state.calls):
             raise RuntimeError(
                 f"{state.name or '<root>'}: a layer call received a second output gradient (the same forward was "
@@ -615,12 +657,16 @@ class PrivacyEngine:
             if from_layer is not None or task == self._callback_task:
                 return
             self._abort_backward()  # a new backward reached the model's output: the queued one died
-        elif from_layer is not None and from_layer.recomputed and any(
-            not c.recomputed and c.grad is None for s in self._layers for c in s.calls
-        ):
-            # A recomputation's nested backward (reentrant checkpointing) ends before the outer one: queue
-            # when the outer backward reaches a layer of the forward.
-            return
+        elif from_layer is not None and from_layer.recomputed:
+            # Reentrant checkpointing runs a recomputation's backward as a nested backward, which ends before
+            # the outer one: the end of this backward is unknown. (It is known when the gradient reaches the
+            # model's output first, or with engine.backward.)
+            raise RuntimeError(
+                "a plain loss.backward() reached a layer recomputed by reentrant activation checkpointing before "
+                "the model's output: the engine cannot tell where this backward ends. Return the model's outputs as "
+                "tensors (or tuples, dicts, dataclasses of tensors) from model(...), use "
+                "engine.backward(per_sample_losses), or checkpoint with use_reentrant=False"
+            )
         self._callback_queued = True
         self._callback_task = task
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_plain_backward)
@@ -647,6 +693,7 @@ class PrivacyEngine:
             self._abort_backward()
             raise
         else:
+            self._backward_done()
             self._after_backward(overflow=False)
 
     # ------------------------------------------------------------------ the private step
@@ -657,6 +704,18 @@ class PrivacyEngine:
     def _held_trainable(self) -> list[nn.Parameter]:
         """The covered trainable parameters the optimizer holds; refuses trainable ones it does not hold."""
         held = [p for group in self._optimizer.param_groups for p in group["params"]]
+        # (a parameter no longer in the model, without a gradient, is harmless: the optimizer skips it)
+        foreign = [p for p in held if p.requires_grad and p not in self._users and p.grad is not None]
+        if foreign:
+            for p in foreign:
+                p.grad = None  # never a raw gradient into the optimizer
+            raise RuntimeError(
+                f"the optimizer holds {len(foreign)} parameter(s) with a gradient (shapes "
+                f"{[tuple(p.shape) for p in foreign[:3]]}) that are not part of the model the engine makes private "
+                "(added with add_param_group, e.g. a learnable loss parameter): their gradients are not clipped. "
+                "They were dropped; nothing was applied. Make them parameters of a module inside the model, or "
+                "freeze them"
+            )
         held_set = set(held)
         missing = [p for p in self._users if p.requires_grad and p not in held_set]
         if missing:
@@ -681,8 +740,9 @@ class PrivacyEngine:
             return
         if self._parallel is not None:  # every rank skips, or none
             overflow = self._parallel.any(overflow, next(iter(self._users)).device)
-        params = self._held_trainable()
-        marker_param = min(params, key=lambda q: q.numel()) if params else next(iter(self._users))
+        held = [p for group in self._optimizer.param_groups for p in group["params"]
+                if p in self._users and p.requires_grad]
+        marker_param = min(held, key=lambda q: q.numel()) if held else next(iter(self._users))
         first, skipped = self._scaling.show(overflow, marker_param)
         if skipped:
             self._sums.clear()  # nothing of a skipped step is ever applied
@@ -696,6 +756,9 @@ class PrivacyEngine:
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         self._settle_failed_backward()
+        self._capture.settle_open_forward()
+        self._follow_trainable()
+        self._done_forwards.clear()
         if self._scaling is not None and self._scaling.overflowed:
             # optimizer.step() without scaler.step(): the counted, overflowed step applies nothing
             for p in self._held_trainable():
@@ -706,6 +769,7 @@ class PrivacyEngine:
             return
         step_params = self._held_trainable()
         self._leave_frozen_untouched()
+        self._refuse_foreign_grads(step_params)
         try:
             self._check_budget()
         except PrivacyBudgetExceeded:
@@ -714,8 +778,6 @@ class PrivacyEngine:
             self._sums.clear()
             self._pipeline.forget_calls()
             raise
-        if self._parallel is not None:
-            self._refuse_foreign_grads(step_params)
         std = self.noise_multiplier * self.max_grad_norm * self._audit_noise_scale
 
         # In place on the engine's own sums, one parameter at a time: the step needs no more
@@ -800,10 +862,9 @@ class PrivacyEngine:
         return low
 
     def _refuse_foreign_grads(self, step_params: list[nn.Parameter]) -> None:
-        """Backstop under data parallelism: a gradient the engine did not give came from a use of the
-        parameter outside its layer's call. (FSDP2 writes autograd's gradients to the sharded ``p.grad``
-        by its reduce-scatter; recent torch then runs the post-accumulate-grad hook, which refuses them
-        during the backward, but nothing guarantees every version does.)"""
+        """Backstop at every step: a gradient the engine did not give is autograd's own, unclipped (a use of
+        the parameter outside its layer's call that no hook caught, a layer changed in place, FSDP2 writing
+        to the sharded ``p.grad``); it is dropped and the step refused."""
         marker = self._marker()
         for p in step_params:
             given = self._given_grads.get(p)
@@ -811,9 +872,10 @@ class PrivacyEngine:
                 name = next(f"{s.name}.{n}" if s.name else n for s, n in self._users[p])
                 p.grad = None
                 raise RuntimeError(
-                    f"parameter {name!r} received a gradient from autograd: it was used outside the forward call "
-                    "of its own layer, so its per-sample gradient would not be clipped. Use the layer module "
-                    "itself, or freeze the parameter"
+                    f"parameter {name!r} holds a gradient the engine did not give: autograd's own, unclipped (the "
+                    "parameter was used outside the forward call of its own layer, or the layer was replaced "
+                    "outside a model call). It was dropped; nothing was applied. Use the layer module itself, "
+                    "call the model itself, or freeze the parameter"
                 )
 
     # ------------------------------------------------------------------ reports
@@ -899,7 +961,7 @@ class _Structure:
 
 def _frozen_batchnorm_checks(model: nn.Module):
     """A frozen BatchNorm is fine in eval mode, but in train mode it mixes samples in the forward."""
-    checks = []
+    found = []
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             def check(mod, inputs, _name=name or "<root>"):
@@ -909,5 +971,5 @@ def _frozen_batchnorm_checks(model: nn.Module):
                         "whole batch, which mixes samples. Call .eval() on it (frozen statistics) or replace it "
                         "with nn.GroupNorm"
                     )
-            checks.append((module, check))
-    return checks
+            found.append((module, check))
+    return found

@@ -66,7 +66,9 @@ class StepSums:
     def begin(self) -> None:
         self._created, self._added = [], False
 
-    commit = begin
+    def commit(self) -> None:
+        """The backward completed: what it added stays, whatever happens to a later one."""
+        self._created, self._added = [], False
 
     def add(self, p: nn.Parameter, g: torch.Tensor) -> None:
         g = g.to(p.dtype)
@@ -141,6 +143,8 @@ class BackwardPipeline:
         self.consumed: list[tuple[LayerState, Call]] | None = None
         #: calls that received an output gradient in the current second (re-weighted) pass
         self.reweighted: list[tuple[LayerState, Call]] = []
+        #: the model calls (forward ids) whose layers this backward reduced
+        self.forwards: set[int] = set()
 
     def set_layers(self, layers, users, group_of, num_groups: int, threshold: float) -> None:
         self.layers, self.users, self.group_of = layers, users, group_of
@@ -150,7 +154,11 @@ class BackwardPipeline:
     def can_reduce_now(self, state: LayerState) -> bool:
         """A layer called once, whose parameters no other layer shares, is reduced as soon as its gradient
         arrives, freeing its activation and output gradient during the backward pass."""
-        return len(state.calls) == 1 and not any(len(self.users[p]) > 1 for p in state.params.values())
+        if len(state.calls) != 1 or state.calls[0].recomputed:
+            # A recomputation (reentrant checkpointing) records its calls during the backward, one checkpoint
+            # at a time: more calls of this layer may still come, so it waits for the end of the backward.
+            return False
+        return not any(len(self.users[p]) > 1 for p in state.params.values())
 
     def reduce_layer(self, state: LayerState) -> None:
         self.prepare_layer(state)
@@ -169,6 +177,12 @@ class BackwardPipeline:
         state.calls = [c for c in state.calls if c.grad is None]
         if not calls:
             return
+        if id(state) in self._ready or any(p in self._works for p in state.params.values()):
+            raise RuntimeError(
+                f"internal error: calls of {state.name!r} arrived after its per-sample norm was taken in this "
+                "backward; nothing was accumulated. Please report this with the model"
+            )
+        self.forwards.update(c.forward_id for c in calls if c.forward_id is not None)
         if self.consumed is not None:
             self.consumed.extend((state, c) for c in calls)
         dims = join_dims([c.dims for c in calls])
@@ -313,15 +327,17 @@ class BackwardPipeline:
 
     def second_pass_gradients(self, params: list[nn.Parameter], ones: torch.Tensor) -> None:
         """Module 2b of the re-weighted pass: ``a^T g`` of the calls that received its output gradients."""
-        by_layer: dict[int, list[Call]] = {}
+        by_layer: dict[int, tuple[LayerState, list[Call]]] = {}
         for state, call in self.reweighted:
-            by_layer.setdefault(id(state), []).append(call)
-        for p in params:
-            for state, name in self.users[p]:
-                calls = by_layer.get(id(state))
-                if calls:
-                    ops = self.operands(state, calls)
-                    self.sums.add(p, state.rule.clipped_grads(state.module, ops, {name: ones})[name])
+            by_layer.setdefault(id(state), (state, []))[1].append(call)
+        wanted = set(params)
+        for state, calls in by_layer.values():  # operands once per layer, every parameter of the group at once
+            names = {name: p for name, p in state.params.items() if p in wanted}
+            if names:
+                ops = self.operands(state, calls)
+                grads = state.rule.clipped_grads(state.module, ops, {name: ones for name in names})
+                for name, p in names.items():
+                    self.sums.add(p, grads[name])
         for _, call in self.reweighted:
             call.grad = None
         self.reweighted = []
@@ -363,6 +379,7 @@ class BackwardPipeline:
         self._works.clear()
         self._decisions.clear()
         self.reweighted = []
+        self.forwards = set()
 
 
 def _float32(t: torch.Tensor) -> torch.Tensor:

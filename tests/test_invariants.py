@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dptrain
-from dptrain.layers.base import flatten_tokens
+from dptrain.layers.numerics import flatten_tokens
 from helpers import (
     CLIPPING_FNS,
     MODES,
@@ -686,8 +686,9 @@ class UnregisteredScale(nn.Module):  # like Scale, but no rule is ever registere
 
 @pytest.fixture(scope="module")
 def scale_rule_registered():
-    if not isinstance(dptrain.find_rule(Scale(1)), ScaleRule):
-        dptrain.register_layer(ScaleRule)
+    dptrain.register_layer(ScaleRule)
+    yield
+    dptrain.unregister_layer(ScaleRule)
 
 
 def test_subclass_of_linear_uses_the_linear_rule():

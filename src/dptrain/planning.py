@@ -24,7 +24,8 @@ from torch import nn
 
 from .algorithms import RECIPES, Grad, GradVia, Norm, NormVia, Recipe
 from .layers import in_replay, resolve_rule
-from .layers.base import LayerDims, layer_params
+from .layers.protocol import LayerDims
+from .layers.registry import layer_params
 
 DECISION_RULES = ("memory", "space", "time")
 DEFAULT_DECISION_RULE = "memory"

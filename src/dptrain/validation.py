@@ -4,7 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from .layers import fallback_refusal, resolve_rule
-from .layers.base import covering_base, layer_params
+from .layers.registry import covering_base, layer_params
 
 
 def find_problems(model: nn.Module, allow_fallback: bool = True) -> list[str]:

@@ -1,15 +1,21 @@
-"""Layer rules: one file per layer family, found through the class hierarchy."""
+"""Layer rules: one file per layer family, found through the class hierarchy.
+
+Writing a rule: ``protocol.py`` (``LayerRule``, ``LayerDims``), ``registry.py`` (``register_layer``,
+``unregister_layer``), ``numerics.py`` (the helpers the built-in rules share); ``norms.AffineNormRule`` is
+the base of every normalisation rule. ``dptrain.testing.assert_rule_exact`` checks a rule in every mode.
+"""
 from __future__ import annotations
 from torch import nn
 
-from .base import LayerDims, LayerRule, container_params, find_rule, register_layer, trainable_params
+from .protocol import CaptureSite, LayerDims, LayerRule
+from .registry import container_params, find_rule, register_layer, trainable_params, unregister_layer
 from . import linear, conv, embedding, norms, hf, timm  # noqa: F401  (registers the built-in rules)
 from .fallback import FallbackRule, fallback_modules, fallback_refusal, in_replay
-from .norms import recognise_rms_norm
+from .norms import AffineNormRule, recognise_rms_norm
 
 __all__ = [
-    "FallbackRule", "LayerDims", "LayerRule", "fallback_modules", "fallback_refusal", "find_rule", "in_replay",
-    "register_layer", "resolve_rule", "trainable_params",
+    "AffineNormRule", "CaptureSite", "FallbackRule", "LayerDims", "LayerRule", "fallback_modules", "fallback_refusal",
+    "find_rule", "in_replay", "register_layer", "resolve_rule", "trainable_params", "unregister_layer",
 ]
 
 

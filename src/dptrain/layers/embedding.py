@@ -11,7 +11,9 @@ import math
 import torch
 from torch import nn
 
-from .base import LayerDims, LayerRule, OneHot, accumulation_dtype, float32_at_least, register_layer
+from .numerics import OneHot, float32_at_least
+from .protocol import LayerDims, LayerRule
+from .registry import register_layer
 
 
 @register_layer
@@ -70,14 +72,3 @@ class EmbeddingRule(LayerRule):
     def weight_factors(self, module, ops):
         ids, g = ops
         return OneHot(ids, module.num_embeddings), g
-
-    def clipped_grads(self, module, ops, factors):
-        ids, g = ops
-        # Rows of repeated tokens are summed in float32 (or wider): a bf16 running sum rounds at every
-        # addition; the engine casts the result to the parameter's dtype.
-        factor = factors["weight"]
-        acc = accumulation_dtype(g.dtype, factor.dtype)
-        weighted = g.to(acc) * factor.to(acc)[:, None, None]
-        out = torch.zeros(module.num_embeddings, g.shape[-1], dtype=acc, device=g.device)
-        out.index_add_(0, ids.reshape(-1), weighted.reshape(-1, g.shape[-1]))
-        return {"weight": out}

@@ -31,7 +31,9 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .base import LayerDims, LayerRule, container_params, scale_samples, weighted_sum
+from .numerics import scale_samples, weighted_sum
+from .protocol import LayerDims, LayerRule
+from .registry import container_params
 
 _state = threading.local()
 
@@ -422,7 +424,7 @@ def fallback_refusal(module: nn.Module) -> str | None:
 def fallback_modules(model: nn.Module) -> list[str]:
     """Names of the modules of ``model`` whose trainable parameters the engine would give to the fallback."""
     from . import resolve_rule  # the single place that chooses a module's rule
-    from .base import layer_params
+    from .registry import layer_params
 
     covered = layer_params(model)
     return [

@@ -10,10 +10,12 @@ import math
 
 import torch
 
-from .base import LayerDims, LayerRule, register_layer, weighted_sum
 from .embedding import EmbeddingRule
 from .linear import LinearRule
-from .norms import _AffineNormRule
+from .norms import AffineNormRule
+from .numerics import factor_weighted_sum
+from .protocol import LayerDims, LayerRule
+from .registry import register_layer
 
 
 @register_layer
@@ -36,14 +38,17 @@ class Conv1DRule(LinearRule):
         return a, g
 
     def clipped_grads(self, module, ops, factors):
-        out = super().clipped_grads(module, ops, factors)
-        if "weight" in out:
-            out["weight"] = out["weight"].t()
+        # the default would scale the input (the first factor of the stored [in, out] layout); scaling the
+        # output gradient, as the Linear rule does, keeps its rounding under bf16/fp16
+        out = super().clipped_grads(module, ops, {n: c for n, c in factors.items() if n != "weight"})
+        if "weight" in factors:
+            a, g = ops
+            out["weight"] = factor_weighted_sum(g, a, factors["weight"]).t()
         return out
 
 
 @register_layer
-class HFRMSNormRule(_AffineNormRule):
+class HFRMSNormRule(AffineNormRule):
     """T5's RMS norm: weight * x / sqrt(mean(x^2) + eps), statistics in float32, x kept in its dtype.
 
     Llama's and the other decoder families' RMS norms normalise x itself in float32; they are
@@ -180,10 +185,6 @@ class TokenParamsRule(LayerRule):
             if name not in out:  # a parameter this call did not use (e.g. another branch's token)
                 out[name] = ops[0][1].new_zeros(ops[0][1].shape[0], *params[name].shape)
         return out
-
-    def clipped_grads(self, module, ops, factors):
-        per_sample = self.per_sample_grads(module, ops, set(factors))
-        return {n: weighted_sum(factors[n], t) for n, t in per_sample.items()}
 
 
 def _check_positions(module, tokens: torch.Tensor, pos: torch.Tensor, start: int) -> slice | ValueError:

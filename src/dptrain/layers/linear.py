@@ -6,16 +6,9 @@ import math
 import torch
 from torch import nn
 
-from .base import (
-    LayerDims,
-    LayerRule,
-    accumulation_dtype,
-    flatten_tokens,
-    float32_at_least,
-    register_layer,
-    scale_samples,
-    weighted_sum,
-)
+from .numerics import accumulation_dtype, flatten_tokens, float32_at_least
+from .protocol import LayerDims, LayerRule
+from .registry import register_layer
 
 
 def gram_inner(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -61,13 +54,3 @@ class LinearRule(LayerRule):
     def weight_factors(self, module, ops):
         a, g = ops
         return g, a
-
-    def clipped_grads(self, module, ops, factors):
-        a, g = ops
-        out = {}
-        if "weight" in factors:
-            weighted = scale_samples(g, factors["weight"])
-            out["weight"] = weighted.reshape(-1, g.shape[-1]).t() @ a.reshape(-1, a.shape[-1]).to(g.dtype)
-        if "bias" in factors:
-            out["bias"] = weighted_sum(factors["bias"], g.sum(1, dtype=accumulation_dtype(g.dtype)))
-        return out

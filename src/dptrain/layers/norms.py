@@ -15,15 +15,24 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import (
-    LayerDims, LayerRule, accumulation_dtype, float32_at_least, positional_inputs, register_layer, weighted_sum,
-)
+from .numerics import accumulation_dtype, float32_at_least
+from .protocol import LayerDims, LayerRule, positional_inputs
+from .registry import register_layer
 from .fallback import FallbackCall, FallbackOperands, autocast_state, replay
 
 
-class _AffineNormRule(LayerRule):
-    """Operands are the per-sample sums over positions (sum_t xhat * g, sum_t g) as [B, 1, n], with
-    n = the parameter's size: the per-sample gradients themselves, one row per call.
+class AffineNormRule(LayerRule):
+    """The base of every normalisation rule: ``y = weight * xhat + bias`` with ``xhat`` the normalised
+    input, one parameter element per normalised feature (or channel).
+
+    A norm's rule is this class with two methods: ``normalized(module, x)``, ``xhat`` recomputed from
+    the saved input as the forward computes it, and ``channels_last(module, t)``, a view of a tensor of
+    the output's shape with the parameter's elements in the last dim (and ``dims``, the sizes for the
+    planner). ``param_names = ("weight",)`` for a norm without a bias (an RMS norm).
+
+    Operands are the per-sample sums over positions (sum_t xhat * g, sum_t g) as [B, 1, n], with
+    n = the parameter's size: the per-sample gradients themselves, one row per call; the clipped
+    gradients are their weighted sums (``LayerRule.clipped_grads``).
 
     They are formed in float32 (or wider) from low-precision activations and output gradients, as
     torch's own normalisation kernels accumulate them, and are tiny, so nothing of size T is kept.
@@ -57,12 +66,8 @@ class _AffineNormRule(LayerRule):
             out["bias"] = g.sum(1).reshape(g.shape[0], *module.bias.shape)
         return out
 
-    def clipped_grads(self, module, ops, factors):
-        per_sample = self.per_sample_grads(module, ops, set(factors))
-        return {n: weighted_sum(factors[n], t) for n, t in per_sample.items()}
 
-
-class _TrailingDimsNorm(_AffineNormRule):
+class _TrailingDimsNorm(AffineNormRule):
     """Norms whose parameter covers the trailing ``normalized_shape`` dims (LayerNorm, RMSNorm)."""
 
     def dims(self, module, activation, output):
@@ -108,7 +113,7 @@ if hasattr(nn, "RMSNorm"):  # torch >= 2.4
             return x * torch.rsqrt(x.pow(2).mean(dims, keepdim=True) + eps)
 
 
-class _ChannelNorm(_AffineNormRule):
+class _ChannelNorm(AffineNormRule):
     """Norms of [B, C, *spatial] inputs with one parameter per channel."""
 
     def dims(self, module, activation, output):
@@ -190,7 +195,7 @@ class NotAnRMSNorm(ValueError):
     """A module recognised as an RMS norm by its structure failed the numerical check."""
 
 
-class RecognisedRMSNormRule(_AffineNormRule):
+class RecognisedRMSNormRule(AffineNormRule):
     """An RMS norm found by :func:`recognise_rms_norm`: ``s(w) * xhat`` with ``s(w) = w`` or ``1 + w``.
 
     Both give the per-sample gradient ``sum_t xhat_i[t] * g_i[t]``. ``xhat`` is the module's own:

@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .base import CaptureSite, LayerDims, LayerRule, accumulation_dtype, register_layer, weighted_sum
 from .hf import TokenParamsRule, _check_positions
-from .norms import GroupNormRule, LayerNormRule, _AffineNormRule, _TrailingDimsNorm
+from .norms import AffineNormRule, GroupNormRule, LayerNormRule, _TrailingDimsNorm
+from .numerics import accumulation_dtype
+from .protocol import CaptureSite, LayerDims, LayerRule
+from .registry import register_layer
 
 
 # --------------------------------------------------------------------------- norms
@@ -38,7 +40,7 @@ class TimmLayerNormFp32Rule(LayerNormRule):
 
 
 @register_layer
-class TimmLayerNorm2dRule(_AffineNormRule):
+class TimmLayerNorm2dRule(AffineNormRule):
     """LayerNorm2d: a LayerNorm over the channels of an NCHW tensor (ConvNeXt's stem, downsampling
     and head norms). The affine parameters act per channel, at every spatial position."""
 
@@ -122,9 +124,6 @@ class _ScaleRule(LayerRule):
 
     def per_sample_grads(self, module, ops, names):
         return {"gamma": ops[0].sum(1, dtype=accumulation_dtype(ops[0].dtype))}
-
-    def clipped_grads(self, module, ops, factors):
-        return {"gamma": weighted_sum(factors["gamma"], self.per_sample_grads(module, ops, {"gamma"})["gamma"])}
 
 
 @register_layer
@@ -290,10 +289,6 @@ class _ProductScaleRule(LayerRule):
                 out[name] = ops[0][1].new_zeros(ops[0][1].shape[0], getattr(module, name).numel())
         return out
 
-    def clipped_grads(self, module, ops, factors):
-        per_sample = self.per_sample_grads(module, ops, set(factors))
-        return {n: weighted_sum(factors[n], t) for n, t in per_sample.items()}
-
 
 @register_layer
 class ConvNeXtBlockRule(_ProductScaleRule):
@@ -402,10 +397,6 @@ class BeitAttentionRule(LayerRule):
                 add("relative_position_bias_table",
                     per_sample.index_add_(1, module.relative_position_index.reshape(-1), flat))
         return out
-
-    def clipped_grads(self, module, ops, factors):
-        per_sample = self.per_sample_grads(module, ops, set(factors))
-        return {n: weighted_sum(factors[n], t) for n, t in per_sample.items()}
 
 
 @register_layer

@@ -1,0 +1,105 @@
+"""Numeric helpers shared by the layer rules: Gram matrices of weight factors, token flattening, and
+the precision rules (norms, clipping factors and their products in float32 or wider, also when the
+model trains in bf16/fp16).
+
+Nothing here knows about modules or the registry: these are functions of tensors.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class OneHot:
+    """The one-hot matrix [B, T, size] of token ids [B, T], never formed."""
+
+    ids: torch.Tensor
+    size: int
+
+
+
+def factor_gram(x, y) -> torch.Tensor:
+    """[B, Tx, Ty] inner products between the rows of two factors (dense or one-hot)."""
+    if isinstance(x, OneHot) and isinstance(y, OneHot):
+        return (x.ids.unsqueeze(2) == y.ids.unsqueeze(1)).float()
+    if isinstance(x, OneHot):
+        y = float32_at_least(y)
+        index = x.ids.unsqueeze(1).expand(y.shape[0], y.shape[1], x.ids.shape[1])
+        return torch.gather(y, 2, index).transpose(1, 2)  # y[b, s, ids[b, t]]
+    if isinstance(y, OneHot):
+        return factor_gram(y, x).transpose(1, 2)
+    x, y = float32_at_least(x), float32_at_least(y)
+    return torch.bmm(x, y.transpose(1, 2))
+
+
+def shared_sq_norm(factors: list[tuple]) -> torch.Tensor:
+    """||sum_m U_m^T V_m||_F^2 per sample, cross terms included, from Gram matrices only."""
+    total = None
+    for i, (u_i, v_i) in enumerate(factors):
+        for j in range(i, len(factors)):
+            u_j, v_j = factors[j]
+            term = (factor_gram(u_i, u_j) * factor_gram(v_i, v_j)).sum((1, 2))
+            term = term if i == j else 2 * term
+            total = term if total is None else total + term
+    return total
+
+
+def flatten_tokens(x: torch.Tensor) -> torch.Tensor:
+    """[B, *, f] -> [B, T, f] with T the product of the middle dims (T = 1 for [B, f])."""
+    return x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
+
+
+def float32_at_least(x: torch.Tensor) -> torch.Tensor:
+    """Norms are accumulated in float32 or wider, also under bf16/fp16 training."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """float32, or the widest of ``dtypes`` if wider: where norms, clipping factors and their
+    products with low-precision (bf16/fp16) operands are formed."""
+    out = torch.float32
+    for dtype in dtypes:
+        out = torch.promote_types(out, dtype)
+    return out
+
+
+def scale_samples(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``t[i] * factor[i]`` for every sample i (dim 0), in ``t``'s dtype.
+
+    The product is formed in float32 (or wider) and rounded once: a clipping factor is never
+    rounded to bf16/fp16 itself, which would scale every entry of a sample's contribution by
+    the same rounding error (up to 2^-8 relative in bf16) and let it exceed the threshold.
+    """
+    acc = accumulation_dtype(t.dtype, factor.dtype)
+    scaled = t.to(acc) * factor.to(acc).reshape(-1, *([1] * (t.dim() - 1)))
+    return scaled.to(t.dtype)
+
+
+def weighted_sum(factor: torch.Tensor, per_sample: torch.Tensor) -> torch.Tensor:
+    """``sum_i factor[i] * per_sample[i]`` formed in float32 or wider (the engine casts it to the parameter's
+    dtype), for the small per-sample gradients of biases and norm layers."""
+    acc = accumulation_dtype(per_sample.dtype, factor.dtype)
+    return torch.tensordot(factor.to(acc), per_sample.to(acc), dims=1)
+
+
+def factor_weighted_sum(u, v, factor: torch.Tensor) -> torch.Tensor:
+    """``sum_i factor[i] * U_i^T V_i`` as ``[rows, cols]`` from factors ``U [B, T, rows]`` (dense or one-hot)
+    and ``V [B, T, cols]``, without forming a per-sample gradient: module 2b(C) of the book-keeping paper.
+
+    Dense factors: ``U`` is scaled sample by sample (``scale_samples``, rounded once) and multiplied by
+    ``V`` in ``U``'s dtype. One-hot ``U``: the scaled rows of ``V`` are added into the rows their ids name,
+    in float32 or wider (a bf16 running sum over repeated ids would round at every addition); the engine
+    casts the result to the parameter's dtype.
+    """
+    if isinstance(u, OneHot):
+        acc = accumulation_dtype(v.dtype, factor.dtype)
+        weighted = v.to(acc) * factor.to(acc)[:, None, None]
+        out = torch.zeros(u.size, v.shape[-1], dtype=acc, device=v.device)
+        return out.index_add_(0, u.ids.reshape(-1), weighted.reshape(-1, v.shape[-1]))
+    if isinstance(v, OneHot):
+        return factor_weighted_sum(v, u, factor).t()
+    weighted = scale_samples(u, factor)
+    return weighted.reshape(-1, u.shape[-1]).t() @ v.reshape(-1, v.shape[-1]).to(u.dtype)

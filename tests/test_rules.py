@@ -1,0 +1,143 @@
+"""Writing a rule: the registry (idempotent, undone by unregister_layer), the default clipped_grads built
+from weight_factors and per_sample_grads, the public norm base, and dptrain.testing.assert_rule_exact."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import dptrain
+from dptrain.layers import registry
+from dptrain.layers.numerics import OneHot, factor_weighted_sum, flatten_tokens, scale_samples
+
+F64 = torch.float64
+
+
+class Scale(nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.5 * torch.randn(n, dtype=F64))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class ScaleRule(dptrain.LayerRule):
+    module_types = (Scale,)
+    param_names = ("weight",)
+
+    def dims(self, module, x, out):
+        return dptrain.LayerDims(T=x[0].numel() // x.shape[-1], p=x.shape[-1], d=1, ghost_supported=False)
+
+    def operands(self, module, x, g):
+        return (flatten_tokens(x * g),)
+
+    def per_sample_grads(self, module, ops, names):
+        return {"weight": ops[0].sum(1)}
+
+
+@pytest.fixture
+def clean_registry():
+    before = list(registry._REGISTRY)
+    yield
+    registry._REGISTRY[:] = before
+
+
+# ---------------------------------------------------------------------------- registry
+def test_registering_a_rule_twice_keeps_one_entry(clean_registry):
+    n = len(registry._REGISTRY)
+    assert dptrain.register_layer(ScaleRule) is ScaleRule
+    dptrain.register_layer(ScaleRule)
+    assert len(registry._REGISTRY) == n + 1
+    instance = ScaleRule()
+    dptrain.register_layer(instance)  # an instance of a registered class replaces it, in its place
+    assert len(registry._REGISTRY) == n + 1 and dptrain.find_rule(Scale(2)) is instance
+
+
+def test_unregister_layer_removes_the_rule(clean_registry):
+    dptrain.register_layer(ScaleRule)
+    assert isinstance(dptrain.find_rule(Scale(2)), ScaleRule)
+    dptrain.unregister_layer(ScaleRule)
+    assert dptrain.find_rule(Scale(2)) is None
+    with pytest.raises(ValueError, match="ScaleRule is not a registered layer rule"):
+        dptrain.unregister_layer(ScaleRule)
+
+
+def test_unregistering_a_built_in_rule_uncovers_its_layer(clean_registry):
+    rule = dptrain.find_rule(nn.LayerNorm(3))
+    dptrain.unregister_layer(rule)
+    assert dptrain.find_rule(nn.LayerNorm(3)) is None
+    dptrain.register_layer(rule)
+    assert dptrain.find_rule(nn.LayerNorm(3)) is rule
+
+
+def test_register_layer_refuses_what_is_not_a_rule():
+    with pytest.raises(TypeError, match="LayerRule"):
+        dptrain.register_layer(nn.Linear)
+
+
+def test_the_old_base_module_still_exports_everything():
+    from dptrain.layers import base, numerics, protocol
+
+    assert base.LayerRule is protocol.LayerRule and base.layer_params is registry.layer_params
+    assert base.weighted_sum is numerics.weighted_sum and base.OneHot is numerics.OneHot
+    assert all(hasattr(base, name) for name in base.__all__)
+
+
+def test_the_norm_base_is_public():
+    assert issubclass(type(dptrain.find_rule(nn.LayerNorm(3))), dptrain.AffineNormRule)
+    assert issubclass(type(dptrain.find_rule(nn.GroupNorm(1, 3))), dptrain.layers.AffineNormRule)
+
+
+# ---------------------------------------------------------------------------- the default clipped_grads
+def test_default_clipped_grads_from_dense_factors_is_the_linear_kernel():
+    g = torch.Generator().manual_seed(0)
+    module = nn.Linear(4, 3, dtype=F64)
+    a, grad = torch.randn(5, 2, 4, dtype=F64, generator=g), torch.randn(5, 2, 3, dtype=F64, generator=g)
+    factors = {"weight": torch.rand(5, dtype=F64, generator=g), "bias": torch.rand(5, dtype=F64, generator=g)}
+    out = dptrain.find_rule(module).clipped_grads(module, (a, grad), factors)
+    weight = torch.einsum("b,btp,btd->pd", factors["weight"], grad, a)
+    torch.testing.assert_close(out["weight"], weight, rtol=1e-12, atol=0)
+    torch.testing.assert_close(out["bias"], torch.einsum("b,btp->p", factors["bias"], grad), rtol=1e-12, atol=0)
+
+
+def test_default_clipped_grads_from_one_hot_factors_adds_repeated_tokens():
+    g = torch.Generator().manual_seed(1)
+    ids = torch.tensor([[0, 2, 2], [1, 1, 3]])
+    v, c = torch.randn(2, 3, 4, dtype=F64, generator=g), torch.tensor([0.5, 2.0], dtype=F64)
+    expected = torch.zeros(5, 4, dtype=F64)
+    for b in range(2):
+        for t in range(3):
+            expected[ids[b, t]] += c[b] * v[b, t]
+    torch.testing.assert_close(factor_weighted_sum(OneHot(ids, 5), v, c), expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(factor_weighted_sum(v, OneHot(ids, 5), c), expected.t(), rtol=1e-12, atol=0)
+
+
+def test_default_clipped_grads_keeps_the_low_precision_rounding_of_the_linear_rule():
+    """bf16: the factor is applied to the output gradient in float32 and rounded once, as before."""
+    g = torch.Generator().manual_seed(2)
+    module = nn.Linear(8, 6, dtype=torch.bfloat16)
+    a = torch.randn(4, 3, 8, generator=g).bfloat16()
+    grad = torch.randn(4, 3, 6, generator=g).bfloat16()
+    c = torch.rand(4, generator=g)
+    out = dptrain.find_rule(module).clipped_grads(module, (a, grad), {"weight": c})
+    expected = scale_samples(grad, c).reshape(-1, 6).t() @ a.reshape(-1, 8)
+    assert torch.equal(out["weight"], expected)
+
+
+def test_a_rule_without_clipped_grads_gets_the_weighted_sum_of_its_per_sample_grads():
+    assert "clipped_grads" not in vars(ScaleRule)
+    module = Scale(3)
+    ops = (torch.randn(4, 2, 3, dtype=F64),)
+    c = torch.rand(4, dtype=F64)
+    out = ScaleRule().clipped_grads(module, ops, {"weight": c})
+    torch.testing.assert_close(out["weight"], torch.einsum("b,btn->n", c, ops[0]), rtol=1e-12, atol=0)
+
+
+def test_default_clipped_grads_names_a_parameter_per_sample_grads_forgot():
+    class Forgetful(ScaleRule):
+        def per_sample_grads(self, module, ops, names):
+            return {}
+
+    with pytest.raises(KeyError, match=r"Forgetful.per_sample_grads gave no gradient for \['weight'\]"):
+        Forgetful().clipped_grads(Scale(3), (torch.randn(4, 2, 3, dtype=F64),), {"weight": torch.ones(4, dtype=F64)})

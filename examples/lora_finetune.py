@@ -11,9 +11,9 @@ the sequence contain the token 7?
     python examples/lora_finetune.py --tiny --epochs 1  # a smoke run (too small to learn)
 
 Measured at the defaults (epsilon 8, 4000 sequences, 3 epochs = 93 steps of expected batch 128,
-AdamW at lr 5e-2), seed 0, on a 2-core CPU busy with other jobs (load average ~8,
-OMP_NUM_THREADS=1): LoRA reaches test accuracy 0.999 (always answering the commoner class:
-0.615) in 42 s. BiTFiT stays at 0.615 with these settings: biases alone cannot make a
+AdamW at lr 5e-2), seed 0, on a 2-core CPU shared with other jobs (load average ~3,
+OMP_NUM_THREADS=1): LoRA reaches test accuracy 1.000 (always answering the commoner class:
+0.615) in 17 s. BiTFiT stays at 0.615 with these settings (15 s): biases alone cannot make a
 random-weight model find the marker (it is meant for pretrained weights). The test runs LoRA
 on 2000 sequences (0.99).
 """

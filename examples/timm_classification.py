@@ -12,10 +12,12 @@ as the privacy accounting assumes. The images are generated: a bright square who
     python examples/timm_classification.py --tiny --epochs 5 --model convnext  # a test's run (seconds)
 
 Measured at the defaults (epsilon 8, delta 1/(10 n), 8000 images, 10 epochs of 16 steps of
-expected batch 512, DP-SGD), seed 0, on a 2-core CPU busy with other jobs (load average ~8,
-OMP_NUM_THREADS=1; an idle machine is several times faster): test accuracy, wall time
+expected batch 512, DP-SGD), seed 0, on a 2-core CPU shared with other jobs (load average
+~2.5, OMP_NUM_THREADS=1): test accuracy, wall time
 
-    vit 0.987 (190 s), deit 0.991 (50 s), resnet-gn 1.000 (230 s), convnext 1.000 (125 s)
+    vit 0.992 (16 s), deit 0.998 (17 s), resnet-gn 1.000 (82 s), convnext 1.000 (30 s)
+
+(at load ~8 the same runs took 50-230 s).
 
 The private optimiser settings matter more than the model: DP-SGD with a large learning rate
 and enough steps. Adam moves every coordinate by about its learning rate whatever the size of

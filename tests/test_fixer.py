@@ -12,7 +12,7 @@ from torch import nn
 import dptrain
 from dptrain.fixer import fix, planned_fixes
 from dptrain.nn import DPGRU, DPLSTM, DPMultiheadAttention, DPRNN
-from dptrain.testing import per_sample_gradients, reference_clipped_gradient
+from dptrain.testing import assert_rule_exact
 from dptrain.validation import find_problems
 
 F64 = torch.float64
@@ -151,28 +151,6 @@ def test_fix_rejects_bad_arguments():
 
 
 # ---------------------------------------------------------------------------- exact training after fix
-def assert_engine_matches_oracle(model, losses_fn, batch, modes):
-    grads = per_sample_gradients(model, losses_fn, batch)
-    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in grads.values()))
-    R = float(norms.median())
-    assert (norms > R * 1.001).any() and (norms < R * 0.999).any(), "some samples clipped, some not"
-    expected = reference_clipped_gradient(model, losses_fn, batch, max_grad_norm=R)
-    for mode in modes:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0)
-        engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R, noise_multiplier=0.0,
-                                       clipping_mode=mode).attach(optimizer)
-        try:
-            engine.backward(losses_fn(model, *batch))
-            optimizer.step()
-            for name, p in model.named_parameters():
-                scale = expected[name].abs().max().clamp_min(1.0)
-                torch.testing.assert_close(p.grad / scale, expected[name] / scale, atol=1e-10, rtol=0,
-                                           msg=f"{mode}: {name}")
-        finally:
-            engine.detach()
-            optimizer.zero_grad(set_to_none=True)
-
-
 def classification_losses(model, x, y):
     return F.cross_entropy(model(x), y, reduction="none")
 
@@ -230,7 +208,8 @@ def test_torchvision_architectures_train_exactly_after_fix(make):
     assert find_problems(fixed) == []
     assert not any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in fixed.modules())
     assert any(getattr(m, "inplace", False) for m in fixed.modules()), "the in-place activations are kept"
-    assert_engine_matches_oracle(fixed, classification_losses, _images(), ["bk-mixopt", "ghost"])
+    assert_rule_exact(fixed, _images(), losses_fn=classification_losses, modes=["bk-mixopt", "ghost"],
+                      plain_backward=False)
 
 
 def test_transformer_encoder_after_fix_keeps_the_function_and_trains_exactly():
@@ -252,7 +231,7 @@ def test_transformer_encoder_after_fix_keeps_the_function_and_trains_exactly():
     def losses(m, x, padding, target):
         return (m(x, src_key_padding_mask=padding) - target).square().sum((1, 2))
 
-    assert_engine_matches_oracle(fixed, losses, (x, padding, target), dptrain.CLIPPING_MODES)
+    assert_rule_exact(fixed, (x, padding, target), losses_fn=losses, plain_backward=False)
 
 
 # ---------------------------------------------------------------------------- full-size models (slow, opt-in)
@@ -267,4 +246,5 @@ def test_full_size_torchvision_models_train_exactly_after_fix(name):
     model = getattr(torchvision.models, name)(weights=None, num_classes=10)
     fixed = _no_dropout(fix(model.double())).train()
     assert find_problems(fixed) == []
-    assert_engine_matches_oracle(fixed, classification_losses, _images(32), ["bk-mixopt", "ghost"])
+    assert_rule_exact(fixed, _images(32), losses_fn=classification_losses, modes=["bk-mixopt", "ghost"],
+                      plain_backward=False)

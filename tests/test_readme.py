@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dptrain
-from dptrain.testing import reference_clipped_gradient
+from dptrain.testing import assert_rule_exact
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -19,8 +19,16 @@ def readme_block(marker: str) -> str:
 
 def test_custom_layer_example_is_exact(float64):
     namespace: dict = {}
-    exec(readme_block("class ScaleRule"), namespace)
-    Scale = namespace["Scale"]
+    exec(readme_block("class ScaleRule"), namespace)  # registers ScaleRule and checks it in every mode
+    try:
+        _check_in_a_model(namespace["Scale"])
+        assert "clipped_grads" not in vars(namespace["ScaleRule"])  # the default one is used
+    finally:
+        dptrain.unregister_layer(namespace["ScaleRule"])
+    assert dptrain.find_rule(namespace["Scale"](2)) is None
+
+
+def _check_in_a_model(Scale):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 6), Scale(6), nn.Tanh(), nn.Linear(6, 3))
     with torch.no_grad():
@@ -30,15 +38,4 @@ def test_custom_layer_example_is_exact(float64):
     def losses_fn(m, x, y):
         return F.cross_entropy(m(x).transpose(1, 2), y, reduction="none").sum(1)
 
-    ref = reference_clipped_gradient(model, losses_fn, (x, y), max_grad_norm=0.5)
-    for mode in dptrain.CLIPPING_MODES:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-        engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=10, max_grad_norm=0.5,
-                                       noise_multiplier=0.0, clipping_mode=mode)
-        engine.attach(optimizer)
-        engine.backward(losses_fn(model, x, y))
-        optimizer.step()
-        for name, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, ref[name], rtol=1e-10, atol=1e-12)
-        engine.detach()
-        optimizer.zero_grad()
+    assert_rule_exact(model, (x, y), losses_fn=losses_fn, max_grad_norm=0.5, atol=1e-12)

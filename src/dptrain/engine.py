@@ -767,9 +767,10 @@ class PrivacyEngine:
             self._sums.clear()
             self._pipeline.forget_calls()
             return
-        step_params = self._held_trainable()
+        step_params = self._held_trainable()  # refuses raw gradients on held parameters the engine does not cover
         self._leave_frozen_untouched()
-        self._refuse_foreign_grads(step_params)
+        if self._parallel is not None:
+            self._refuse_foreign_grads(step_params)
         try:
             self._check_budget()
         except PrivacyBudgetExceeded:
@@ -862,9 +863,11 @@ class PrivacyEngine:
         return low
 
     def _refuse_foreign_grads(self, step_params: list[nn.Parameter]) -> None:
-        """Backstop at every step: a gradient the engine did not give is autograd's own, unclipped (a use of
-        the parameter outside its layer's call that no hook caught, a layer changed in place, FSDP2 writing
-        to the sharded ``p.grad``); it is dropped and the step refused."""
+        """Backstop under data parallelism: a gradient the engine did not give came from a use of the
+        parameter outside its layer's call. (FSDP2 writes autograd's gradients to the sharded ``p.grad``
+        by its reduce-scatter; recent torch then runs the post-accumulate-grad hook, which refuses them
+        during the backward, but nothing guarantees every version does.) Without data parallelism the
+        step replaces every covered parameter's gradient, and ``_held_trainable`` refuses the others'."""
         marker = self._marker()
         for p in step_params:
             given = self._given_grads.get(p)

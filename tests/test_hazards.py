@@ -436,12 +436,12 @@ def _seq_first_losses(model, x, y):  # the batch is kept batch first; the model 
     return F.cross_entropy(model(x.transpose(0, 1)), y, reduction="none")
 
 
-@pytest.mark.parametrize("mode,path", PATHS)
-def test_sequence_first_models_with_batch_first_false(float64, mode, path):
-    torch.manual_seed(0)
-    model = SequenceFirst().double()
-    x, y = torch.randn(4, 5, 6) * 2, torch.randint(0, 3, (4,))
-    reference = reference_clipped_gradient(model, _seq_first_losses, (x, y), max_grad_norm=R)
+def _seq_first_reference(model, x, y):
+    return reference_clipped_gradient(model, _seq_first_losses, (x, y), max_grad_norm=R)
+
+
+def _seq_first_step(model, mode, path, x, y) -> nn.Module:
+    """A copy of ``model`` after one step with batch_first=False (noise 0, lr 0: p.grad is the clipped sum)."""
     trained = copy.deepcopy(model)
     engine = _engine(trained, mode, loss_reduction="sum", batch_first=False)
     opt = torch.optim.SGD(trained.parameters(), lr=0.0)
@@ -449,7 +449,17 @@ def test_sequence_first_models_with_batch_first_false(float64, mode, path):
     losses = _seq_first_losses(trained, x, y)
     engine.backward(losses) if path == "engine" else losses.sum().backward()
     opt.step()
-    assert_matches({n: p.grad for n, p in trained.named_parameters()}, reference, what="batch_first=False")
+    return trained
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_sequence_first_models_with_batch_first_false(float64, mode, path):
+    torch.manual_seed(0)
+    model = SequenceFirst().double()
+    x, y = torch.randn(4, 5, 6) * 2, torch.randint(0, 3, (4,))
+    trained = _seq_first_step(model, mode, path, x, y)
+    assert_matches({n: p.grad for n, p in trained.named_parameters()}, _seq_first_reference(model, x, y),
+                   what="batch_first=False")
     if path == "engine":
         # With batch_first (the default) the engine reads the batch from dim 0 (T = 5 here), and the four
         # losses give it away. A plain loss.backward() cannot tell: sequence-first models must say so.
@@ -934,15 +944,9 @@ def test_sequence_first_layers_after_pooling_see_the_batch_first(float64, mode, 
     torch.manual_seed(0)
     model = PooledSequenceFirst().double()
     x, y = torch.randn(4, 5, 6), torch.randint(0, 8, (4,))
-    reference = reference_clipped_gradient(model, _seq_first_losses, (x, y), max_grad_norm=R)
-    trained = copy.deepcopy(model)
-    engine = _engine(trained, mode, loss_reduction="sum", batch_first=False)
-    opt = torch.optim.SGD(trained.parameters(), lr=0.0)
-    engine.attach(opt)
-    losses = _seq_first_losses(trained, x, y)
-    engine.backward(losses) if path == "engine" else losses.sum().backward()
-    opt.step()
-    assert_matches({n: p.grad for n, p in trained.named_parameters()}, reference, what="pooled sequence first")
+    trained = _seq_first_step(model, mode, path, x, y)
+    assert_matches({n: p.grad for n, p in trained.named_parameters()}, _seq_first_reference(model, x, y),
+                   what="pooled sequence first")
     # A batch as large as the head's width makes its [B, d] input ambiguous: refused, never guessed.
     with pytest.raises(ValueError, match="cannot tell which axis is the batch"):
         trained(torch.randn(5, 8, 6))

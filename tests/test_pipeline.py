@@ -47,29 +47,26 @@ def test_an_empty_batch_has_factors_and_is_finite():
     assert finite and factors[0].shape == (0,)
 
 
-def _params(n=2):
-    return [nn.Parameter(torch.zeros(3)) for _ in range(n)]
-
-
-def test_step_sums_accumulate_and_roll_back_what_a_failed_backward_created():
-    a, b = _params()
+def _sums_after_one_micro_batch():
+    """Two parameters, and the step's sums with a completed micro-batch for the first: ``(a, b, sums)``."""
+    a, b = (nn.Parameter(torch.zeros(3)) for _ in range(2))
     sums = StepSums()
     sums.begin()
     sums.add(a, torch.ones(3))
     sums.commit()
     sums.begin()
+    return a, b, sums
+
+
+def test_step_sums_accumulate_and_roll_back_what_a_failed_backward_created():
+    a, b, sums = _sums_after_one_micro_batch()
     sums.add(b, torch.ones(3))  # the failed backward created b's sum only
     sums.rollback()
     assert set(sums.sums) == {a} and sums.sums[a].tolist() == [1.0, 1.0, 1.0]
 
 
 def test_step_sums_are_dropped_whole_when_a_failed_backward_had_added_into_them():
-    a, b = _params()
-    sums = StepSums()
-    sums.begin()
-    sums.add(a, torch.ones(3))
-    sums.commit()
-    sums.begin()
+    a, _, sums = _sums_after_one_micro_batch()
     sums.add(a, torch.ones(3))  # in place into the completed micro-batch's sum: cannot be undone exactly
     with pytest.warns(UserWarning, match="dropped as a whole"):
         sums.rollback()

@@ -211,10 +211,11 @@ def few_digits(monkeypatch):
     ("torchvision:vit_b_16", "cannot be built for 8x8 (Input shape indivisible by patch size!)"),
     ("timm:vit_tiny_patch16_224", "cannot take the 1x8x8 images of digits"),
     ("hf:bert", "is a text model"),
+    ("resnet18", "unknown model 'resnet18'; valid: cnn, mlp, torchvision:NAME or timm:NAME"),  # no hf: for images
 ])
 def test_every_model_family_trains_on_digits_or_refuses_in_one_line(spec, refusal, few_digits, capsys):
     source = spec.partition(":")[0]
-    pytest.importorskip({"hf": "transformers", "cnn": "torch", "mlp": "torch"}.get(source, source))
+    pytest.importorskip({"hf": "transformers", "torchvision": "torchvision", "timm": "timm"}.get(source, "torch"))
     status, out, err = run(["train", "--model", spec, "--epochs", "1", "--batch-size", "64"], capsys)
     if refusal is None:
         assert status == 0, err

@@ -144,6 +144,7 @@ def build_image_model(
             keyword, value = size_keyword
             model = _build_for_size(spec, image_size, lambda: torchvision.models.get_model(
                 name, weights=None, num_classes=num_classes, **{keyword: value(image_size)}))
+            notes.append(f"built for {image_size}x{image_size} images ({keyword}={value(image_size)})")
         model_channels = 3
     else:
         timm = _import_optional("timm", "timm")
@@ -177,7 +178,8 @@ def _build_for_size(spec: str, image_size: int, build):
         reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise ModelSpecError(
             f"{spec} takes images of one fixed size and cannot be built for {image_size}x{image_size} ({reason}); "
-            "use a model without a fixed input size (cnn, torchvision:resnet18, timm:resnet18, ...) or larger images"
+            "use a model without a fixed input size (cnn, torchvision:resnet18, timm:resnet18, ...) or images of a "
+            "size it takes"
         ) from None
 
 

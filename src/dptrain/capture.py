@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.modules import module as _module_globals
 
 from .distributed import is_dtensor
-from .layers.base import LayerDims, LayerRule
+from .layers.protocol import LayerDims, LayerRule
 from .layers.fallback import in_replay
 
 

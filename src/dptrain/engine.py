@@ -22,7 +22,7 @@ from .algorithms import RECIPES
 from .capture import Call, Capture, LayerState, graph_task, in_backward
 from .clipping import CLIPPING_FNS, build_groups, group_threshold
 from .layers import resolve_rule
-from .layers.base import layer_params
+from .layers.registry import layer_params
 from .layers.fallback import FallbackRule, fallback_warning
 from .noise import GaussianNoise
 from .pipeline import BackwardPipeline, Overflow, StepSums

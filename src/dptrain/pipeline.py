@@ -26,7 +26,8 @@ from torch import nn
 from .algorithms import Grad, Norm, Recipe
 from .capture import Call, LayerState
 from .clipping import clipping_factors
-from .layers.base import LayerDims, shared_sq_norm
+from .layers.numerics import shared_sq_norm
+from .layers.protocol import LayerDims
 from .planning import LayerDecision, decide_parameter, join_dims
 
 

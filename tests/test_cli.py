@@ -13,7 +13,8 @@ import torch
 
 from dptrain import accounting
 from dptrain.cli import DATASETS, main, plan_report
-from dptrain.planning import plan
+from dptrain.algorithms import Grad, Norm
+from dptrain.planning import LayerDecision, plan
 
 torchvision = pytest.importorskip("torchvision")
 
@@ -466,7 +467,10 @@ def test_plan_json_schema_and_totals(capsys):
         assert layer["ghost_cost"] == 2 * layer["T"] ** 2
         assert layer["instantiate_cost"] == layer["p"] * layer["d"]
         assert layer["choice"] in ("ghost", "instantiate")
-    assert doc["totals"]["ghost"] == sum(layer["ghost_cost"] for layer in layers)
+    # The ghost mode instantiates what has no ghost norm (the GroupNorms): its total is what it does.
+    assert doc["totals"]["ghost"] == sum(
+        layer["ghost_cost"] if layer["ghost_available"] else layer["instantiate_cost"] for layer in layers
+    )
     assert doc["totals"]["instantiate"] == sum(layer["instantiate_cost"] for layer in layers)
     # GroupNorm has no ghost norm: its per-sample gradient (one value per channel) is instantiated.
     assert [layer["ghost_available"] for layer in layers] == [True, False, True, False, True]
@@ -546,3 +550,13 @@ def test_bench_subcommand_hands_over_to_the_benchmark_harness(capsys):
     assert main(["bench", "--list", "--scale", "cpu"]) == 0
     listed = capsys.readouterr().out
     assert "gpt2" in listed and "vgg11" in listed
+
+
+def test_plan_totals_are_what_each_mode_does():
+    # A layer without a ghost norm (a LayerNorm here) is instantiated in the ghost mode too.
+    decisions = [
+        LayerDecision("fc", "Linear", 4, 8, 8, 32, 64, Norm.GHOST, Grad.BOOK_KEEPING),
+        LayerDecision("ln", "LayerNorm", 4, 8, 1, 32, 8, Norm.INSTANTIATE, Grad.WEIGHTED_SUM),
+    ]
+    totals = plan_report(decisions, [True, False])["totals"]
+    assert totals == {"ghost": 32 + 8, "instantiate": 64 + 8, "mixed": 32 + 8}

@@ -951,8 +951,10 @@ def plan_report(decisions: Sequence[LayerDecision], ghost_available: Sequence[bo
     """Per-layer costs and choices, and the totals of `dptrain plan --json`.
 
     Costs are per sample (batch of one), in numbers stored: the ghost norm's two T x T Gram
-    matrices (2T^2) and one instantiated weight gradient (p*d). ``mixed`` sums each layer's
-    cheaper primitive; a layer without a ghost norm can only be instantiated.
+    matrices (2T^2) and one instantiated weight gradient (p*d). Each total is what that mode
+    does: ``ghost`` takes the ghost norm where a layer has one and instantiates the rest
+    (biases-only layers, norms, position embeddings), ``instantiate`` instantiates everything,
+    ``mixed`` takes each layer's cheaper primitive where it has a choice.
     """
     layers = [
         {"name": d.name, "type": d.type, "T": d.T, "p": d.p, "d": d.d, "ghost_cost": d.ghost_cost,
@@ -960,7 +962,8 @@ def plan_report(decisions: Sequence[LayerDecision], ghost_available: Sequence[bo
         for d, available in zip(decisions, ghost_available)
     ]
     totals = {
-        "ghost": sum(d.ghost_cost for d in decisions),
+        "ghost": sum(d.ghost_cost if available else d.instantiate_cost
+                     for d, available in zip(decisions, ghost_available)),
         "instantiate": sum(d.instantiate_cost for d in decisions),
         "mixed": sum(
             min(d.ghost_cost, d.instantiate_cost) if available else d.instantiate_cost
@@ -1002,7 +1005,7 @@ def _print_plan(report: dict, input_text: str, notes: list[str]) -> None:
         print("  ".join(cell.rjust(w) if k in right else cell.ljust(w)
                         for k, (cell, w) in enumerate(zip(row, widths))).rstrip())
     totals = report["totals"]
-    print(f"totals: ghost norm everywhere {_short(totals['ghost'])}, instantiation everywhere "
+    print(f"totals: ghost mode {_short(totals['ghost'])}, instantiation everywhere "
           f"{_short(totals['instantiate'])}, per-layer minimum (mixed) {_short(totals['mixed'])}")
     ghost = sum(layer["choice"] == "ghost" for layer in report["layers"])
     print(f"{mode}: ghost norm on {ghost} of {len(report['layers'])} layers, "

@@ -190,6 +190,10 @@ class BackwardPipeline:
         self._ready[id(state)] = _ReadyLayer(state, self.operands(state, calls), dims, calls[0].batch_size)
         for c in calls:  # the operands hold what is needed; a second pass sets new gradients
             c.grad = None
+            if not self.recipe.two_pass and self.consumed is None:
+                # The graph keeps each call (through its output's hook) until the graph is freed: without a
+                # second pass or a retry that needs it again, the call's copy of the input goes now.
+                c.activation = None
 
     @staticmethod
     def operands(state: LayerState, calls: list[Call]) -> tuple:

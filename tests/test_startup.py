@@ -33,6 +33,9 @@ CONSOLE_SCRIPT = "import sys; from dptrain.cli import main; sys.exit(main())"
     (["plan", "--clipping-mode", "fastest"], 2, "invalid choice: 'fastest'"),
     (["epsilon", "--epsilon", "3"], 2, "here it is --target-epsilon"),
     (["train", "--target-epsilon", "3"], 2, "here the target is --epsilon"),
+    (["train", "--model", "resnet18"], 1, "unknown model 'resnet18'; valid: cnn, mlp, torchvision:NAME or timm:NAME"),
+    (["train", "--model", "hf:bert"], 1, "'hf:bert' is a text model"),
+    (["plan", "--model", "timm"], 1, "unknown model 'timm'"),
 ])
 def test_help_and_usage_errors_do_not_import_torch(argv, status, output):
     run, modules = imported_modules(CONSOLE_SCRIPT, *argv)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import accounting  # light: dp_accounting is imported when an accountant first runs
 from .algorithms import CLIPPING_MODES
+from .model_specs import parse_image_spec, parse_spec
 
 if TYPE_CHECKING:
     import torch
@@ -473,6 +474,8 @@ def _train_config(args: argparse.Namespace) -> tuple[dict, dict | None]:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    if hasattr(args, "model"):  # before torch: a misspelt model answers at once
+        parse_image_spec(args.model)
     import torch
 
     config, checkpoint = _train_config(args)
@@ -729,8 +732,6 @@ class TrainingRun:
     def _print_header(self) -> None:
         import torch
 
-        from .models import parse_spec
-
         c, data = self.config, self.data
         n, shape = len(data.train), "x".join(map(str, data.shape))
         print(f"data: {c['dataset']}, {n} training / {len(data.test_y)} test images of {shape}, "
@@ -863,13 +864,13 @@ def _plot(history: dict, report: dict, path: Path) -> None:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    source, _ = parse_spec(args.model)  # before torch: a misspelt model answers at once
     import torch
 
     from .layers.base import layer_params
-    from .models import build_image_model, build_text_model, parse_spec
+    from .models import build_image_model, build_text_model
     from .validation import find_problems
 
-    source, _ = parse_spec(args.model)
     if source == "hf":
         if args.input_size:
             raise CLIError("hf: models take --seq-len T, not --input-size")

@@ -967,12 +967,15 @@ def _frozen_batchnorm_checks(model: nn.Module):
     found = []
     for name, module in model.named_modules():
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
-            def check(mod, inputs, _name=name or "<root>"):
+            where = f"the submodule {name!r}" if name else "the model itself"
+
+            def check(mod, inputs, _where=where):
                 if mod.training and torch.is_grad_enabled():
                     raise RuntimeError(
-                        f"{_name} ({type(mod).__name__}) is in training mode: it normalises with statistics of the "
-                        "whole batch, which mixes samples. Call .eval() on it (frozen statistics) or replace it "
-                        "with nn.GroupNorm"
+                        f"{_where} ({type(mod).__name__}) is frozen but in training mode: it normalises with "
+                        "statistics of the whole batch, which mixes samples. Call .eval() on it (its running "
+                        "statistics are then used), or train dptrain.fix(model), a copy in which every BatchNorm "
+                        "is a GroupNorm"
                     )
             found.append((module, check))
     return found

@@ -10,6 +10,6 @@ if ! python3 -c "import opacus, dp_accounting, tree" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dptrain-site .whl/*.whl
   export PYTHONPATH=/tmp/dptrain-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DPTRAIN_BENCH_COMMIT=$commit
+export PYTHONPATH=$PWD/src:$PWD/benchmarks${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 DPTRAIN_BENCH_COMMIT=$commit
 mkdir -p "$out"
-python3 -m dptrain.benchmarking --preset gpu-quick --out "$out" "$@" 2>&1 | tee "$out/log.txt"
+python3 -m dptrain_bench --preset gpu-quick --out "$out" "$@" 2>&1 | tee "$out/log.txt"

@@ -4,14 +4,16 @@
     python benchmarks/run.py --list
     python benchmarks/run.py --scale cpu --configs gpt2-t64 vgg11-gn-32
 """
+import importlib.util
 import sys
 from pathlib import Path
 
-try:
-    from dptrain.benchmarking import main
-except ImportError:  # run from a checkout without installing the package
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-    from dptrain.benchmarking import main
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the harness, benchmarks/dptrain_bench
+if importlib.util.find_spec("dptrain") is None:  # run from a checkout without installing the package
+    sys.path.insert(1, str(HERE.parent / "src"))
+
+from dptrain_bench import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

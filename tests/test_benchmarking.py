@@ -1,4 +1,4 @@
-"""Smoke tests of the benchmark harness (dptrain.benchmarking): a tiny CNN, two arms, two timed steps.
+"""Smoke tests of the benchmark harness (benchmarks/dptrain_bench): a tiny CNN, two arms, two timed steps.
 
 The speed and memory targets are not asserted here (benchmarks are not tests); these check
 that the harness measures what it says and reports every figure.
@@ -9,12 +9,16 @@ import copy
 import csv
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from dptrain import benchmarking as bm
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))  # the harness lives in the checkout's benchmarks/, not in the package
+
+from dptrain_bench import harness as bm  # noqa: E402
 
 ARMS = ["non-private", "bk"]
 
@@ -284,3 +288,8 @@ def test_a_configuration_merged_from_another_run_names_its_commit_and_method(res
     later = text[text.index("## smoke-cnn-later"):]
     assert "Measured in a separate run on 2031-01-02 at commit abc1234; memory: another method" in later
     assert "separate run" not in text[:text.index("## smoke-cnn-later")]
+
+
+def test_the_committed_results_are_the_checkouts_benchmarks_results():
+    assert bm.published_results_dir() == BENCHMARKS / "results"
+    assert bm.published_results_dir().is_dir()

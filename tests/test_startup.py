@@ -29,6 +29,7 @@ CONSOLE_SCRIPT = "import sys; from dptrain.cli import main; sys.exit(main())"
     (["--help"], 0, "train"),
     (["train", "--help"], 0, "--epsilon"),
     (["plan", "--help"], 0, "--input-size"),
+    (["bench", "--help"], 0, "--preset"),
     (["train", "--epsilon", "-1"], 2, "--epsilon: must be a positive number"),
     (["plan", "--clipping-mode", "fastest"], 2, "invalid choice: 'fastest'"),
     (["epsilon", "--epsilon", "3"], 2, "here it is --target-epsilon"),

@@ -253,7 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--json", action="store_true", help="print JSON instead of text")
     audit.set_defaults(handler=_cmd_audit)
 
-    # `dptrain bench ...` is handed whole to dptrain.benchmarking (its own options: dptrain bench --help)
+    # `dptrain bench ...` is handed whole to the checkout's harness, benchmarks/dptrain_bench (dptrain bench --help)
     commands.add_parser("bench", add_help=False,
                         help="time and memory of every clipping mode against non-private training and Opacus")
     return parser
@@ -263,9 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``dptrain`` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"]:
-        from . import benchmarking
-
-        return benchmarking.main(argv[1:])
+        return _bench(argv[1:])
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -290,6 +288,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 141
         finally:
             absl_logger.setLevel(absl_level)  # main() may run in-process: leave the caller's logging as it was
+
+
+def find_benchmarks() -> Path | None:
+    """A checkout's ``benchmarks/`` folder (the harness is not installed with the package): the one next to this
+    package's ``src/``, else the current directory's."""
+    for root in (Path(__file__).resolve().parents[2], Path.cwd()):
+        if (root / "benchmarks" / "dptrain_bench" / "__init__.py").is_file():
+            return root / "benchmarks"
+    return None
+
+
+def _bench(argv: list[str]) -> int:
+    """``dptrain bench``: hand the arguments whole to the harness of a checkout (its own options: --help)."""
+    folder = find_benchmarks()
+    if folder is None:
+        print("dptrain bench: error: the benchmark harness is not installed with the package; run it from a clone "
+              "of dptrain's repository: `dptrain bench` or `python benchmarks/run.py`", file=sys.stderr)
+        return 1
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    from dptrain_bench import main as bench_main
+
+    return bench_main(argv)
 
 
 def _one_line(err: BaseException) -> str:

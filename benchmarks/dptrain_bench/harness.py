@@ -54,12 +54,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .algorithms import CLIPPING_MODES
+from dptrain.algorithms import CLIPPING_MODES
 
-NON_PRIVATE = "non-private"
-OPACUS_ARMS = ("opacus-hooks", "opacus-ghost")
-ALL_ARMS = (NON_PRIVATE, *CLIPPING_MODES, *OPACUS_ARMS)
-SCALES = ("cpu", "full")
+from .options import ALL_ARMS, NON_PRIVATE, OPACUS_ARMS, PRESET_NAMES, SCALES, parser
+
 SAMPLE_SIZE = 50_000  # dataset size given to the engines: only the sample rate (accounting) depends on it
 SEED = 0
 
@@ -205,10 +203,10 @@ class BenchConfig:
 
 
 def _configs(scale: str) -> list[BenchConfig]:
-    """The issue's models; ``cpu`` scales sizes down so the whole suite runs on two cores."""
+    """The benchmark models at the papers' sizes; ``cpu`` scales them down so the whole suite runs on two cores."""
     cpu = scale == "cpu"
     out: list[BenchConfig] = []
-    if cpu:  # the CPU targets come first, with exactly the sizes named in the issue
+    if cpu:  # the CPU targets come first, at exactly the sizes their targets are set for
         out.append(BenchConfig(
             "gpt2-t64", "GPT-2 (HF config) 4 layers, width 256, 4 heads, vocab 50257 (tied), T=64", 16, 3, 10,
             lambda: Task("lm", lambda: gpt2(4, 256, 4), seq_len=64, vocab=50257)))
@@ -303,7 +301,7 @@ def make_arm(name: str, model: nn.Module, task: Task, batch_size: int) -> Arm:
 
         return Arm(name, step, lambda: None)
     if name in CLIPPING_MODES:
-        from .engine import PrivacyEngine
+        from dptrain.engine import PrivacyEngine
 
         engine = PrivacyEngine(model, batch_size=batch_size, sample_size=SAMPLE_SIZE, max_grad_norm=1.0,
                                noise_multiplier=1.0, clipping_mode=name, seed=SEED)
@@ -753,10 +751,12 @@ def run_worker(task: dict, timeout: float, isolate: bool = True) -> dict:
             env["OMP_WAIT_POLICY"] = task["omp_wait_policy"]
         if task["kind"] in ("memory", "arm") and task["device"] == "cpu":
             env.update(LIVE_BYTES_MALLOC)
-        # the workers must import this very dptrain (a checkout, a snapshot), not another install
-        package_root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, (package_root, env.get("PYTHONPATH"))))
-        cmd = [sys.executable, "-m", "dptrain.benchmarking", "--worker", str(task_file), str(result_file)]
+        # the workers must import this very harness and this very dptrain (a checkout, a snapshot), not another install
+        import dptrain
+
+        roots = (str(Path(__file__).resolve().parents[1]), str(Path(dptrain.__file__).resolve().parents[1]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, (*roots, env.get("PYTHONPATH"))))
+        cmd = [sys.executable, "-m", "dptrain_bench", "--worker", str(task_file), str(result_file)]
         try:
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -788,7 +788,9 @@ def _version(distribution: str) -> str | None:
 
 
 def _git_commit() -> str | None:
-    root = Path(__file__).resolve().parents[2]
+    import dptrain
+
+    root = Path(dptrain.__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10)
@@ -823,7 +825,7 @@ def _wait_for_load(max_load: float, max_wait: float, log) -> None:
 
 
 def environment(device: torch.device, threads: int, omp_wait_policy: str | None = None) -> dict:
-    from . import __version__
+    from dptrain import __version__
 
     env = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -966,8 +968,8 @@ class Target:
 
 TARGETS = (
     # CPU (2 cores): keep the time ratios; peak memory of the 224x224 CNNs at most 1.3x non-private
-    Target("cpu", "gpt2-t64", "bk-mixopt", "time_ratio", 1.15, "issue: Opacus ghost about 2.6x, the paper's code 1.5x"),
-    Target("cpu", "vgg11-gn-32", "bk-mixopt", "time_ratio", 1.1, "issue: Opacus hooks about 12x, the paper's code 2.1x"),
+    Target("cpu", "gpt2-t64", "bk-mixopt", "time_ratio", 1.15, "for comparison: Opacus ghost about 2.6x, the book-keeping paper's code 1.5x"),
+    Target("cpu", "vgg11-gn-32", "bk-mixopt", "time_ratio", 1.1, "for comparison: Opacus hooks about 12x, the book-keeping paper's code 2.1x"),
     Target("cpu", "vgg11-gn-224", "bk-mixopt", "memory_ratio", 1.3),
     Target("cpu", "resnet18-gn-224", "bk-mixopt", "memory_ratio", 1.3),
     # one GPU, each arm in its own process (the gpu-quick preset's rows)
@@ -1211,7 +1213,7 @@ class Preset:
 PRESETS = {
     "gpu-quick": Preset(
         "gpu-quick",
-        "the GPU table of the speed-and-memory issue in under 6 minutes on one GPU: GPT-2 small T=100 batch 32, "
+        "the GPU speed-and-memory table in under 6 minutes on one GPU: GPT-2 small T=100 batch 32, "
         "ResNet-18 GN 224 batch 128 and 32, VGG-11 GN 224 batch 32, ViT-B/16 224 batch 32; "
         "largest batch of the two CNNs for non-private, bk-mixopt and Opacus hooks",
         scale="full",
@@ -1222,6 +1224,9 @@ PRESETS = {
         budget_s=340, arm_timeout_s=60, search_s=30, min_search_s=8, search_grace_s=16,
     ),
 }
+
+
+assert tuple(PRESETS) == PRESET_NAMES, "options.PRESET_NAMES names the presets, for a torch-free --help"
 
 
 def preset_plan(preset: Preset, arms: Sequence[str]) -> str:
@@ -1325,53 +1330,6 @@ def run_preset(preset: Preset, arms: Sequence[str], *, device: torch.device, thr
 # ====================================================================== command line
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="dptrain bench",
-        description="Time and memory of dptrain's clipping modes against non-private training and Opacus.")
-    p.add_argument("--preset", choices=tuple(PRESETS), default=None,
-                   help="a fixed plan within a time budget: gpu-quick = the GPU table (5 rows, largest batches) "
-                        "in under 6 minutes on one GPU; see --dry-run")
-    p.add_argument("--dry-run", action="store_true", help="with --preset: print its plan and time budget, run nothing")
-    p.add_argument("--scale", choices=SCALES, default=None,
-                   help="model sizes: 'full' (the issue's sizes, for a GPU) or 'cpu' (scaled down); "
-                        "default: full with CUDA, cpu without")
-    p.add_argument("--configs", nargs="+", metavar="NAME",
-                   help="configurations to run, in order (default: all of the scale; see --list)")
-    p.add_argument("--arms", nargs="+", metavar="ARM", default=None,
-                   help=f"what to compare (default: all): {', '.join(ALL_ARMS)}")
-    p.add_argument("--no-opacus", action="store_true", help="leave out the Opacus arms")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda when available)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op threads (default: the CPU cores available to this process)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps per arm (default: per configuration)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps per arm (default: per configuration)")
-    p.add_argument("--timeout", type=float, default=3600, help="seconds allowed to each worker process")
-    p.add_argument("--mem-limit-gb", type=float, default=None,
-                   help="CPU: address-space cap per worker, so an arm that needs more fails cleanly "
-                        "(default: half the available memory)")
-    p.add_argument("--omp-wait-policy", choices=("PASSIVE", "ACTIVE", "default"), default="PASSIVE",
-                   help="CPU workers' OpenMP wait policy (default PASSIVE: spinning threads starve each other "
-                        "when other processes share the cores)")
-    p.add_argument("--max-load", type=float, default=None,
-                   help="before each configuration, wait until the 1-minute load average is at most this")
-    p.add_argument("--max-wait", type=float, default=1800, help="longest wait for --max-load, in seconds")
-    p.add_argument("--max-batch-cap", type=int, default=4096, help="GPU: largest batch tried by the bisection")
-    p.add_argument("--no-max-batch", action="store_true", help="GPU: skip the largest-batch search")
-    p.add_argument("--out", type=Path, default=None,
-                   help="output folder (default: a new folder ./dptrain-bench-<UTC date and time>)")
-    p.add_argument("--publish", action="store_true",
-                   help="write into the checkout's benchmarks/results/, replacing the committed <tag>.* files")
-    p.add_argument("--tag", default=None, help="output file name stem (default: cpu or gpu)")
-    p.add_argument("--resume", action="store_true",
-                   help="keep configurations already in <out>/<tag>.json (needs --out or --publish)")
-    p.add_argument("--notes", type=Path, default=None, help="a Markdown file appended to the report as notes")
-    p.add_argument("--report-only", action="store_true",
-                   help="only rewrite the reports from <out>/<tag>.json (needs --out or --publish)")
-    p.add_argument("--list", action="store_true", help="list the configurations of the scale and exit")
-    return p
-
-
 def _available_memory_bytes() -> int | None:
     try:
         with open("/proc/meminfo") as f:
@@ -1385,7 +1343,7 @@ def _available_memory_bytes() -> int | None:
 
 def published_results_dir() -> Path:
     """The checkout's committed results, benchmarks/results/ (written only with --publish)."""
-    return Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+    return Path(__file__).resolve().parents[1] / "results"
 
 
 def _fresh_output_dir(parent: Path) -> Path:
@@ -1430,7 +1388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--worker"]:
         return _worker_main(argv[1], argv[2])
-    args = _parser().parse_args(argv)
+    args = parser().parse_args(argv)
     if args.dry_run and not args.preset:
         return _error("--dry-run goes with --preset NAME (it prints that preset's plan)")
     if args.preset:

@@ -71,7 +71,7 @@ def test_default_run_learns_digits_at_epsilon_3(tmp_path, capsys):
 
 
 def test_resume_after_interruption_matches_an_uninterrupted_run(tmp_path, capsys, monkeypatch):
-    from dptrain import cli
+    from dptrain.cli import train as cli  # the train command's module: its TrainingRun, its load_dataset
 
     args = tiny(epochs=4)
     assert run(args + ["--output", str(tmp_path / "full")], capsys)[0] == 0
@@ -191,7 +191,7 @@ def test_torchvision_model_with_batchnorm_is_trained_with_groupnorm(tmp_path, ca
 @pytest.fixture
 def few_digits(monkeypatch):
     """digits with 64 training images: `--batch-size 64 --epochs 1` is one step on all of them."""
-    from dptrain import cli
+    from dptrain.cli import train as cli  # the train command's module: its TrainingRun, its load_dataset
 
     load_dataset = cli.load_dataset
 
@@ -550,6 +550,15 @@ def test_bench_subcommand_hands_over_to_the_benchmark_harness(capsys):
     assert main(["bench", "--list", "--scale", "cpu"]) == 0
     listed = capsys.readouterr().out
     assert "gpt2" in listed and "vgg11" in listed
+
+
+def test_bench_outside_a_checkout_says_in_one_line_where_the_harness_is(capsys, monkeypatch):
+    from dptrain.cli import bench
+
+    monkeypatch.setattr(bench, "find_benchmarks", lambda: None)
+    assert main(["bench", "--list"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "python benchmarks/run.py" in err
 
 
 def test_plan_totals_are_what_each_mode_does():

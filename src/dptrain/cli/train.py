@@ -1,0 +1,469 @@
+"""``dptrain train``: private training of an image classifier, with checkpoints, a report and a plot."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..model_specs import parse_image_spec, parse_spec
+from .datasets import load_dataset
+from .options import (CHECKPOINT_NAME, OPTIMIZERS, PLOT_NAME, REPORT_NAME, RESUME_MAY_CHANGE, SMALL_MODEL_PARAMETERS,
+                      TRAIN_DEFAULTS)
+from .output import CLIError, one_line, plural
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..planning import LayerDecision
+
+
+def _resolve_device(spec: str) -> torch.device:
+    import torch
+
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise CLIError(f"unknown device {spec!r}; use cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise CLIError(f"--device {spec}: CUDA is not available on this machine")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise CLIError(f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return device
+
+
+def _checkpoint_path(resume: str) -> Path:
+    path = Path(resume)
+    if path.is_dir():
+        path = path / CHECKPOINT_NAME
+    if not path.is_file():
+        raise CLIError(f"no checkpoint at {str(path)!r}; --resume takes a {CHECKPOINT_NAME} or the --output "
+                       "folder of an earlier run")
+    return path
+
+
+def _train_config(args: argparse.Namespace) -> tuple[dict, dict | None]:
+    """The run's configuration (defaults < checkpoint < command line) and the checkpoint, if resuming."""
+    import torch
+
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "handler")}
+    checkpoint = None
+    config = dict(TRAIN_DEFAULTS)
+    if "resume" in given:
+        path = _checkpoint_path(given["resume"])
+        try:
+            # weights_only: a checkpoint is plain data, and loading it must not run pickled code.
+            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # a truncated or foreign file: say which, not a pickle traceback
+            raise CLIError(f"cannot read the checkpoint {str(path)!r}: {one_line(err)}") from None
+        if not isinstance(checkpoint, dict) or checkpoint.get("format") != "dptrain-train-checkpoint":
+            raise CLIError(f"{str(path)!r} is not a dptrain train checkpoint")
+        config.update(checkpoint["config"])
+        for key, value in given.items():
+            if key not in RESUME_MAY_CHANGE and value != config[key]:
+                option = "--" + key.replace("_", "-")
+                raise CLIError(
+                    f"{option} differs from the checkpoint's ({config[key]!r}); a resumed run keeps its "
+                    f"configuration (only --epochs, --device, --threads, --data-dir and --output may change)"
+                )
+        given.setdefault("output", str(path.parent))
+        if given.get("epochs", config["epochs"]) <= checkpoint["epoch"]:
+            raise CLIError(
+                f"the checkpoint has already trained {checkpoint['epoch']} of {config['epochs']} epochs; "
+                f"pass --epochs N with N > {checkpoint['epoch']} to train further"
+            )
+    if given.get("non_private") and "delta" in given:
+        raise CLIError("--delta has no meaning with --non-private")
+    config.update({k: v for k, v in given.items() if k != "resume"})
+    if config["non_private"] or config["noise_multiplier"] is not None:
+        config["epsilon"] = None  # no target: the run's epsilon is reported, not aimed at
+    return config, checkpoint
+
+
+def run(args: argparse.Namespace) -> int:
+    if hasattr(args, "model"):  # before torch: a misspelt model answers at once
+        parse_image_spec(args.model)
+    import torch
+
+    config, checkpoint = _train_config(args)
+    run = TrainingRun(config, checkpoint)
+    threads = torch.get_num_threads()
+    try:
+        report = run.train()
+    except KeyboardInterrupt:
+        saved = run.saved_epoch if run.output else 0
+        written = run.write_finished_epochs()
+        hint = (f"; {REPORT_NAME} and {PLOT_NAME} in {run.output} show the finished epochs" if written else "")
+        hint += (f"; continue from the checkpoint ({plural(saved, 'epoch')} done) with: dptrain train --resume "
+                 f"{run.output}" if saved else "")
+        print(f"\ndptrain train: interrupted{hint}", file=sys.stderr)
+        return 130
+    finally:
+        torch.set_num_threads(threads)  # the run may have changed it; main() can be called in-process
+    _print_summary(report)
+    return 0
+
+
+class TrainingRun:
+    """One `dptrain train` run: data, model, optimizer, engine, loop, checkpoints and report."""
+
+    def __init__(self, config: dict, checkpoint: dict | None):
+        self.config = config
+        self.checkpoint = checkpoint
+        self.output = Path(config["output"]) if config.get("output") else None
+        self.private = not config["non_private"]
+        self.epoch = checkpoint["epoch"] if checkpoint else 0  # epochs whose steps have run
+        self.saved_epoch = self.epoch  # epochs in the checkpoint on disk, what --resume continues from
+
+    # ------------------------------------------------------------------ setup
+    def _setup(self) -> None:
+        import torch
+
+        from ..models import build_image_model
+        from ..validation import find_problems
+
+        c = self.config
+        self.device = _resolve_device(c["device"])
+        self.data = load_dataset(c["dataset"], c["data_dir"])
+        n = len(self.data.train)
+        if c["batch_size"] > n:
+            raise CLIError(f"--batch-size {c['batch_size']} is larger than the {n} training examples of "
+                           f"{c['dataset']}")
+        torch.manual_seed(c["seed"])
+        channels, height, _ = self.data.shape
+        built = build_image_model(c["model"], channels, self.data.num_classes, height)
+        self.model = built.model.to(self.device)
+        self.notes, self.fixed = built.notes, built.fixed
+        self._check_forward()
+        problems = find_problems(self.model) if self.private else []
+        if problems:
+            raise CLIError(f"model {c['model']} cannot be trained privately: " + "; ".join(problems))
+        self.num_params = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        if c["threads"] is not None:
+            torch.set_num_threads(c["threads"])
+        elif self.device.type == "cpu" and self.num_params < SMALL_MODEL_PARAMETERS:
+            torch.set_num_threads(1)
+
+        generator = None if c["secure_rng"] else torch.Generator().manual_seed(c["seed"])
+        from ..data import poisson_loader  # local: keeps `dptrain plan` / `epsilon` light to start
+
+        self.loader = poisson_loader(self.data.train, batch_size=c["batch_size"], generator=generator)
+        self.steps_per_epoch = len(self.loader)
+        self.total_steps = c["epochs"] * self.steps_per_epoch
+        # The noise was calibrated for the first run's length; a resumed run may go further.
+        self.planned_steps = self.checkpoint["planned_steps"] if self.checkpoint else self.total_steps
+
+        optimizer_cls = getattr(torch.optim, OPTIMIZERS[c["optimizer"]])
+        self.optimizer = optimizer_cls(self.model.parameters(), lr=c["lr"])
+        self.engine = None
+        if self.private:
+            from ..engine import PrivacyEngine
+
+            if self.checkpoint is not None:
+                privacy = {"noise_multiplier": self.checkpoint["engine"]["noise_multiplier"]}
+            elif c["noise_multiplier"] is not None:
+                privacy = {"noise_multiplier": c["noise_multiplier"]}
+            else:
+                # Calibrate for the steps the loader really runs (round(1/q) per epoch), so the
+                # final epsilon meets the target exactly rather than for an approximate step count.
+                privacy = {"target_epsilon": c["epsilon"], "target_delta": c["delta"], "steps": self.total_steps}
+            self.engine = PrivacyEngine(
+                self.model, batch_size=c["batch_size"], sample_size=n, max_grad_norm=c["max_grad_norm"],
+                clipping_mode=c["clipping_mode"], clipping_fn=c["clipping_fn"], accountant=c["accountant"],
+                secure_rng=c["secure_rng"], seed=None if c["secure_rng"] else c["seed"], **privacy,
+            )
+            self.engine.attach(self.optimizer)
+
+        self.history: dict[str, list] = {"step_loss": [], "epochs": []}
+        self.previous_wall_time = 0.0
+        if self.checkpoint is not None:
+            self._restore(self.checkpoint)
+
+    def _check_forward(self) -> None:
+        """One test image through the model: a model that cannot take this image size is one line."""
+        import torch
+
+        was_training = self.model.training
+        try:
+            with torch.no_grad():
+                self.model.eval()(self.data.preprocess(self.data.test_x[:1].to(self.device)))
+        except (RuntimeError, ValueError, AssertionError, IndexError) as err:
+            shape = "x".join(map(str, self.data.shape))
+            raise CLIError(f"model {self.config['model']} cannot take the {shape} images of {self.config['dataset']}: "
+                           f"{one_line(err)}") from None
+        finally:
+            self.model.train(was_training)
+
+    def _restore(self, ckpt: dict) -> None:
+        import torch
+
+        self.model.load_state_dict(ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.loader.load_state_dict(ckpt["loader"])
+        if self.engine is not None:
+            self.engine.load_state_dict(ckpt["engine"])
+        torch.set_rng_state(ckpt["torch_rng"])
+        self.history = ckpt["history"]
+        self.previous_wall_time = ckpt["wall_time_s"]
+
+    def _save_checkpoint(self, wall_time: float) -> None:
+        import torch
+
+        state = {
+            "format": "dptrain-train-checkpoint",
+            "config": {k: v for k, v in self.config.items() if k not in ("output", "resume")},
+            "epoch": self.epoch,
+            "planned_steps": self.planned_steps,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "loader": self.loader.state_dict(),
+            "engine": self.engine.state_dict() if self.engine is not None else None,
+            "torch_rng": torch.get_rng_state(),
+            "history": self.history,
+            "wall_time_s": wall_time,
+        }
+        partial = self.output / (CHECKPOINT_NAME + ".partial")
+        torch.save(state, partial)
+        os.replace(partial, self.output / CHECKPOINT_NAME)  # never leave a half-written checkpoint
+
+    # ------------------------------------------------------------------ loop
+    def train(self) -> dict:
+        started = self.started = time.perf_counter()  # wall time counts the setup (data, model, calibration) too
+        self._setup()
+        if self.output is not None:
+            self.output.mkdir(parents=True, exist_ok=True)
+        self._print_header()
+        c = self.config
+        step = self.epoch * self.steps_per_epoch
+        epsilon = self.history["epochs"][-1]["epsilon"] if self.history["epochs"] else 0.0
+        from tqdm import tqdm
+
+        from ..data import split_batches
+
+        while self.epoch < c["epochs"]:
+            self.model.train()
+            bar = tqdm(total=self.steps_per_epoch, desc=f"epoch {self.epoch + 1}/{c['epochs']}", unit="step",
+                       leave=True, file=sys.stderr, dynamic_ncols=True)
+            try:
+                epoch_started, seen, loss_sum = time.perf_counter(), 0, 0.0
+                if c["physical_batch_size"]:
+                    logical_batches = split_batches(self.loader, c["physical_batch_size"])
+                else:
+                    logical_batches = ([batch] for batch in self.loader)
+                for logical in logical_batches:
+                    size, batch_loss = self._step(logical)
+                    step += 1
+                    seen += size
+                    if size:
+                        self.history["step_loss"].append((step, batch_loss))
+                        loss_sum += batch_loss * size
+                    postfix = {"loss": f"{loss_sum / max(seen, 1):.3f}"}
+                    if self.private:
+                        postfix["eps"] = f"{epsilon:.2f}"  # as of the last epoch's end: see below
+                    postfix["img/s"] = f"{seen / max(time.perf_counter() - epoch_started, 1e-9):.0f}"
+                    bar.set_postfix(postfix, refresh=False)
+                    bar.update(1)
+                self.epoch += 1
+                # Epsilon once per epoch: an exact accountant costs ~0.1-0.5 s per evaluation.
+                epsilon = self.engine.get_epsilon(c["delta"]) if self.private else None
+                accuracy = self.evaluate()
+                if self.private:
+                    postfix["eps"] = f"{epsilon:.2f}"
+                bar.set_postfix({**postfix, "test acc": f"{accuracy:.3f}"})
+            finally:
+                bar.close()
+            self.history["epochs"].append({
+                "epoch": self.epoch, "step": step, "train_loss": loss_sum / max(seen, 1),
+                "test_accuracy": accuracy, "epsilon": epsilon,
+            })
+            if self.output is not None:
+                self._save_checkpoint(self.previous_wall_time + time.perf_counter() - started)
+                self.saved_epoch = self.epoch
+        wall_time = self.previous_wall_time + time.perf_counter() - started
+        report = self._report(step, wall_time)
+        if self.output is not None:
+            (self.output / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+            _plot(self.history, report, self.output / PLOT_NAME)
+        return report
+
+    def write_finished_epochs(self) -> bool:
+        """After an interruption: the report and plot of the epochs in the checkpoint (what --resume
+        continues from); True if written."""
+        history = getattr(self, "history", None)
+        if self.output is None or not history or not self.output.is_dir():
+            return False
+        epochs = [e for e in history["epochs"] if e["epoch"] <= self.saved_epoch]
+        if not epochs:
+            return False
+        last_step = epochs[-1]["step"]
+        report = self._report(last_step, self.previous_wall_time + time.perf_counter() - self.started, epochs)
+        report.update(interrupted=True, finished_epochs=epochs[-1]["epoch"])
+        (self.output / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
+        finished = {"step_loss": [sl for sl in history["step_loss"] if sl[0] <= last_step], "epochs": epochs}
+        _plot(finished, report, self.output / PLOT_NAME)
+        return True
+
+    def _step(self, logical: list) -> tuple[int, float]:
+        """One optimizer step on a logical batch (a list of physical batches); (batch size, mean loss)."""
+        import torch.nn.functional as F
+
+        size = sum(len(y) for _, y in logical)
+        loss_total = 0.0
+        for x, y in logical:
+            x, y = self.data.preprocess(x.to(self.device)), y.to(self.device)
+            losses = F.cross_entropy(self.model(x), y, reduction="none")
+            loss_total += float(losses.detach().sum())
+            if self.private:
+                self.engine.backward(losses)  # an empty batch still gets its noise at the step
+            elif size:
+                (losses.sum() / size).backward()
+        if self.private or size:  # DP steps on empty batches too: Poisson sampling's analysis counts them
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return size, loss_total / max(size, 1)
+
+    def evaluate(self) -> float:
+        import torch
+
+        self.model.eval()
+        correct = 0
+        for start in range(0, len(self.data.test_y), 1024):
+            x = self.data.preprocess(self.data.test_x[start:start + 1024].to(self.device))
+            y = self.data.test_y[start:start + 1024].to(self.device)
+            with torch.no_grad():
+                correct += int((self.model(x).argmax(1) == y).sum())
+        self.model.train()
+        return correct / len(self.data.test_y)
+
+    # ------------------------------------------------------------------ reporting
+    def _print_header(self) -> None:
+        import torch
+
+        c, data = self.config, self.data
+        n, shape = len(data.train), "x".join(map(str, data.shape))
+        print(f"data: {c['dataset']}, {n} training / {len(data.test_y)} test images of {shape}, "
+              f"{data.num_classes} classes")
+        count = torch.get_num_threads()
+        threads = f" ({count} thread{'s' if count > 1 else ''})" if self.device.type == "cpu" else ""
+        print(f"model: {c['model']}, {self.num_params:,} trainable parameters, on {self.device}{threads}")
+        for note in self.notes:
+            print(f"  note: {note}")
+        q = c["batch_size"] / n
+        optimizer = ("DP-" if self.private else "") + OPTIMIZERS[c["optimizer"]]
+        print(f"training: {optimizer}, lr {c['lr']:g}, {plural(c['epochs'], 'epoch')} x "
+              f"{plural(self.steps_per_epoch, 'step')}, "
+              f"Poisson sampling with rate {q:.4g} (expected batch {c['batch_size']})"
+              + (f", physical batches of at most {c['physical_batch_size']}" if c["physical_batch_size"] else ""))
+        if self.checkpoint is not None:
+            print(f"resuming after epoch {self.epoch} (step {self.epoch * self.steps_per_epoch})")
+        if not self.private:
+            print("privacy: none (--non-private: no clipping, no noise)")
+            return
+        e = self.engine
+        if c["epsilon"] is not None:
+            target = f"target epsilon {c['epsilon']:g} at delta {c['delta']:g} -> noise multiplier " \
+                     f"{e.noise_multiplier:.4g}"
+        else:
+            target = f"noise multiplier {e.noise_multiplier:.4g}"
+        print(f"privacy: {target} ({c['accountant']} accountant), max grad norm {c['max_grad_norm']:g}, "
+              f"clipping {c['clipping_mode']}/{c['clipping_fn']}")
+        if c["epsilon"] is not None and self.total_steps > self.planned_steps:
+            warnings.warn(f"training {c['epochs']} epochs goes past the {self.planned_steps} steps the noise was "
+                          f"calibrated for: epsilon will exceed the target {c['epsilon']:g}")
+        decisions = self._layer_decisions()
+        ghost = sum(d.norm == "ghost" for d in decisions)
+        classes = "" if parse_spec(c["model"])[0] == "builtin" else f" --num-classes {data.num_classes}"
+        fix = " --fix" if self.fixed else ""  # plan the model this run trains, not the one as published
+        print(f"per-layer norms ({c['clipping_mode']}): {ghost} by ghost norm, {len(decisions) - ghost} "
+              f"instantiated, of {len(decisions)} layers (details: dptrain plan --model {c['model']} "
+              f"--input-size {' '.join(map(str, data.shape))}{classes}{fix})")
+
+    def _layer_decisions(self) -> list[LayerDecision]:
+        from ..planning import plan
+
+        example = self.data.preprocess(self.data.test_x[:1].to(self.device))
+        return plan(self.model, example, clipping_mode=self.config["clipping_mode"])
+
+    def _report(self, steps: int, wall_time: float, epochs: list[dict] | None = None) -> dict:
+        c = self.config
+        epochs = self.history["epochs"] if epochs is None else epochs
+        last = epochs[-1]
+        report = {
+            "test_accuracy": last["test_accuracy"],
+            "epsilon": last["epsilon"],
+            "delta": c["delta"] if self.private else None,
+            "noise_multiplier": self.engine.noise_multiplier if self.private else None,
+            "steps": steps,
+            "clipping_mode": c["clipping_mode"] if self.private else None,
+            "wall_time_s": round(wall_time, 3),
+            "private": self.private,
+            "target_epsilon": c["epsilon"],
+            "accountant": c["accountant"] if self.private else None,
+            "max_grad_norm": c["max_grad_norm"] if self.private else None,
+            "clipping_fn": c["clipping_fn"] if self.private else None,
+            "sample_rate": c["batch_size"] / len(self.data.train),
+            "epochs": c["epochs"],
+            "batch_size": c["batch_size"],
+            "physical_batch_size": c["physical_batch_size"],
+            "lr": c["lr"],
+            "optimizer": c["optimizer"],
+            "model": c["model"],
+            "trainable_parameters": self.num_params,
+            "dataset": c["dataset"],
+            "train_size": len(self.data.train),
+            "test_size": len(self.data.test_y),
+            "seed": None if c["secure_rng"] else c["seed"],
+            "device": str(self.device),
+            "history": epochs,
+        }
+        return report
+
+
+def _print_summary(report: dict) -> None:
+    print(f"test accuracy: {report['test_accuracy']:.4f} ({report['test_size']} test images)")
+    if report["private"]:
+        print(f"privacy spent: epsilon = {report['epsilon']:.3f} at delta = {report['delta']:g} "
+              f"({report['accountant']} accountant)")
+        print(f"noise multiplier: {report['noise_multiplier']:.4g}, steps: {report['steps']}, "
+              f"sample rate: {report['sample_rate']:.4g}")
+    else:
+        print(f"privacy: none (non-private run), steps: {report['steps']}")
+    print(f"wall time: {report['wall_time_s']:.1f} s")
+
+
+def _plot(history: dict, report: dict, path: Path) -> None:
+    from matplotlib.figure import Figure  # no pyplot: no global backend, works without a display
+
+    fig = Figure(figsize=(11, 4), layout="constrained")
+    loss_ax, eps_ax = fig.subplots(1, 2)
+    if history["step_loss"]:
+        steps, losses = zip(*history["step_loss"])
+        loss_ax.plot(steps, losses, color="tab:blue", alpha=0.6, linewidth=1, label="training loss (batch)")
+    loss_ax.set_xlabel("step")
+    loss_ax.set_ylabel("training loss", color="tab:blue")
+    acc_ax = loss_ax.twinx()
+    epoch_steps = [0] + [e["step"] for e in history["epochs"]]
+    acc_ax.plot(epoch_steps[1:], [e["test_accuracy"] for e in history["epochs"]], "o-", color="tab:orange",
+                label="test accuracy")
+    acc_ax.set_ylabel("test accuracy", color="tab:orange")
+    acc_ax.set_ylim(0, 1)
+    loss_ax.set_title(f"{report['model']} on {report['dataset']}")
+    if report["private"]:
+        eps_ax.plot(epoch_steps, [0.0] + [e["epsilon"] for e in history["epochs"]], "o-", color="tab:red")
+        if report["target_epsilon"] is not None:
+            eps_ax.axhline(report["target_epsilon"], color="gray", linestyle="--", label="target")
+            eps_ax.legend(loc="lower right")
+        eps_ax.set_title(f"privacy spent (delta = {report['delta']:g}, {report['accountant']})")
+    else:
+        eps_ax.text(0.5, 0.5, "non-private run:\nno privacy guarantee", ha="center", va="center",
+                    transform=eps_ax.transAxes)
+        eps_ax.set_title("privacy spent")
+    eps_ax.set_xlabel("step")
+    eps_ax.set_ylabel("epsilon")
+    fig.savefig(path, dpi=100)

@@ -366,9 +366,9 @@ def test_step_validation(args, message):
 
 
 def test_names_and_deltas_are_validated():
-    with pytest.raises(ValueError, match="'rdp', 'pld', 'gdp'"):
+    with pytest.raises(ValueError, match="unknown accountant 'prv'; valid: rdp, pld, gdp"):
         create_accountant("prv")
-    with pytest.raises(ValueError, match="'rdp', 'pld', 'gdp'"):
+    with pytest.raises(ValueError, match="unknown accountant 'PLD '; valid: rdp, pld, gdp"):
         compute_epsilon(1.0, 0.01, 10, 1e-5, accountant="PLD ")
     accountant = create_accountant()
     assert accountant.name == "pld"

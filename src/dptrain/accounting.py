@@ -29,10 +29,10 @@ count), ...])``.
 from __future__ import annotations
 
 import math
-import numbers
-import operator
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from . import checks
 
 if TYPE_CHECKING:
     import dp_accounting
@@ -102,61 +102,24 @@ _GDP_WARNING = (
 
 
 def _check_accountant_name(name: Any) -> str:
-    if not isinstance(name, str) or name not in ACCOUNTANTS:
-        raise ValueError(
-            f"Unknown accountant {name!r}; valid accountants are {', '.join(map(repr, ACCOUNTANTS))}."
-        )
-    return name
-
-
-def _check_real(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{what} must be a real number, got {value!r}.")
-    return float(value)
+    return checks.choice("accountant", name, ACCOUNTANTS)
 
 
 def _check_noise_multiplier(noise_multiplier: Any) -> float:
-    sigma = _check_real(noise_multiplier, "noise_multiplier")
-    if not (math.isfinite(sigma) and sigma >= 0.0):
-        raise ValueError(
-            f"noise_multiplier must be finite and >= 0 (0 means no noise, i.e. infinite "
-            f"epsilon), got {noise_multiplier!r}."
-        )
-    return sigma
+    return checks.non_negative("noise_multiplier", noise_multiplier, "0 means no noise, i.e. infinite epsilon")
 
 
 def _check_sample_rate(sample_rate: Any) -> float:
-    q = _check_real(sample_rate, "sample_rate")
-    if not (0.0 < q <= 1.0):
-        raise ValueError(
-            f"sample_rate must be in (0, 1] (expected batch size / dataset size), got "
-            f"{sample_rate!r}."
-        )
-    return q
+    return checks.rate("sample_rate", sample_rate, "expected batch size / dataset size")
 
 
 def _check_count(value: Any, what: str, minimum: int) -> int:
-    count = None
-    if not isinstance(value, bool):
-        try:
-            count = operator.index(value)  # int, numpy integer, ...
-        except TypeError:
-            # accept 10.0, e.g. from epochs * steps_per_epoch arithmetic, but not 10.5
-            if isinstance(value, numbers.Real) and float(value).is_integer():
-                count = int(value)
-    if count is None or count < minimum:
-        raise ValueError(f"{what} must be an integer >= {minimum}, got {value!r}.")
-    return count
+    # 10.0 is taken (from epochs * steps_per_epoch arithmetic), 10.5 is not
+    return checks.integer(what, value, minimum, integral_floats=True)
 
 
 def _check_delta(delta: Any) -> float:
-    d = _check_real(delta, "delta")
-    if not (0.0 < d < 1.0):
-        raise ValueError(
-            f"delta must be in (0, 1), got {delta!r}; a common choice is "
-            f"default_delta(len(dataset)) = 1 / (10 * len(dataset))."
-        )
-    return d
+    return checks.open_unit("delta", delta, "a common choice is default_delta(len(dataset)) = 1 / (10 * len(dataset))")
 
 
 def default_delta(sample_size: int) -> float:
@@ -165,7 +128,7 @@ def default_delta(sample_size: int) -> float:
     A meaningful delta must be well below ``1 / sample_size``: a mechanism that
     publishes one random record outright is (0, 1/n)-DP.
     """
-    n = _check_count(sample_size, "sample_size (number of training examples)", 1)
+    n = checks.integer("sample_size", sample_size, 1, "the number of training examples", integral_floats=True)
     return 1.0 / (10.0 * n)
 
 
@@ -437,9 +400,7 @@ def calibrate_noise_multiplier(
     multiplier above ``MAX_NOISE_MULTIPLIER``.
     """
     name = _check_accountant_name(accountant)
-    target = _check_real(target_epsilon, "target_epsilon")
-    if not (math.isfinite(target) and target > 0.0):
-        raise ValueError(f"target_epsilon must be a finite number > 0, got {target_epsilon!r}.")
+    target = checks.positive("target_epsilon", target_epsilon)
     delta = _check_delta(target_delta)
     q = _check_sample_rate(sample_rate)
     steps = _check_count(steps, "steps", 1)

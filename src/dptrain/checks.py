@@ -37,6 +37,17 @@ def integer(name: str, value: Any, minimum: int, meaning: str = "", integral_flo
     return number
 
 
+def index(name: str, value: Any, bound: int, bound_name: str) -> int:
+    """An integer in ``[0, bound)``, such as a rank below the number of replicas."""
+    try:
+        number = integer(name, value, 0)
+    except ValueError:
+        number = None
+    if number is None or number >= bound:
+        raise _fail(name, f"an integer with 0 <= {name} < {bound_name}={bound}", value)
+    return number
+
+
 def positive_int(name: str, value: Any, meaning: str = "") -> int:
     return integer(name, value, 1, meaning)
 

@@ -17,7 +17,6 @@ can be zero. A shuffled fixed-size ``DataLoader`` does not match that analysis.
 from __future__ import annotations
 
 import numbers
-import operator
 import os
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator
@@ -25,6 +24,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from torch.utils.data.dataloader import default_collate
+
+from . import checks
 
 __all__ = [
     "DPDataLoader",
@@ -37,25 +38,8 @@ __all__ = [
 
 
 def _check_sample_rate(sample_rate: Any) -> float:
-    if isinstance(sample_rate, bool) or not isinstance(sample_rate, numbers.Real):
-        raise ValueError(f"sample_rate must be a number in (0, 1], got {sample_rate!r}.")
-    q = float(sample_rate)
-    if not (0.0 < q <= 1.0):
-        raise ValueError(
-            f"sample_rate must be in (0, 1] (the probability that each example is in a "
-            f"batch, i.e. expected batch size / dataset size), got {sample_rate!r}."
-        )
-    return q
-
-
-def _check_positive_int(value: Any, what: str) -> int:
-    try:
-        number = operator.index(value) if not isinstance(value, bool) else None
-    except TypeError:
-        number = None
-    if number is None or number < 1:
-        raise ValueError(f"{what} must be a positive integer, got {value!r}.")
-    return number
+    return checks.rate("sample_rate", sample_rate,
+                       "the probability that each example is in a batch, i.e. expected batch size / dataset size")
 
 
 def _secure_generator() -> torch.Generator:
@@ -88,15 +72,15 @@ class PoissonSampler(Sampler[list[int]]):
         steps: int | None = None,
         generator: torch.Generator | None = None,
     ):
-        self.num_samples = _check_positive_int(num_samples, "num_samples")
+        self.num_samples = checks.positive_int("num_samples", num_samples)
         self.sample_rate = _check_sample_rate(sample_rate)
         self.steps = (
             max(1, round(1.0 / self.sample_rate))
             if steps is None
-            else _check_positive_int(steps, "steps")
+            else checks.positive_int("steps", steps)
         )
         if generator is not None and not isinstance(generator, torch.Generator):
-            raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}.")
+            raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}")
         self.generator = _secure_generator() if generator is None else generator
         # Generator state at the start of the current epoch and batches drawn since: the
         # checkpoint. (Replaying from the epoch start, rather than saving the state after
@@ -163,9 +147,7 @@ class PoissonSampler(Sampler[list[int]]):
                 "the saved batches cannot be reproduced. Build the sampler with the saved "
                 "settings."
             )
-        position = state["position"]
-        if isinstance(position, bool) or not isinstance(position, int) or not 0 <= position < self.steps:
-            raise ValueError(f"Invalid position {position!r}: expected 0 <= position < {self.steps}.")
+        position = checks.index("position", state["position"], self.steps, "steps")
         self._epoch_start_state = state["generator_state"].clone()
         self._position = position
         self._resume_pending = True
@@ -274,25 +256,18 @@ class DistributedPoissonSampler(PoissonSampler):
         steps: int | None = None,
         generator: torch.Generator | None = None,
     ):
-        num_samples = _check_positive_int(num_samples, "num_samples")
+        num_samples = checks.positive_int("num_samples", num_samples)
         if generator is not None and not isinstance(generator, torch.Generator):
-            raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}.")
+            raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}")
         num_replicas = _distributed_default(num_replicas, "num_replicas")
         rank = _distributed_default(rank, "rank")
-        self.num_replicas = _check_positive_int(num_replicas, "num_replicas")
+        self.num_replicas = checks.positive_int("num_replicas", num_replicas)
         if self.num_replicas > num_samples:
             raise ValueError(
                 f"num_replicas={self.num_replicas} exceeds the dataset size {num_samples}: "
                 "every rank needs at least one example of its own to sample."
             )
-        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not (
-            0 <= rank < self.num_replicas
-        ):
-            raise ValueError(
-                f"rank must be an integer with 0 <= rank < num_replicas={self.num_replicas}, "
-                f"got {rank!r}."
-            )
-        self.rank = int(rank)
+        self.rank = checks.index("rank", rank, self.num_replicas, "num_replicas")
         # Validate sample_rate / steps before drawing from the caller's generator.
         PoissonSampler.__init__(self, num_samples, sample_rate, steps=steps, generator=None)
         self.generator = _rank_generator(generator, self.rank, self.num_replicas)
@@ -499,7 +474,7 @@ def poisson_loader(
             "or batch_size (the expected batch size, q = batch_size / len(dataset))."
         )
     if batch_size is not None:
-        batch_size = _check_positive_int(batch_size, "batch_size")
+        batch_size = checks.positive_int("batch_size", batch_size)
         if batch_size > num_samples:
             raise ValueError(
                 f"batch_size={batch_size} exceeds the dataset size {num_samples}; the "
@@ -507,7 +482,7 @@ def poisson_loader(
             )
         sample_rate = batch_size / num_samples
     if not isinstance(distributed, bool):
-        raise ValueError(f"distributed must be True or False, got {distributed!r}.")
+        raise ValueError(f"distributed must be True or False, got {distributed!r}")
     if distributed:
         sampler: PoissonSampler = DistributedPoissonSampler(
             num_samples, sample_rate, num_replicas, rank, steps=steps, generator=generator
@@ -556,5 +531,5 @@ def split_batches(loader: Any, max_physical_batch_size: int) -> Iterator[list[An
             optimizer.zero_grad()
     """
     # Checked here, not inside a generator, so a bad value fails at the call site.
-    max_physical_batch_size = _check_positive_int(max_physical_batch_size, "max_physical_batch_size")
+    max_physical_batch_size = checks.positive_int("max_physical_batch_size", max_physical_batch_size)
     return (_split_batch(batch, max_physical_batch_size) for batch in loader)

@@ -981,3 +981,23 @@ def test_heads_replaced_many_times_are_always_hooked(float64):
         opt.param_groups[0]["params"] = list(model.parameters())
         engine.backward(_losses(model, *_data(2)))
         opt.step(), opt.zero_grad()
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_a_forward_whose_loss_failed_leaves_nothing_once_its_outputs_are_dropped(float64, mode, path):
+    # The batch-size finder's case where the out-of-memory error is in the loss (a large vocabulary), after the
+    # model's forward returned: once the outputs are dropped, nothing of that forward is kept for the retry.
+    model = _three_layers()
+    reference_model = copy.deepcopy(model)
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    out = model(_data(64)[0])
+    del out  # the loss raised; the user's handler dropped its references
+    gc.collect()
+    assert sum(len(s.calls) for s in engine._layers) == 0
+    batch = _data(3, seed=2)
+    _backward(engine, model, *batch, path)
+    opt.step()
+    assert_matches({n: p.grad for n, p in model.named_parameters()}, _reference(reference_model, [batch]),
+                   what="after a failed loss")

@@ -17,6 +17,7 @@ while a backward pass runs is a recomputation (activation checkpointing) and is 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -54,13 +55,63 @@ class Call:
     grad: torch.Tensor | None = None
 
 
+class CallList:
+    """A layer's calls still waiting for their output gradient, held weakly.
+
+    A call lives as long as the autograd graph that is to deliver its gradient (the hook on its output holds
+    it): a forward whose graph was dropped without a backward (its loss failed, its outputs were thrown
+    away) leaves nothing behind here.
+    """
+
+    def __init__(self, calls=()):
+        self._refs = [weakref.ref(c) for c in calls]
+        self._held = [c for c in calls if c.grad is not None]
+
+    def _live(self) -> list[Call]:
+        return [c for c in (r() for r in self._refs) if c is not None]
+
+    def __iter__(self):
+        return iter(self._live())
+
+    def __len__(self) -> int:
+        return len(self._live())
+
+    def __bool__(self) -> bool:
+        return any(r() is not None for r in self._refs)
+
+    def __getitem__(self, k):
+        return self._live()[k]
+
+    def append(self, call: Call) -> None:
+        if len(self._refs) > 8:
+            self._refs = [r for r in self._refs if r() is not None]
+        self._refs.append(weakref.ref(call))
+
+    def hold(self, call: Call) -> None:
+        """Keep a call that received its gradient until it is reduced: a recomputation's graph (reentrant
+        checkpointing) is freed at the end of its nested backward, before the outer backward reduces it."""
+        self._held.append(call)
+
+    def clear(self) -> None:
+        self._refs.clear()
+        self._held.clear()
+
+
 @dataclass
 class LayerState:
     name: str
     module: nn.Module
     rule: LayerRule
     params: dict[str, nn.Parameter]
-    calls: list[Call] = field(default_factory=list)
+    _calls: CallList = field(default_factory=CallList, repr=False)
+
+    @property
+    def calls(self) -> CallList:
+        return self._calls
+
+    @calls.setter
+    def calls(self, calls) -> None:
+        self._calls = calls if isinstance(calls, CallList) else CallList(calls)
 
 
 class _Origin(torch.autograd.Function):
@@ -106,8 +157,11 @@ class Capture:
 
     def __init__(self, model: nn.Module, on_grad: Callable[[LayerState, Call, torch.Tensor], None], *,
                  on_model_call: Callable[[], None], on_output_grad: Callable[[], None],
-                 params_by_name: bool = False, batch_first: bool = True):
+                 params_by_name: bool = False, batch_first: bool = True, dry: bool = False):
         self.model = model
+        #: ``plan()``'s dry forward: every call recorded (sizes only, gradients on or off), nothing switched or hooked
+        self.dry = dry
+        self.called: list[LayerState] = []  # dry: the layers in the order of their first call
         self.params_by_name = params_by_name
         self.batch_first = batch_first
         self.on_grad = on_grad
@@ -197,7 +251,7 @@ class Capture:
 
     # ------------------------------------------------------------------ the model's own call
     def _model_pre_hook(self, module, args, kwargs):
-        if in_backward() or not torch.is_grad_enabled() or in_replay() or self.paused:
+        if in_backward() or not self._tracking() or in_replay() or self.paused:
             return None  # a recomputation (checkpointing), evaluation, a fallback's replay, or paused
         if self._open_forward is not None:
             # The last model call never returned (an exception the always-called hook could not
@@ -220,7 +274,7 @@ class Capture:
             return None
         self._finished_forward = True
         self._open_forward = None
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self.dry:
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(self._output_grad_hook)
@@ -248,6 +302,9 @@ class Capture:
             self._open_forward = None
 
     # ------------------------------------------------------------------ layer hooks
+    def _tracking(self) -> bool:
+        return self.dry or torch.is_grad_enabled()
+
     def _anchor(self, device: torch.device) -> torch.Tensor:
         anchor = self._anchors.get(device)
         if anchor is None:
@@ -284,7 +341,7 @@ class Capture:
         def pre_hook(module, inputs):
             state = self._state_of.get(id(module))
             # A replay by the per-sample fallback runs children as they are: nothing to switch or record.
-            if state is None or not torch.is_grad_enabled() or in_replay() or self.paused:
+            if state is None or not torch.is_grad_enabled() or in_replay() or self.paused or self.dry:
                 return None
             self._check_hook_order(module, state)
             params = self._current_params(state) if self.params_by_name else state.params.values()
@@ -321,7 +378,7 @@ class Capture:
                 return None
             self._restore(module)
             state = self._state_of.get(id(module))
-            if state is None or state.rule.captures_input or not torch.is_grad_enabled() or output is None:
+            if state is None or state.rule.captures_input or not self._tracking() or output is None:
                 return None  # (None: the forward raised, and this always-called hook runs on its way out)
             if not isinstance(output, torch.Tensor):
                 state.rule.capture_call(module, args, kwargs, output)  # a rule may refuse with its own reason
@@ -348,11 +405,11 @@ class Capture:
             self._sources[(id(module), site)] = tensor.detach()
 
         def source_pre_hook(source, inputs):
-            if torch.is_grad_enabled():
+            if self._tracking():
                 keep(source, inputs[0] if inputs else None)
 
         def source_hook(source, inputs, output):
-            if torch.is_grad_enabled():
+            if self._tracking():
                 keep(source, output)
 
         return source_pre_hook if from_input else source_hook
@@ -362,7 +419,7 @@ class Capture:
 
         def input_hook(target, inputs):
             state = self._state_of.get(id(module))
-            if (state is None or not torch.is_grad_enabled() or in_replay() or self.paused or not inputs
+            if (state is None or not self._tracking() or in_replay() or self.paused or not inputs
                     or not isinstance(inputs[0], torch.Tensor)):
                 return None
             captured = inputs
@@ -394,7 +451,7 @@ class Capture:
         else:
             activation = state.rule.capture_at(module, site, inputs, seen_output)
         output_swapped = seen_output is not tensor
-        if not tensor.requires_grad:
+        if not tensor.requires_grad and not self.dry:
             tensor = _Origin.apply(self._anchor(tensor.device), tensor)
         seen = _swap01(tensor) if output_swapped else tensor
         if seen.dim() and seen.shape[0] == 1 and forward_batch is not None and forward_batch != 1:
@@ -424,6 +481,12 @@ class Capture:
         forward_id = None if recomputed else self._open_forward
         call = Call(activation, dims, batch, version, forward_id, recomputed, forward_batch is not None)
         state.calls.append(call)
+        if self.dry:  # sizes are all a plan needs; nothing holds the call but this list
+            call.activation = None
+            state.calls.hold(call)
+            if len(state.calls) == 1:
+                self.called.append(state)
+            return tensor
         if output_swapped:
             tensor.register_hook(lambda g: self.on_grad(state, call, _swap01(g)))
         else:

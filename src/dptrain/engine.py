@@ -642,6 +642,7 @@ class PrivacyEngine:
                 "forward for each backward"
             )
         call.grad = grad.detach()
+        state.calls.hold(call)
         if self._pipeline.can_reduce_now(state):
             self._pipeline.reduce_layer(state)
 

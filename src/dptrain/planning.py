@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .algorithms import RECIPES, Grad, GradVia, Norm, NormVia, Recipe
-from .layers import in_replay, resolve_rule
+from .layers import resolve_rule
 from .layers.protocol import LayerDims
 from .layers.registry import layer_params
 
@@ -119,65 +119,40 @@ def decide_parameter(recipe: Recipe, decision_rule: str, parts: list[tuple[str, 
 
 
 def plan(model: nn.Module, *example_args, clipping_mode: str = "bk-mixopt",
-         decision_rule: str = DEFAULT_DECISION_RULE, allow_fallback: bool = True,
+         decision_rule: str = DEFAULT_DECISION_RULE, allow_fallback: bool = True, batch_first: bool = True,
          **example_kwargs) -> list[LayerDecision]:
     """What ``clipping_mode`` would do per trainable layer for inputs shaped like the example.
 
-    Runs one forward pass without gradients and decides as the engine does (``decide_parameter``):
-    a module called several times is one layer, its calls' tokens together. Nothing on the model
-    is changed.
+    Runs one forward pass without gradients through the engine's own capture (a dry run: every
+    call's sizes, nothing switched or hooked for a backward) and decides as the engine does
+    (``decide_parameter``): a module called several times is one layer, its calls' tokens
+    together. Nothing on the model is changed.
     """
     if clipping_mode not in RECIPES:
         raise ValueError(f"unknown clipping_mode {clipping_mode!r}; valid: {', '.join(RECIPES)}")
     if decision_rule not in DECISION_RULES:
         raise ValueError(f"unknown decision rule {decision_rule!r}; valid: {', '.join(DECISION_RULES)}")
     recipe = RECIPES[clipping_mode]
-    calls: dict[str, list[LayerDims]] = {}  # per layer, in the order of their first call
-    layers: dict[str, tuple[nn.Module, object, dict]] = {}
-    handles = []
+    from .capture import Capture, LayerState  # the engine's own capture (it imports this module's neighbours)
+
     covered = layer_params(model)
+    layers: dict[str, tuple[nn.Module, object, dict]] = {}
+    states = []
     for name, module in model.named_modules():
         params = covered.get(module, {})
-        rule = resolve_rule(module, allow_fallback) if params else None
-        if rule is None:
-            continue
-        layers[name] = (module, rule, params)
-
-        def record(mod, inputs, tensor, site=None, _name=name, _rule=rule):
-            if in_replay():  # a fallback replaying its module's call (its checks) runs the children again
-                return
-            if site is None:
-                args, kwargs = inputs
-                activation = _rule.capture_call(mod, args, kwargs, tensor)
-            else:
-                activation = _rule.capture_at(mod, site, inputs, tensor)
-            calls.setdefault(_name, []).append(_rule.dims(mod, activation, tensor))
-
-        if rule.captures_input:  # read where the engine reads: capture sites (activation source, gradient target)
-            for k, site in enumerate(rule.capture_sites(module)):
-                kept: dict = {}
-                if site.source is not None and site.source_input:
-                    handles.append(site.source.register_forward_pre_hook(
-                        lambda src, inputs, _kept=kept: _kept.__setitem__("x", inputs[0])))
-                elif site.source is not None:
-                    handles.append(site.source.register_forward_hook(
-                        lambda src, inputs, output, _kept=kept: _kept.__setitem__("x", output)))
-
-                def at_target(target, inputs, _module=module, _record=record, _k=k, _kept=kept,
-                              _sourced=site.source is not None):
-                    _record(_module, (_kept.pop("x"),) if _sourced else inputs, inputs[0], _k)
-
-                handles.append(site.target.register_forward_pre_hook(at_target))
-        else:
-            handles.append(module.register_forward_hook(
-                lambda mod, args, kwargs, output, _record=record: _record(mod, (args, kwargs), output),
-                with_kwargs=True))
+        rule = resolve_rule(module, allow_fallback, batch_first=batch_first) if params else None
+        if rule is not None:
+            layers[name] = (module, rule, params)
+            states.append(LayerState(name, module, rule, params))
+    capture = Capture(model, None, on_model_call=lambda: None, on_output_grad=lambda: None,
+                      batch_first=batch_first, dry=True)
+    capture.install(states)
     try:
         with torch.no_grad():
             model(*example_args, **example_kwargs)
+        calls = {s.name: [c.dims for c in s.calls] for s in capture.called}
     finally:
-        for h in handles:
-            h.remove()
+        capture.remove()
     joined = {name: join_dims(dims) for name, dims in calls.items()}
     users: dict[int, list[tuple[str, str]]] = {}
     shapes: dict[int, tuple[int, ...]] = {}

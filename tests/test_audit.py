@@ -167,7 +167,7 @@ def test_canaries_through_the_engine_match_the_oracle_and_stay_orthogonal(mode, 
 
 
 def test_canary_model_rejects_a_bad_canary_count():
-    with pytest.raises(ValueError, match="canaries must be a positive int"):
+    with pytest.raises(ValueError, match="canaries must be a positive integer"):
         CanaryModel(torch.nn.Linear(2, 2), canaries=0)
 
 
@@ -235,7 +235,7 @@ def test_audit_of_your_own_model_and_data_leaves_your_model_alone():
 def test_audit_rejects_bad_options_with_a_clear_message():
     with pytest.raises(ValueError, match="confidence must be in"):
         run_audit(confidence=1.5)
-    with pytest.raises(ValueError, match="noise_scale must be a number >= 0"):
+    with pytest.raises(ValueError, match="noise_scale must be a finite number >= 0"):
         run_audit(noise_scale=-1.0)
     with pytest.raises(ValueError, match="clipping_mode"):
         run_audit(clipping_mode="fast", **SMALL)

@@ -30,7 +30,7 @@ CONSOLE_SCRIPT = "import sys; from dptrain.cli import main; sys.exit(main())"
     (["train", "--help"], 0, "--epsilon"),
     (["plan", "--help"], 0, "--input-size"),
     (["bench", "--help"], 0, "--preset"),
-    (["train", "--epsilon", "-1"], 2, "--epsilon: must be a positive number"),
+    (["train", "--epsilon", "-1"], 2, "--epsilon: must be a finite number > 0, got -1"),
     (["plan", "--clipping-mode", "fastest"], 2, "invalid choice: 'fastest'"),
     (["epsilon", "--epsilon", "3"], 2, "here it is --target-epsilon"),
     (["train", "--target-epsilon", "3"], 2, "here the target is --epsilon"),

@@ -48,6 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import checks
+
 __all__ = [
     "AUDIT_DEFAULTS",
     "AuditResult",
@@ -186,8 +188,7 @@ def epsilon_lower_bound(
                          f"{scores.shape} and {included.shape}")
     if not np.isfinite(scores).all():
         raise ValueError("scores must be finite")
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    confidence = checks.open_unit("confidence", confidence)
     if not 0 <= delta < 1:
         raise ValueError(f"delta must be in [0, 1), got {delta}")
     m = len(scores)
@@ -248,8 +249,7 @@ class CanaryModel(nn.Module):
 
     def __init__(self, model: nn.Module, canaries: int):
         super().__init__()
-        if not (isinstance(canaries, int) and canaries > 0):
-            raise ValueError(f"canaries must be a positive int, got {canaries!r}")
+        canaries = checks.positive_int("canaries", canaries)
         self.model = model
         self.canaries = canaries
         self.probe = nn.Embedding(canaries + 1, 1, padding_idx=canaries)
@@ -315,11 +315,6 @@ class AuditResult:
         return out
 
 
-def _check(name: str, value, ok: bool, requirement: str) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {requirement}, got {value!r}")
-
-
 def _digits():
     """All 1797 images of scikit-learn's digits, normalised as `dptrain train` does, and labels."""
     try:
@@ -374,14 +369,13 @@ def run_audit(
     classification (default: scikit-learn's 1797 digits); a canary's input is all zeros.
     """
     started = time.perf_counter()
-    _check("epsilon", epsilon, isinstance(epsilon, (int, float)) and 0 < epsilon < math.inf, "a positive number")
-    _check("delta", delta, isinstance(delta, (int, float)) and 0 < delta < 1, "in (0, 1)")
-    _check("canaries", canaries, isinstance(canaries, int) and canaries >= 1, "a positive integer")
-    _check("steps", steps, isinstance(steps, int) and steps >= 1, "a positive integer")
-    _check("sample_rate", sample_rate, isinstance(sample_rate, (int, float)) and 0 < sample_rate <= 1, "in (0, 1]")
-    _check("confidence", confidence, isinstance(confidence, (int, float)) and 0 < confidence < 1, "in (0, 1)")
-    _check("noise_scale", noise_scale, isinstance(noise_scale, (int, float)) and 0 <= noise_scale < math.inf,
-           "a number >= 0")
+    epsilon = checks.positive("epsilon", epsilon)
+    delta = checks.open_unit("delta", delta)
+    canaries = checks.positive_int("canaries", canaries)
+    steps = checks.positive_int("steps", steps)
+    sample_rate = checks.rate("sample_rate", sample_rate)
+    confidence = checks.open_unit("confidence", confidence)
+    noise_scale = checks.non_negative("noise_scale", noise_scale)
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
     from .data import poisson_loader

@@ -12,8 +12,16 @@ from collections.abc import Sequence
 from typing import Any
 
 
-def _fail(name: str, requirement: str, value: Any, meaning: str = "") -> ValueError:
-    return ValueError(f"{name} must be {requirement}{f' ({meaning})' if meaning else ''}, got {value!r}")
+class CheckError(ValueError):
+    """A value that fails its check; ``requirement`` is what it must be (the command line words it for an option)."""
+
+    def __init__(self, name: str, requirement: str, value: Any):
+        super().__init__(f"{name} must be {requirement}, got {value!r}")
+        self.name, self.requirement, self.value = name, requirement, value
+
+
+def _fail(name: str, requirement: str, value: Any, meaning: str = "") -> CheckError:
+    return CheckError(name, f"{requirement}{f' ({meaning})' if meaning else ''}", value)
 
 
 def choice(name: str, value: Any, valid: Sequence[str]) -> str:

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from .. import accounting  # light: dp_accounting is imported when an accountant first runs
+from .. import accounting, checks  # light: dp_accounting is imported when an accountant first runs
 from ..algorithms import CLIPPING_MODES
 from .datasets import DATASETS
 
@@ -29,24 +29,27 @@ class _OtherCommandsOption(argparse.Action):
         parser.error(f"{option_string} is not an option of {parser.prog}; {self.hint}")
 
 
-def _number(kind: Callable[[str], Any], check: Callable[[Any], bool], requirement: str):
+def _number(kind: type, check: Callable[[str, Any], Any]):
+    """An argparse type: ``kind`` (int or float) of the text, checked by a ``dptrain.checks`` function."""
+
     def parse(text: str):
         try:
             value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}") from None
-        if not check(value):
-            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text}")
-        return value
+        except ValueError:  # not a number of this kind: what the check says of a value that is none
+            value = math.nan if kind is float else text
+        try:
+            return check("value", value)
+        except checks.CheckError as err:
+            raise argparse.ArgumentTypeError(f"must be {err.requirement}, got {text}") from None
 
     return parse
 
 
-positive_float = _number(float, lambda v: v > 0 and math.isfinite(v), "a positive number")
-non_negative_float = _number(float, lambda v: v >= 0 and math.isfinite(v), "a number >= 0")
-positive_int = _number(int, lambda v: v > 0, "a positive integer")
-probability = _number(float, lambda v: 0 < v < 1, "a number in (0, 1)")
-sample_rate_type = _number(float, lambda v: 0 < v <= 1, "a sample rate in (0, 1]")
+positive_float = _number(float, checks.positive)
+non_negative_float = _number(float, checks.non_negative)
+positive_int = _number(int, checks.positive_int)
+probability = _number(float, checks.open_unit)
+sample_rate_type = _number(float, checks.rate)
 
 
 # Defaults of `dptrain train`, tuned on digits at epsilon = 3 (over seeds 0-2: 93-95 % test

@@ -53,3 +53,29 @@ def test_accounting_and_data_take_numpy_integers_and_refuse_bools():
         accounting.compute_epsilon(1.0, 0.01, True, 1e-5, "rdp")
     with pytest.raises(ValueError, match="^num_samples must be a positive integer, got True$"):
         data.PoissonSampler(True, 0.5)
+
+
+def test_one_default_clipping_mode():
+    import inspect
+
+    from dptrain import PrivacyEngine
+    from dptrain.algorithms import CLIPPING_MODES, DEFAULT_CLIPPING_MODE
+    from dptrain.audit import AUDIT_DEFAULTS
+    from dptrain.cli import TRAIN_DEFAULTS, build_parser
+    from dptrain.planning import plan
+
+    assert DEFAULT_CLIPPING_MODE in CLIPPING_MODES
+    defaults = {
+        "engine": inspect.signature(PrivacyEngine).parameters["clipping_mode"].default,
+        "plan": inspect.signature(plan).parameters["clipping_mode"].default,
+        "dptrain train": TRAIN_DEFAULTS["clipping_mode"],
+        "dptrain plan": build_parser().parse_args(["plan"]).clipping_mode,
+        "audit": AUDIT_DEFAULTS["clipping_mode"],
+    }
+    try:
+        from dptrain.integrations.hf_trainer import DPTrainer
+    except ImportError:
+        pass
+    else:
+        defaults["Trainer"] = inspect.signature(DPTrainer).parameters["clipping_mode"].default
+    assert defaults == dict.fromkeys(defaults, DEFAULT_CLIPPING_MODE)

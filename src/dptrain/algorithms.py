@@ -68,3 +68,5 @@ RECIPES: dict[str, Recipe] = {
 }
 
 CLIPPING_MODES = tuple(RECIPES)
+# The one default of the engine, plan(), the command line, the audit and the Hugging Face Trainer.
+DEFAULT_CLIPPING_MODE = "bk-mixopt"

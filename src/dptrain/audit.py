@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import checks
+from .algorithms import DEFAULT_CLIPPING_MODE
 
 __all__ = [
     "AUDIT_DEFAULTS",
@@ -74,7 +75,7 @@ AUDIT_DEFAULTS: dict[str, Any] = {
     "canaries": 10_000,
     "steps": 10,
     "sample_rate": 0.5,
-    "clipping_mode": "bk-mixopt",
+    "clipping_mode": DEFAULT_CLIPPING_MODE,
     "confidence": 0.95,
     "noise_scale": 1.0,
     "max_grad_norm": 1.0,

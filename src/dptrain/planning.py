@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from .algorithms import RECIPES, Grad, GradVia, Norm, NormVia, Recipe
+from .algorithms import DEFAULT_CLIPPING_MODE, RECIPES, Grad, GradVia, Norm, NormVia, Recipe
 from .layers import resolve_rule
 from .layers.protocol import LayerDims
 from .layers.registry import layer_params
@@ -118,7 +118,7 @@ def decide_parameter(recipe: Recipe, decision_rule: str, parts: list[tuple[str, 
     return dims, norm, grad
 
 
-def plan(model: nn.Module, *example_args, clipping_mode: str = "bk-mixopt",
+def plan(model: nn.Module, *example_args, clipping_mode: str = DEFAULT_CLIPPING_MODE,
          decision_rule: str = DEFAULT_DECISION_RULE, allow_fallback: bool = True, batch_first: bool = True,
          **example_kwargs) -> list[LayerDecision]:
     """What ``clipping_mode`` would do per trainable layer for inputs shaped like the example.

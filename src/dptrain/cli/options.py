@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import accounting, checks  # light: dp_accounting is imported when an accountant first runs
-from ..algorithms import CLIPPING_MODES
+from ..algorithms import CLIPPING_MODES, DEFAULT_CLIPPING_MODE
 from .datasets import DATASETS
 
 
@@ -64,7 +64,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "max_grad_norm": 1.0,
     "lr": 1e-2,
     "optimizer": "adam",
-    "clipping_mode": "bk-mixopt",
+    "clipping_mode": DEFAULT_CLIPPING_MODE,
     "clipping_fn": "abadi",
     "accountant": "pld",
     "model": "cnn",
@@ -165,7 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument("--seq-len", type=positive_int, help="sequence length T for hf: models (default 128)")
     plan_cmd.add_argument("--num-classes", type=positive_int, default=None,
                           help="classifier outputs (default: 10 for the built-in models, the model's own otherwise)")
-    plan_cmd.add_argument("--clipping-mode", choices=CLIPPING_MODES, default="bk-mixopt", help="(default bk-mixopt)")
+    plan_cmd.add_argument("--clipping-mode", choices=CLIPPING_MODES, default=DEFAULT_CLIPPING_MODE,
+                          help=f"(default {DEFAULT_CLIPPING_MODE})")
     plan_cmd.add_argument("--decision-rule", choices=DECISION_RULES, default="memory",
                           help="how the mixed modes choose: by memory (space, plus what BK-MixOpt keeps alive), "
                           "space (2T^2 < p*d) or time (default memory, as the engine)")
@@ -215,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--steps", type=positive_int, help="training steps (default 10)")
     audit.add_argument("--sample-rate", type=sample_rate_type,
                        help="Poisson sample rate over real samples and all canaries (default 0.5)")
-    audit.add_argument("--clipping-mode", choices=CLIPPING_MODES, help="(default bk-mixopt)")
+    audit.add_argument("--clipping-mode", choices=CLIPPING_MODES, help=f"(default {DEFAULT_CLIPPING_MODE})")
     audit.add_argument("--confidence", type=probability, help="confidence of the lower bound (default 0.95)")
     audit.add_argument("--noise-scale", type=non_negative_float,
                        help="draw this multiple of the accounted noise: a deliberately broken run, only to show "

@@ -58,6 +58,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "dptrain.integrations.hf_trainer needs Hugging Face transformers: pip install 'dptrain[transformers]'"
     ) from err
 
+from ..algorithms import DEFAULT_CLIPPING_MODE
 from ..data import poisson_loader
 from ..engine import PrivacyEngine
 from ..losses import sequence_losses
@@ -178,7 +179,7 @@ class DPTrainer(Trainer):
         target_epsilon: float | None = None,
         target_delta: float | None = None,
         max_grad_norm: float = 1.0,
-        clipping_mode: str = "bk-mixopt",
+        clipping_mode: str = DEFAULT_CLIPPING_MODE,
         per_sample_loss: Callable[[nn.Module, Mapping[str, Any]], torch.Tensor] | None = None,
         token_loss_reduction: str = "mean",
         poisson_sampling: bool = False,

@@ -29,6 +29,7 @@ import math
 import torch
 from torch import nn
 
+from . import checks
 from .nn import DPGRU, DPLSTM, DPMultiheadAttention, DPRNN
 
 __all__ = ["fix", "planned_fixes"]
@@ -46,8 +47,7 @@ def fix(model: nn.Module, *, inplace: bool = False, num_groups: int = DEFAULT_NU
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fix() needs an nn.Module, got {type(model).__name__}")
-    if not (isinstance(num_groups, int) and num_groups > 0):
-        raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+    num_groups = checks.positive_int("num_groups", num_groups)
     for name, module in model.named_modules():  # before deepcopy, which fails on them with a vaguer error
         if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
             raise ValueError(f"{name or '<root>'} ({type(module).__name__}) has not seen an input yet, so its size is "

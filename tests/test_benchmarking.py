@@ -176,7 +176,7 @@ def test_publish_outside_a_checkout_is_refused(tmp_path, monkeypatch, capsys):
 # --------------------------------------------------------------------------- the GPU preset
 
 
-def test_gpu_quick_plan_names_the_issue_rows_and_its_budget(capsys):
+def test_gpu_quick_plan_names_the_gpu_table_rows_and_its_budget(capsys):
     assert bm.main(["--preset", "gpu-quick", "--dry-run"]) == 0
     plan = capsys.readouterr().out
     preset = bm.PRESETS["gpu-quick"]

@@ -7,5 +7,5 @@ import argparse
 def run(args: argparse.Namespace) -> int:
     from ..audit import run_command  # torch and scipy: imported only when an audit runs
 
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "handler", "json")}
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "json")}
     return run_command(options, json_output=getattr(args, "json", False))

@@ -19,6 +19,7 @@ def one_line(err: BaseException) -> str:
 
 def one_line_warning(command: str):
     """A ``warnings.showwarning`` that prints ``dptrain COMMAND: warning: ...`` on one line."""
+
     def show(message, category, filename, lineno, file=None, line=None):
         print(f"dptrain {command}: warning: {one_line(Exception(str(message)))}", file=sys.stderr)
 

@@ -52,7 +52,7 @@ def _train_config(args: argparse.Namespace) -> tuple[dict, dict | None]:
     """The run's configuration (defaults < checkpoint < command line) and the checkpoint, if resuming."""
     import torch
 
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "handler")}
+    given = {k: v for k, v in vars(args).items() if k != "command"}
     checkpoint = None
     config = dict(TRAIN_DEFAULTS)
     if "resume" in given:

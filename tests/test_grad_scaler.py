@@ -236,6 +236,7 @@ def test_fp16_autocast_with_a_scaler_tracks_the_float64_oracle():
         assert float((p.grad - ref).abs().max()) <= 1e-2 * float(ref.abs().max()), name
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("mode", ["bk-mixopt", "bk", "ghost", "per-sample"])
 def test_cuda_fp16_autocast_with_a_scaler_tracks_the_float64_oracle(mode):

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import accounting, checks, data, distributed
-from .algorithms import RECIPES
+from .algorithms import DEFAULT_CLIPPING_MODE, RECIPES
 from .capture import Call, Capture, LayerState, graph_task, in_backward
 from .clipping import CLIPPING_FNS, build_groups, group_threshold
 from .layers import resolve_rule
@@ -156,7 +156,7 @@ class PrivacyEngine:
         target_delta: float | None = None,
         epochs: float | None = None,
         steps: int | None = None,
-        clipping_mode: str = "bk-mixopt",
+        clipping_mode: str = DEFAULT_CLIPPING_MODE,
         clipping_fn: str = "abadi",
         clipping_style: str | Sequence[Sequence[str]] = "all-layer",
         loss_reduction: str = "mean",

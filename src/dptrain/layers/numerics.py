@@ -89,8 +89,8 @@ def factor_weighted_sum(u, v, factor: torch.Tensor) -> torch.Tensor:
     """``sum_i factor[i] * U_i^T V_i`` as ``[rows, cols]`` from factors ``U [B, T, rows]`` (dense or one-hot)
     and ``V [B, T, cols]``, without forming a per-sample gradient: module 2b(C) of the book-keeping paper.
 
-    Dense factors: ``U`` is scaled sample by sample (``scale_samples``, rounded once) and multiplied by
-    ``V`` in ``U``'s dtype. One-hot ``U``: the scaled rows of ``V`` are added into the rows their ids name,
+    Dense factors: the smaller of ``U`` and ``V`` is scaled sample by sample (``scale_samples``, rounded
+    once) and the two multiplied in ``U``'s dtype. One-hot ``U``: the scaled rows of ``V`` are added into the rows their ids name,
     in float32 or wider (a bf16 running sum over repeated ids would round at every addition); the engine
     casts the result to the parameter's dtype.
     """
@@ -101,5 +101,8 @@ def factor_weighted_sum(u, v, factor: torch.Tensor) -> torch.Tensor:
         return out.index_add_(0, u.ids.reshape(-1), weighted.reshape(-1, v.shape[-1]))
     if isinstance(v, OneHot):
         return factor_weighted_sum(v, u, factor).t()
-    weighted = scale_samples(u, factor)
-    return weighted.reshape(-1, u.shape[-1]).t() @ v.reshape(-1, v.shape[-1]).to(u.dtype)
+    if v.shape[-1] < u.shape[-1]:  # scale the smaller factor: an LM head's input, not its 50k-wide gradient
+        v = scale_samples(v, factor)
+    else:
+        u = scale_samples(u, factor)
+    return u.reshape(-1, u.shape[-1]).t() @ v.reshape(-1, v.shape[-1]).to(u.dtype)

@@ -7,6 +7,7 @@ the applied update must have norm <= R (the property the accountant relies on).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import gc
@@ -22,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 import dptrain
 from dptrain.testing import reference_clipped_gradient
-from helpers import MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, assert_matches
+from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches
 
 R = 0.3
 PATHS = [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES]
@@ -35,6 +36,14 @@ def _losses(model, x, y):
 def _engine(model, mode, **kw):
     kw.setdefault("noise_multiplier", 0.0)
     return dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R, clipping_mode=mode, **kw)
+
+
+def _attached(model, mode, lr=0.0, **kw):
+    """(engine, SGD optimizer over every parameter) with the engine attached (noise 0, batch_size 1)."""
+    engine = _engine(model, mode, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    engine.attach(opt)
+    return engine, opt
 
 
 def _backward(engine, model, x, y, path):
@@ -165,9 +174,7 @@ def test_hugging_face_gradient_checkpointing(float64, mode, path, reentrant):
         return tokens.view(ids.shape[0], -1).sum(1)
 
     reference = reference_clipped_gradient(reference_model, losses_fn, (ids,), max_grad_norm=R)
-    engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(opt)
+    engine, opt = _attached(model, mode, loss_reduction="sum")
     losses = losses_fn(model, ids)
     engine.backward(losses) if path == "engine" else losses.sum().backward()
     opt.step()
@@ -207,9 +214,7 @@ def test_a_layer_unfrozen_after_attach_is_clipped_exactly(float64, mode, path):
 def test_a_layer_unfrozen_after_attach_bounds_one_sample(float64, mode, path):
     model = _three_layers()
     model[0].requires_grad_(False)
-    engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.attach(opt)
+    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
     model[0].requires_grad_(True)
     before = copy.deepcopy(model)
     x, y = _data(1, seed=3)
@@ -221,9 +226,7 @@ def test_a_layer_unfrozen_after_attach_bounds_one_sample(float64, mode, path):
 @pytest.mark.parametrize("mode,path", PATHS)
 def test_a_layer_frozen_after_attach_is_left_untouched_and_not_counted(float64, mode, path):
     model = _three_layers()
-    engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.attach(opt)
+    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
     batch = _data(4, seed=2)
     _backward(engine, model, *batch, path)
     opt.step()
@@ -282,6 +285,17 @@ class _RaiseInBackward(torch.autograd.Function):
         return grad, None
 
 
+@contextlib.contextmanager
+def _failing(model, where: str, error: type[BaseException]):
+    """The model's Failing layer raises ``error`` in its forward or backward inside; the error must come."""
+    setattr(model[2], f"fail_{where}", error)
+    try:
+        with pytest.raises(error):
+            yield
+    finally:
+        setattr(model[2], f"fail_{where}", None)
+
+
 def _failing_model(seed=0):
     torch.manual_seed(seed)
     # The head is reduced before the failure point is reached; the first layers after it.
@@ -293,15 +307,11 @@ def _failing_model(seed=0):
 def test_a_failed_backward_leaves_nothing_behind(float64, mode, path, error):
     model = _failing_model()
     reference_model = copy.deepcopy(model)
-    engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(opt)
+    engine, opt = _attached(model, mode, loss_reduction="sum")
     good1, bad, good2 = _data(3, seed=1), _data(4, seed=2), _data(2, seed=3)
     _backward(engine, model, *good1, path)  # a completed micro-batch of the same logical step: kept
-    model[2].fail_backward = error
-    with pytest.raises(error):
+    with _failing(model, "backward", error):
         _backward(engine, model, *bad, path)
-    model[2].fail_backward = None
     _backward(engine, model, *good2, path)  # another batch size: nothing of the failed one is left
     opt.step()
     got = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -317,13 +327,9 @@ def test_a_failed_backward_leaves_nothing_behind(float64, mode, path, error):
 @pytest.mark.parametrize("mode,path", PATHS)
 def test_a_failed_backward_then_one_sample_is_bounded(float64, mode, path):
     model = _failing_model()
-    engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.attach(opt)
-    model[2].fail_backward = RuntimeError
-    with pytest.raises(RuntimeError):
+    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
+    with _failing(model, "backward", RuntimeError):
         _backward(engine, model, *_data(4, seed=2), path)
-    model[2].fail_backward = None
     opt.zero_grad()
     before = copy.deepcopy(model)
     x, y = _data(1, seed=5)
@@ -337,13 +343,9 @@ def test_a_failed_backward_then_one_sample_is_bounded(float64, mode, path):
 def test_a_failed_forward_leaves_nothing_behind(float64, mode, path, error):
     model = _failing_model()
     reference_model = copy.deepcopy(model)
-    engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(opt)
-    model[2].fail_forward = error
-    with pytest.raises(error):
+    engine, opt = _attached(model, mode, loss_reduction="sum")
+    with _failing(model, "forward", error):
         model(_data(4)[0])
-    model[2].fail_forward = None
     assert all(p.requires_grad for p in model.parameters())  # ghost differentiation's switch was undone
     batch = _data(3, seed=3)
     _backward(engine, model, *batch, path)
@@ -356,16 +358,11 @@ def test_a_failed_forward_leaves_nothing_behind(float64, mode, path, error):
                                        ("per-sample", "plain")])
 def test_nothing_of_a_failed_backward_outlives_the_user_references(float64, mode, path):
     model = _failing_model()
-    engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(opt)
+    engine, opt = _attached(model, mode, loss_reduction="sum")
     x, y = _data(64, seed=2)
     big = weakref.ref(x)
-    model[2].fail_backward = RuntimeError
-    try:
+    with _failing(model, "backward", RuntimeError):
         _backward(engine, model, x, y, path)
-    except RuntimeError:
-        pass
     engine_ref, model_ref = weakref.ref(engine), weakref.ref(model)
     del engine, model, opt, x, y
     gc.collect()
@@ -374,9 +371,7 @@ def test_nothing_of_a_failed_backward_outlives_the_user_references(float64, mode
 
 def test_a_failure_while_adding_to_the_sums_drops_the_step_as_a_whole(float64, monkeypatch):
     model = _three_layers()
-    engine = _engine(model, "bk", loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(opt)
+    engine, opt = _attached(model, "bk", loss_reduction="sum")
     engine.backward(_losses(model, *_data(3, seed=1)))
     from dptrain.layers.linear import LinearRule
     calls = []
@@ -443,9 +438,7 @@ def _seq_first_reference(model, x, y):
 def _seq_first_step(model, mode, path, x, y) -> nn.Module:
     """A copy of ``model`` after one step with batch_first=False (noise 0, lr 0: p.grad is the clipped sum)."""
     trained = copy.deepcopy(model)
-    engine = _engine(trained, mode, loss_reduction="sum", batch_first=False)
-    opt = torch.optim.SGD(trained.parameters(), lr=0.0)
-    engine.attach(opt)
+    engine, opt = _attached(trained, mode, loss_reduction="sum", batch_first=False)
     losses = _seq_first_losses(trained, x, y)
     engine.backward(losses) if path == "engine" else losses.sum().backward()
     opt.step()
@@ -575,9 +568,7 @@ def test_torch_compile(float64, mode, path, backend):
     batch = _data(4)
     reference = _reference(model, [batch])
     compiled = torch.compile(copy.deepcopy(model), backend=backend)
-    engine = _engine(compiled, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(compiled.parameters(), lr=0.0)
-    engine.attach(opt)
+    engine, opt = _attached(compiled, mode, loss_reduction="sum")
     losses = _losses(compiled, *batch)
     engine.backward(losses) if path == "engine" else losses.sum().backward()
     opt.step()
@@ -662,9 +653,7 @@ def test_a_fallback_layer_unfrozen_after_attach_is_exact(float64, mode, path):
     batch = _data(4, seed=2)
     reference = _reference(model, [batch])
     model[2].requires_grad_(False)
-    engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(opt)
+    engine, opt = _attached(model, mode, loss_reduction="sum")
     model[2].requires_grad_(True)
     with pytest.warns(UserWarning, match="per-sample fallback: 2"):
         _backward(engine, model, *batch, path)
@@ -710,9 +699,7 @@ def test_a_fallback_replay_records_nothing_of_its_covered_children(float64, mode
     reference = _reference(model, [batch])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(opt)
+        engine, opt = _attached(model, mode, loss_reduction="sum")
     _backward(engine, model, *batch, path)
     assert sum(len(s.calls) for s in engine._layers) == 0  # the replay left no call behind
     opt.step()
@@ -735,9 +722,7 @@ class WithPositions(nn.Module):
 def test_an_empty_batch_through_a_broadcast_position_embedding(mode):
     torch.manual_seed(0)
     model = WithPositions()
-    engine = _engine(model, mode)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine.attach(opt)
+    engine, opt = _attached(model, mode, lr=0.1)
     ids = torch.zeros(0, 7, dtype=torch.long)  # Poisson sampling draws empty batches
     engine.backward(F.cross_entropy(model(ids), torch.zeros(0, dtype=torch.long), reduction="none"))
     opt.step()
@@ -813,9 +798,7 @@ def test_one_forward_back_propagated_in_two_passes_is_refused(float64, mode, pat
 @pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
 def test_input_gradients_inside_paused_are_not_training(float64, mode):
     model = _three_layers()
-    engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.attach(opt)
+    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
     before = copy.deepcopy(model)
     x, y = _data(1)
     x = x.clone().requires_grad_()
@@ -847,9 +830,7 @@ def test_a_dataclass_output_with_checkpoints_is_clipped_once(float64, mode):
     torch.manual_seed(0)
     model = DataclassOutput(reentrant=True).double()
     before = copy.deepcopy(model)
-    engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.attach(opt)
+    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
     x, y = _data(1)
     F.cross_entropy(model(x * 3).logits, y, reduction="sum").backward()
     opt.step()
@@ -888,9 +869,7 @@ def test_the_batch_is_read_through_dicts_and_a_model_used_through_a_method_is_re
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
 def test_a_loss_parameter_added_to_the_optimizer_is_refused(float64, mode):
     model = _three_layers()
-    engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.attach(opt)
+    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
     centres = nn.Parameter(torch.randn(3, 3))
     opt.add_param_group({"params": [centres]})
     before = centres.detach().clone()
@@ -903,9 +882,7 @@ def test_a_loss_parameter_added_to_the_optimizer_is_refused(float64, mode):
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost", "per-sample"])
 def test_a_weight_swapped_in_place_of_the_registered_one_is_never_applied_raw(float64, mode):
     model = _three_layers()
-    engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.attach(opt)
+    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
     engine.backward(_losses(model, *_data(2)))
     opt.step(), opt.zero_grad()
     swapped = nn.Parameter(model[2].weight.detach().clone())
@@ -954,19 +931,15 @@ def test_sequence_first_layers_after_pooling_see_the_batch_first(float64, mode, 
 
 def test_a_keyboard_interrupt_in_a_forward_then_a_step(float64):
     model = _failing_model()
-    engine = _engine(model, "bk-mixopt", loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(opt)
+    engine, opt = _attached(model, "bk-mixopt", loss_reduction="sum")
     batch = _data(3, seed=1)
     reference = None
     engine.detach()
     reference = _reference(model, [batch])
     engine.attach(opt)
     engine.backward(_losses(model, *batch))
-    model[2].fail_forward = KeyboardInterrupt
-    with pytest.raises(KeyboardInterrupt):
+    with _failing(model, "forward", KeyboardInterrupt):
         model(_data(2)[0])
-    model[2].fail_forward = None
     opt.step()  # the interrupted forward is settled here: every parameter trainable, the earlier sum applied
     assert all(p.requires_grad for p in model.parameters())
     assert_matches({n: p.grad for n, p in model.named_parameters()}, reference, what="interrupted forward")
@@ -989,9 +962,7 @@ def test_a_forward_whose_loss_failed_leaves_nothing_once_its_outputs_are_dropped
     # model's forward returned: once the outputs are dropped, nothing of that forward is kept for the retry.
     model = _three_layers()
     reference_model = copy.deepcopy(model)
-    engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(opt)
+    engine, opt = _attached(model, mode, loss_reduction="sum")
     out = model(_data(64)[0])
     del out  # the loss raised; the user's handler dropped its references
     gc.collect()

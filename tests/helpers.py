@@ -574,14 +574,50 @@ def split_batch(batch: tuple, k: int) -> list[tuple]:
     return [tuple(t[bounds[i]:bounds[i + 1]] for t in batch) for i in range(k)]
 
 
-def engine_clipped_sum(case: Case, model: nn.Module | None = None, **kwargs) -> dict[str, torch.Tensor]:
+def engine_clipped_sum(case: Case, model: nn.Module | None = None, quiet: bool = False,
+                       **kwargs) -> dict[str, torch.Tensor]:
     """run_engine on ``model``, by default a fresh copy of the case's model (the case's own model
-    is never attached, it serves the oracle). Pass a copy to reuse it over several runs."""
+    is never attached, it serves the oracle). Pass a copy to reuse it over several runs.
+    ``quiet``: no warning at all (model zoos warn about their configurations, the engine about the fallback)."""
     with warnings.catch_warnings():
         # two-pass modes warn that several clipping groups cost extra backward passes
         warnings.filterwarnings("ignore", message=".*extra backward passes")
+        if quiet:
+            warnings.simplefilter("ignore")
         model = copy.deepcopy(case.model) if model is None else model
         return run_engine(model, case.losses_fn, case.batch, **kwargs)
+
+
+def with_oracle(build: Callable[[], Case], oracle_losses_fn: Callable | None = None) -> tuple[Case, float, dict]:
+    """(case, a max_grad_norm that clips some samples and not others, the oracle's clipped sum), the case built
+    in float64 (warnings while building ignored). ``oracle_losses_fn``: the oracle's per-sample losses, where
+    they are not the case's own (Hugging Face's loss through ``labels=``)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            case = build()
+        R = split_max_grad_norm(case, "all-layer")
+        ref = reference_clipped_gradient(case.model, oracle_losses_fn or case.losses_fn, case.batch, max_grad_norm=R)
+        return case, R, ref
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def reweighted_reference(case: Case, R: float) -> dict[str, torch.Tensor]:
+    """sum_i C_i dL_i/dW as one backward of sum_i C_i L_i, with C_i from the oracle's per-sample norms.
+
+    For models that compute in float32 inside a float64 model (T5's and Llama's norms): a second backward of
+    the re-weighted losses (the two-pass modes) rounds the C_i-scaled gradients there, where the oracle rounds
+    unscaled ones and scales after; those modes are checked exactly against this same backward.
+    """
+    grads = per_sample_gradients(case.model, case.losses_fn, case.batch)
+    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in grads.values()))
+    factors = torch.clamp(R / norms, max=1.0)
+    named = trainable_named_parameters(case.model)
+    total = (per_sample(case.losses()) * factors).sum()
+    return dict(zip(named, torch.autograd.grad(total, [p for _, p in named.values()])))
 
 
 def reference(case: Case, *, max_grad_norm, clipping_fn="abadi", clipping_style="all-layer", clipping_gamma=0.01):

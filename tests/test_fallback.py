@@ -7,6 +7,7 @@ reproduce the call, and a norm-shaped module that is not an RMS norm must be ref
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import random
 import warnings
@@ -19,10 +20,10 @@ from torch import nn
 import dptrain
 from dptrain.layers import FallbackRule, fallback_modules, resolve_rule
 from dptrain.layers.norms import RecognisedRMSNormRule
-from dptrain.testing import per_sample_gradients, trainable_named_parameters
+from dptrain.testing import trainable_named_parameters
 from helpers import (
-    MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, Case, assert_matches, classify, classify_tokens, per_sample,
-    reference, resolve_style, run_engine, split_max_grad_norm,
+    MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, Case, assert_matches, classify, classify_tokens,
+    engine_clipped_sum, reference, resolve_style, reweighted_reference, split_max_grad_norm, with_oracle,
 )
 
 # the engine's one-time warning naming the fallback layers (tested below)
@@ -192,26 +193,13 @@ CASES = {
     "fallback-around-child": block_case,  # the child's hooks stay silent while its parent is replayed
 }
 
-_built: dict[str, tuple] = {}
-
-
+@functools.cache
 def built(name):
-    if name not in _built:
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)
-        try:
-            case = CASES[name]()
-            R = split_max_grad_norm(case, "all-layer")
-            _built[name] = (case, R, reference(case, max_grad_norm=R))
-        finally:
-            torch.set_default_dtype(previous)
-    return _built[name]
+    return with_oracle(CASES[name])
 
 
 def _engine(case, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return run_engine(copy.deepcopy(case.model), case.losses_fn, case.batch, **kwargs)
+    return engine_clipped_sum(case, quiet=True, **kwargs)
 
 
 # The Llama-style norm computes in float32 inside a float64 model. A second backward of
@@ -219,16 +207,6 @@ def _engine(case, **kwargs):
 # unscaled ones and scales after: those modes are also checked exactly against that same backward
 # driven by the oracle's own clipping factors.
 FLOAT32_INSIDE = {"rms-norm-plain"}
-
-
-def reweighted_reference(case: Case, R: float) -> dict:
-    """sum_i C_i dL_i/dW as one backward of sum_i C_i L_i, with C_i from the oracle's per-sample norms."""
-    grads = per_sample_gradients(case.model, case.losses_fn, case.batch)
-    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in grads.values()))
-    factors = torch.clamp(R / norms, max=1.0)
-    named = trainable_named_parameters(case.model)
-    total = (per_sample(case.losses()) * factors).sum()
-    return dict(zip(named, torch.autograd.grad(total, [p for _, p in named.values()])))
 
 
 def check_against_oracle(name, case, R, ref, got, mode, float32_inside):

@@ -8,8 +8,7 @@ fine: its randomness is per sample).
 """
 from __future__ import annotations
 
-import copy
-import warnings
+import functools
 
 import pytest
 import torch
@@ -18,11 +17,10 @@ import torch.nn.functional as F
 import dptrain
 
 from dptrain.losses import sequence_losses, token_losses
-from dptrain.testing import per_sample_gradients, trainable_named_parameters
 from helpers import (
     spread_init,
-    MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, Case, assert_matches, per_sample, reference, run_engine,
-    split_max_grad_norm,
+    MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, Case, assert_matches, engine_clipped_sum, reweighted_reference,
+    with_oracle,
 )
 
 T = pytest.importorskip("transformers")
@@ -197,29 +195,14 @@ CASES = {
     "deit-distilled": deit_case,
 }
 
-_built: dict[str, tuple[Case, float, dict]] = {}
-
-
+@functools.cache
 def built(name: str) -> tuple[Case, float, dict]:
     """(case, a max_grad_norm that clips some samples and not others, the oracle's clipped sum)."""
-    if name not in _built:
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                case = CASES[name]()
-            R = split_max_grad_norm(case, "all-layer")
-            _built[name] = (case, R, reference(case, max_grad_norm=R))
-        finally:
-            torch.set_default_dtype(previous)
-    return _built[name]
+    return with_oracle(CASES[name])
 
 
 def _engine(case: Case, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return run_engine(copy.deepcopy(case.model), case.losses_fn, case.batch, **kwargs)
+    return engine_clipped_sum(case, quiet=True, **kwargs)
 
 
 # T5's layer norm computes its variance in float32 even in a float64 model. A second backward
@@ -227,16 +210,6 @@ def _engine(case: Case, **kwargs):
 # rounds unscaled ones and scales after, so the two differ at float32 precision. Those modes are
 # checked exactly against the same second backward driven by the oracle's own clipping factors.
 FLOAT32_INSIDE = {"t5"}
-
-
-def reweighted_reference(case: Case, R: float) -> dict:
-    """sum_i C_i dL_i/dW as one backward of sum_i C_i L_i, with C_i from the oracle's per-sample norms."""
-    grads = per_sample_gradients(case.model, case.losses_fn, case.batch)
-    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in grads.values()))
-    factors = torch.clamp(R / norms, max=1.0)
-    named = trainable_named_parameters(case.model)
-    total = (per_sample(case.losses()) * factors).sum()
-    return dict(zip(named, torch.autograd.grad(total, [p for _, p in named.values()])))
 
 
 @pytest.mark.parametrize("mode", MODES)

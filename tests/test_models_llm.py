@@ -11,6 +11,7 @@ covers.
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -19,8 +20,8 @@ import torch
 import dptrain
 from dptrain.layers import FallbackRule, fallback_modules, resolve_rule
 from dptrain.losses import sequence_losses
-from dptrain.testing import reference_clipped_gradient, trainable_named_parameters
-from helpers import MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, Case, assert_matches, reference, spread_init, split_max_grad_norm
+from dptrain.testing import trainable_named_parameters
+from helpers import MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, Case, assert_matches, spread_init, with_oracle
 from test_fallback import check_against_oracle
 
 T = pytest.importorskip("transformers")
@@ -128,27 +129,12 @@ def _batch(seed: int, padded: bool):
     return ids, mask, labels
 
 
-_built: dict[tuple, tuple] = {}
-
-
+@functools.cache
 def built(name: str, variant: str, hf_loss: bool = False):
     """(case, R, oracle). With ``hf_loss`` every sequence has the same number of valid tokens, so
     that Hugging Face's batch mean is the mean over sequences of each one's token mean."""
-    key = (name, variant, hf_loss)
-    if key not in _built:
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)
-        try:
-            case = Case(_build(name, variant), _sequence_losses, _batch(len(name), padded=not hf_loss))
-            R = split_max_grad_norm(case, "all-layer")
-            if hf_loss:
-                ref = reference_clipped_gradient(case.model, _hf_loss, case.batch, max_grad_norm=R)
-            else:
-                ref = reference(case, max_grad_norm=R)
-            _built[key] = (case, R, ref)
-        finally:
-            torch.set_default_dtype(previous)
-    return _built[key]
+    return with_oracle(lambda: Case(_build(name, variant), _sequence_losses, _batch(len(name), padded=not hf_loss)),
+                       oracle_losses_fn=_hf_loss if hf_loss else None)
 
 
 def _run(name: str, variant: str, case: Case, mode: str, R: float, hf_loss: bool) -> dict:

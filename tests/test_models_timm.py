@@ -6,8 +6,7 @@ Dropout and stochastic depth are 0 (the oracle's one-sample forwards would draw 
 """
 from __future__ import annotations
 
-import copy
-import warnings
+import functools
 from functools import partial
 
 import pytest
@@ -17,7 +16,7 @@ from torch import nn
 import dptrain
 from helpers import (
     spread_init,
-    MODES, RTOL, SINGLE_BACKWARD_MODES, Case, assert_matches, classify, reference, run_engine, split_max_grad_norm,
+    MODES, RTOL, SINGLE_BACKWARD_MODES, Case, assert_matches, classify, engine_clipped_sum, with_oracle,
 )
 
 timm = pytest.importorskip("timm")
@@ -181,26 +180,13 @@ CASES = {
 FLOAT32_INSIDE = {"timm-fp32-layers"}
 FLOAT32_RTOL = 1e-6
 
-_built: dict[str, tuple[Case, float, dict]] = {}
-
-
+@functools.cache
 def built(name):
-    if name not in _built:
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)
-        try:
-            case = CASES[name]()
-            R = split_max_grad_norm(case, "all-layer")
-            _built[name] = (case, R, reference(case, max_grad_norm=R))
-        finally:
-            torch.set_default_dtype(previous)
-    return _built[name]
+    return with_oracle(CASES[name])
 
 
 def _engine(case, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return run_engine(copy.deepcopy(case.model), case.losses_fn, case.batch, **kwargs)
+    return engine_clipped_sum(case, quiet=True, **kwargs)
 
 
 @pytest.mark.parametrize("mode", MODES)

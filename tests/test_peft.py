@@ -7,7 +7,7 @@ clipping mode must give the oracle's clipped gradient in float64, through engine
 """
 from __future__ import annotations
 
-import copy
+import functools
 import warnings
 
 import pytest
@@ -18,7 +18,7 @@ import dptrain
 from dptrain.losses import sequence_losses
 from helpers import (
     spread_init,
-    MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, classify, reference, run_engine, split_max_grad_norm,
+    MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, classify, engine_clipped_sum, with_oracle,
 )
 
 B = 4
@@ -135,27 +135,18 @@ CASES = {
     "vit-bitfit": vit_bitfit_case,
 }
 
-_built: dict[str, tuple[Case, float, dict]] = {}
+def _double(case: Case) -> Case:
+    case.model.double().train()
+    return case
 
 
+@functools.cache
 def built(name):
-    if name not in _built:
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(torch.float64)
-        try:
-            case = CASES[name]()
-            case.model.double().train()
-            R = split_max_grad_norm(case, "all-layer")
-            _built[name] = (case, R, reference(case, max_grad_norm=R))
-        finally:
-            torch.set_default_dtype(previous)
-    return _built[name]
+    return with_oracle(lambda: _double(CASES[name]()))
 
 
 def _engine(case, **kwargs):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return run_engine(copy.deepcopy(case.model), case.losses_fn, case.batch, **kwargs)
+    return engine_clipped_sum(case, quiet=True, **kwargs)
 
 
 @pytest.mark.parametrize("name", list(CASES))

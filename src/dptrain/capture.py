@@ -316,6 +316,10 @@ class Capture:
         """The engine's pre-hook must run last and its forward hook first: a user hook between them and the
         forward could change the output the engine differentiates, or use the weight while autograd does not
         track it (both would make the per-sample gradients silently wrong)."""
+        if (next(reversed(module._forward_pre_hooks), None) == self._pre_ids[id(module)]
+                and next(iter(module._forward_hooks), None) == self._post_ids[id(module)]
+                and not _module_globals._global_forward_hooks):
+            return  # the usual case, without building lists on every call
         pre_ids = list(module._forward_pre_hooks)
         mine = self._pre_ids[id(module)]
         after = [k for k in pre_ids[pre_ids.index(mine) + 1:] if k not in self._own_ids] if mine in pre_ids else []

@@ -404,14 +404,27 @@ class FoldsTokens(nn.Module):
         return self.l2(h).view(B, T, 3).sum(1)
 
 
+def _fold_data(B, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (B,), generator=g)
+
+
+@pytest.mark.parametrize("B,T", [(3, 5), (4, 4), (2, 4)], ids=["B!=T", "B=T", "T=2B"])
 @pytest.mark.parametrize("mode,path", PATHS)
-def test_a_model_that_folds_tokens_into_the_batch_is_refused(float64, mode, path):
+def test_a_model_that_folds_tokens_into_the_batch_is_exact(float64, mode, path, B, T):
+    """Tokens folded into the batch ([B*T, d]): the rows are read as T rows per sample and regrouped."""
+    torch.manual_seed(0)
     model = FoldsTokens().double()
-    engine = _engine(model, mode, loss_reduction="sum")
-    engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
-    x = torch.randn(1, 20, 6)
-    with pytest.raises(ValueError, match="folds another axis into the batch"):
-        _backward(engine, model, x, torch.tensor([1]), path)
+    batches = [_fold_data(B, T, seed=1), _fold_data(B, T, seed=2)]
+    assert_matches(_clipped_sum(copy.deepcopy(model), mode, path, batches), _reference(model, batches),
+                   what="tokens folded into the batch")
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_a_model_that_folds_tokens_into_the_batch_bounds_one_sample(float64, mode, path):
+    torch.manual_seed(0)
+    x, y = _fold_data(1, 4, seed=3)
+    assert _one_sample_update(FoldsTokens().double(), mode, path, x * 10, y) <= R * (1 + 1e-9)
 
 
 class SequenceFirst(nn.Module):
@@ -852,18 +865,30 @@ class FoldsADict(nn.Module):
 
 
 @pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
-@pytest.mark.parametrize("call", ["dict input", "method"])
-def test_the_batch_is_read_through_dicts_and_a_model_used_through_a_method_is_refused(float64, mode, call):
+def test_the_batch_is_read_through_dicts(float64, mode):
+    torch.manual_seed(0)
+    model = FoldsADict().double()
+    batches = [_fold_data(2, 5, seed=4)]
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    x, y = batches[0]
+    F.cross_entropy(model({"x": x}), y, reduction="sum").backward()
+    opt.step()
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    engine.detach()
+    expected = reference_clipped_gradient(model, lambda m, x, y: F.cross_entropy(m({"x": x}), y, reduction="none"),
+                                          (x, y), max_grad_norm=R)
+    assert_matches(got, expected, what="a dict input folded into the batch")
+
+
+@pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
+def test_a_model_used_through_a_method_is_refused(float64, mode):
     model = FoldsADict().double()
     engine = _engine(model, mode, loss_reduction="sum")
     engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
-    x = torch.randn(1, 20, 6)
-    if call == "dict input":
-        with pytest.raises(ValueError, match="folds another axis into the batch"):
-            model({"x": x})
-    else:
-        with pytest.raises(ValueError, match="called outside a call of the model"):
-            F.cross_entropy(model.encode(x), torch.tensor([1]), reduction="sum").backward()
+    with pytest.raises(ValueError, match="called outside a call of the model"):
+        F.cross_entropy(model.encode(torch.randn(1, 20, 6)), torch.tensor([1]), reduction="sum").backward()
 
 
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])

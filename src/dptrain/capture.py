@@ -28,6 +28,7 @@ from torch.nn.modules import module as _module_globals
 from .distributed import is_dtensor
 from .layers.protocol import LayerDims, LayerRule
 from .layers.fallback import in_replay
+from .rows import ReorderWatch, RowReader, pattern_key
 
 
 def in_backward() -> bool:
@@ -51,8 +52,15 @@ class Call:
     version: int | None = None  # the activation's version counter when it was captured
     forward_id: int | None = None  # the model call it belongs to (None: outside one, or a recomputation)
     recomputed: bool = False  # recorded during a backward pass (checkpointing recomputes the forward)
-    batch_checked: bool = False  # its leading dimension was checked against the batch of the model's call
+    batch_checked: bool = False  # made inside a model call whose batch size is known
     grad: torch.Tensor | None = None
+    shape: tuple = ()  # the shape of the output (the gradient) as the rule sees it
+    key: tuple = ()  # rows.pattern_key: the shape relative to the batch size
+    ordinal: int | None = None  # which call of its layer in the model call (or the recomputation); None: neither
+    cacheable: bool = False  # its layout may be cached (a watched model call, no reordering op before it)
+    tagged: torch.Tensor | None = None  # its output gradient in a tag pass
+    tags: torch.Tensor | None = None  # the per-sample tags of that pass
+    rowmap: Any = None  # rows.RowMap, once read
 
 
 class CallList:
@@ -157,8 +165,17 @@ class Capture:
 
     def __init__(self, model: nn.Module, on_grad: Callable[[LayerState, Call, torch.Tensor], None], *,
                  on_model_call: Callable[[], None], on_output_grad: Callable[[], None],
-                 params_by_name: bool = False, batch_first: bool = True, dry: bool = False):
+                 params_by_name: bool = False, batch_first: bool = True, dry: bool = False,
+                 rows: RowReader | None = None):
         self.model = model
+        #: the engine's row maps: which calls of a model call still need their rows read by a tag pass
+        self.rows = rows if rows is not None else RowReader()
+        self._ordinals: dict[int, int] = {}  # per layer: how many calls it made in this model call / recomputation
+        self._recomputed_ordinals: dict[int, int] = {}
+        self._watch: ReorderWatch | None = None
+        self._forward_needs_tags = False
+        #: set by the engine: replaces a model call's outputs by tagging ones (plain backward of new patterns)
+        self.on_tag_outputs: Callable[[Any], Any] | None = None
         #: ``plan()``'s dry forward: every call recorded (sizes only, gradients on or off), nothing switched or hooked
         self.dry = dry
         self.called: list[LayerState] = []  # dry: the layers in the order of their first call
@@ -267,23 +284,53 @@ class Capture:
         dim = 0 if self.batch_first else 1
         first = next((t for t in _tensors((args, kwargs)) if t.dim() > dim), None)
         self.forward_batch = first.shape[dim] if first is not None else None
+        self._ordinals.clear()
+        self._forward_needs_tags = False
+        self._end_watch()
+        if self.rows.watch_next and not self.dry and self.forward_batch:
+            self._watch = ReorderWatch(self.forward_batch)
+            self._watch.__enter__()
         return None
+
+    def _end_watch(self) -> bool:
+        """Stop watching the model call; whether it was watched."""
+        watch, self._watch = self._watch, None
+        if watch is None:
+            return False
+        watch.__exit__(None, None, None)
+        return True
+
+    def new_pass(self) -> None:
+        """A backward pass starts: recomputed calls are numbered afresh (they match the tag pass's by number)."""
+        self._recomputed_ordinals.clear()
 
     def _model_post_hook(self, module, args, output):
         if in_backward() or self._open_forward is None or in_replay() or self.paused:
             return None
         self._finished_forward = True
         self._open_forward = None
+        watch = self._watch
+        self.rows.forward_clean = watch is not None and not watch.seen or (
+            watch is None and self.rows.forward_clean and not self._forward_needs_tags)
+        self._end_watch()
+        # The next model call is watched if this one had patterns not verified yet (they are read in this
+        # step's backward, and cached only from a watched call).
+        self.rows.watch_next = self._forward_needs_tags
+        replaced = None
         if torch.is_grad_enabled() and not self.dry:
-            for t in _tensors(output):
+            if self._forward_needs_tags and self.on_tag_outputs is not None:
+                replaced = self.on_tag_outputs(output)  # a plain backward reads the rows from tagged outputs
+            for t in _tensors(replaced if replaced is not None else output):
                 if t.requires_grad:
                     t.register_hook(self._output_grad_hook)
-        return None
+        return replaced
 
     def _output_grad_hook(self, grad):
         self.on_output_grad()
 
     def _model_failed_hook(self, module, args, output):
+        if not self._finished_forward:
+            self._end_watch()
         if self._open_forward is not None and not self._finished_forward and not in_backward():
             self.drop_forward(self._open_forward)  # the forward raised: nothing of it is kept
             self._open_forward = None
@@ -468,22 +515,22 @@ class Capture:
             if expanded is not None:
                 activation, tensor = expanded
                 seen = tensor
-        batch = seen.shape[0] if seen.dim() else 0
-        if forward_batch is not None and batch != forward_batch:
-            axis = "first" if self.batch_first else "second"
-            raise ValueError(
-                f"{state.name or '<root>'} ({type(module).__name__}) saw a leading dimension of {batch} where the "
-                f"model was called with a batch of {forward_batch} (the {axis} dimension of its first tensor "
-                "argument). Per-sample clipping needs every trainable layer to get the batch as its "
-                + ("first" if self.batch_first else "second")
-                + " dimension: a model that folds another axis into the batch (x.reshape(B * T, d)) would be "
-                "clipped per row, not per sample; an input broadcast over the batch must be expanded to it "
-                "(x.expand(B, ...)); for sequence-first models pass batch_first=False to the engine"
-            )
+        # Which sample each row belongs to is read from the gradient (rows.py), never taken from the shape.
+        batch = forward_batch
         dims = state.rule.dims(module, activation, seen)
         version = activation._version if isinstance(activation, torch.Tensor) else None
         forward_id = None if recomputed else self._open_forward
         call = Call(activation, dims, batch, version, forward_id, recomputed, forward_batch is not None)
+        call.shape = tuple(seen.shape)
+        if forward_batch is not None:
+            ordinals = self._recomputed_ordinals if recomputed else self._ordinals
+            call.ordinal = ordinals.get(id(module), 0)
+            ordinals[id(module)] = call.ordinal + 1
+            call.key = pattern_key(call.shape, forward_batch)
+            call.cacheable = (self.rows.forward_clean if recomputed
+                              else self._watch is not None and not self._watch.seen)
+        if not self.dry and not recomputed and self.rows.needs_tags(state, call):
+            self._forward_needs_tags = True
         state.calls.append(call)
         if self.dry:  # sizes are all a plan needs; nothing holds the call but this list
             call.activation = None

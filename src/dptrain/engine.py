@@ -28,6 +28,7 @@ from .noise import GaussianNoise
 from .pipeline import BackwardPipeline, Overflow, StepSums
 from .planning import DECISION_RULES, DEFAULT_DECISION_RULE, LayerDecision
 from .precision import LossScaling
+from .rows import RowReader, tag_rows
 from .validation import validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -208,8 +209,9 @@ class PrivacyEngine:
 
         # The step's clipped sums, and the work of one backward on them.
         self._sums = StepSums()
+        self._rows = RowReader(seed)
         self._pipeline = BackwardPipeline(self.recipe, self.decision_rule, self.clipping_fn, self.clipping_gamma,
-                                          self._sums)
+                                          self._sums, self._rows)
 
         # The trainable set, read again at every model call (staged fine-tuning freezes and unfreezes).
         self._layers: list[LayerState] = []
@@ -370,13 +372,16 @@ class PrivacyEngine:
             self.model, self._on_output_grad, on_model_call=self._on_model_call,
             on_output_grad=self._on_model_output_grad,
             params_by_name=isinstance(self._parallel, distributed.FSDP2Gradients), batch_first=self.batch_first,
+            rows=self._rows,
         )
+        self._capture.on_tag_outputs = self._tag_outputs
         self._capture.install(self._layers, extra_checks=_frozen_batchnorm_checks(self.model))
         self._sync_grad_hooks()
         self._step_handle = optimizer.register_step_pre_hook(self._before_step)
         self._optimizer = optimizer
         enabled = grad_scaler is not None and grad_scaler.is_enabled()
         self._scaling = LossScaling(grad_scaler) if enabled else None
+        self._pipeline.overflow_skippable = self._scaling is not None
         self._given_grads = {}
         _ATTACHED[self.model] = weakref.ref(self)
         _Structure.watch()
@@ -456,6 +461,8 @@ class PrivacyEngine:
         """Drop everything a failed (or abandoned) forward/backward captured; the step's earlier sums stay
         (or go as a whole, never in part: see ``StepSums``)."""
         self._pipeline.abort()
+        self._rows.end_backward()
+        self._rows.tagging = False
         self._callback_queued = False
         self._phase = _Phase.IDLE
         if self._capture is not None:
@@ -521,6 +528,7 @@ class PrivacyEngine:
             return  # an empty batch contributes nothing; the step still adds noise and counts
         overflow = False
         try:
+            self._pipeline.samples = B
             overflow = self._scaled_backward(losses)
             self._backward_done()
         except FloatingPointError as err:
@@ -536,6 +544,8 @@ class PrivacyEngine:
             raise
         finally:
             self._phase = _Phase.IDLE
+            self._pipeline.samples = None
+            self._rows.end_backward()
         self._after_backward(overflow)
 
     def _scaled_backward(self, losses: torch.Tensor) -> bool:
@@ -572,6 +582,9 @@ class PrivacyEngine:
     def _one_backward(self, losses: torch.Tensor, factor: float, kappa: float, retain: bool) -> None:
         """Back-propagate ``factor * sum_i losses_i``; ``kappa`` is that objective's factor on the true losses."""
         objective = losses.sum() if factor == 1.0 else (losses * factor).sum()
+        if self._needs_tags():
+            self._tag_pass(losses, factor)
+        self._capture.new_pass()
         if self.recipe.two_pass:
             self._two_pass_backward(losses, objective, factor, kappa)
         else:
@@ -595,12 +608,57 @@ class PrivacyEngine:
         self._phase = _Phase.SECOND_PASS
         self._sums.begin()
         for k, params in enumerate(self._group_params):
+            self._capture.new_pass()
             weights = factors[k] if factor == 1.0 else factors[k] * factor
             reweighted = (losses * weights.to(losses.dtype)).sum()
             self._pipeline.reweighted = []
             torch.autograd.backward(reweighted, retain_graph=k < len(self._group_params) - 1)
             self._pipeline.second_pass_gradients(params, ones)
         self._sums.commit()
+
+    def _needs_tags(self) -> bool:
+        """Whether a call waiting for its gradient has a pattern whose rows were not read yet."""
+        recomputed = self._rows.recomputed_batches
+        if recomputed is not None and self._capture.forward_batch not in recomputed:
+            return True
+        return any(self._rows.needs_tags(state, call) for state in self._layers for call in state.calls)
+
+    def _tag_pass(self, losses: torch.Tensor, factor: float) -> None:
+        """Back-propagate ``factor * sum_i v_i L_i`` with per-sample tags ``v``: each call's tagged output
+        gradient shows which sample each of its rows belongs to (``rows.read_rows``). Nothing is reduced."""
+        tags = self._rows.new_tags(losses.shape[0])
+        weights = (tags * factor).to(losses.device, torch.promote_types(losses.dtype, torch.float32))
+        self._rows.tagging = True
+        self._capture.new_pass()
+        try:
+            torch.autograd.backward((losses * weights).sum(), retain_graph=True)
+        finally:
+            self._rows.tagging = False
+
+    def _tag_outputs(self, output):
+        """A model call with patterns not read yet: its per-sample outputs tag a plain backward (``tag_rows``)."""
+        if self.recipe.two_pass:
+            return None  # refused at its first output gradient anyway
+        engine = weakref.ref(self)
+
+        def tagged_pass(raw: torch.Tensor, grad: torch.Tensor, axis: int) -> None:
+            alive = engine()
+            if alive is None or alive._rows.tagging or alive._phase is not _Phase.IDLE:
+                return  # engine.backward tags its losses instead
+            rows = alive._rows
+            tags = rows.new_tags(raw.shape[axis])
+            shape = [1] * grad.dim()
+            shape[axis] = -1
+            rows.tagging = True
+            alive._capture.new_pass()
+            try:
+                torch.autograd.backward(raw, grad * tags.to(grad.device, grad.dtype).reshape(shape),
+                                        retain_graph=True)
+            finally:
+                rows.tagging = False
+                alive._capture.new_pass()
+
+        return tag_rows(output, self._capture.forward_batch, 0 if self.batch_first else 1, tagged_pass)
 
     def _backward_done(self) -> None:
         """A backward completed: its model calls may not be back-propagated again in this step."""
@@ -609,6 +667,9 @@ class PrivacyEngine:
 
     def _on_output_grad(self, state: LayerState, call: Call, grad: torch.Tensor) -> None:
         if self._phase is _Phase.DISCARD or self._capture.paused:
+            return
+        if self._rows.tagging:
+            self._rows.record_tagged(state, call, grad)
             return
         if self._phase is _Phase.SECOND_PASS:
             call.grad = grad.detach()
@@ -648,7 +709,7 @@ class PrivacyEngine:
 
     def _on_model_output_grad(self) -> None:
         """The gradient reached the model's output: a backward starts (on the outermost graph task)."""
-        if self._phase is _Phase.IDLE and not self.recipe.two_pass:
+        if self._phase is _Phase.IDLE and not self.recipe.two_pass and not self._rows.tagging:
             self._begin_plain_backward(from_layer=None)
 
     def _begin_plain_backward(self, from_layer: Call | None) -> None:
@@ -689,11 +750,13 @@ class PrivacyEngine:
             scale = float(batch) if self.loss_reduction == "mean" else 1.0
             self._pipeline.finish(batch, scale / self._loss_scale(), self._scaling is not None)
         except Overflow:
+            self._rows.end_backward()
             self._after_backward(overflow=True)
         except BaseException:
             self._abort_backward()
             raise
         else:
+            self._rows.end_backward()
             self._backward_done()
             self._after_backward(overflow=False)
 

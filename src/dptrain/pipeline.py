@@ -29,6 +29,7 @@ from .clipping import clipping_factors
 from .layers.numerics import shared_sq_norm
 from .layers.protocol import LayerDims
 from .planning import LayerDecision, decide_parameter, join_dims
+from .rows import NonFiniteRows, RowReader
 
 
 class Overflow(Exception):
@@ -125,12 +126,18 @@ class BackwardPipeline:
     """Operands, norm stage, factors and gradient stage of one backward (see the module docstring)."""
 
     def __init__(self, recipe: Recipe, decision_rule: str, clipping_fn: str, clipping_gamma: float,
-                 sums: StepSums):
+                 sums: StepSums, rows: RowReader):
         self.recipe = recipe
+        #: which sample each row of a call belongs to (read, or cached per pattern)
+        self.rows = rows
+        #: the number of samples of the running backward (engine.backward's losses), or None: each call's model call
         self.decision_rule = decision_rule
         self.clipping_fn = clipping_fn
         self.clipping_gamma = clipping_gamma
         self.sums = sums
+        self.samples: int | None = None
+        #: a GradScaler is in use: non-finite gradients are an overflow to retry or skip, not an error
+        self.overflow_skippable = False
         self.layers: list[LayerState] = []
         self.users: dict[nn.Parameter, list[tuple[LayerState, str]]] = {}
         self.group_of: dict[nn.Parameter, int] = {}
@@ -186,8 +193,8 @@ class BackwardPipeline:
         self.forwards.update(c.forward_id for c in calls if c.forward_id is not None)
         if self.consumed is not None:
             self.consumed.extend((state, c) for c in calls)
-        dims = join_dims([c.dims for c in calls])
-        self._ready[id(state)] = _ReadyLayer(state, self.operands(state, calls), dims, calls[0].batch_size)
+        ops, dims, batch = self.operands_and_dims(state, calls)
+        self._ready[id(state)] = _ReadyLayer(state, ops, dims, batch)
         for c in calls:  # the operands hold what is needed; a second pass sets new gradients
             c.grad = None
             if not self.recipe.two_pass and self.consumed is None:
@@ -195,11 +202,22 @@ class BackwardPipeline:
                 # second pass or a retry that needs it again, the call's copy of the input goes now.
                 c.activation = None
 
-    @staticmethod
-    def operands(state: LayerState, calls: list[Call]) -> tuple:
-        sizes = {c.batch_size for c in calls}
+    def operands(self, state: LayerState, calls: list[Call]) -> tuple:
+        return self.operands_and_dims(state, calls)[0]
+
+    def operands_and_dims(self, state: LayerState, calls: list[Call]) -> tuple[tuple, LayerDims, int]:
+        """(operands, sizes, samples) of a layer's calls as one call, each call's rows regrouped by sample."""
+        sizes = {self.samples if self.samples is not None else c.batch_size for c in calls}
         if len(sizes) > 1:
             raise ValueError(f"module {state.name!r} was called with different batch sizes {sorted(sizes)} in one forward")
+        batch = sizes.pop()
+        if batch is None:
+            raise ValueError(
+                f"{state.name or '<root>'} ({type(state.module).__name__}) was called outside a call of the model "
+                "given to the engine, or the model's input held no tensor to read the batch size from: through a "
+                "plain loss.backward() the engine cannot tell which sample each row belongs to. Call the model "
+                "itself (model(x)), or use engine.backward(per_sample_losses)"
+            )
         # With ghost differentiation autograd does not save a layer's input, so its own check
         # for inputs modified in place cannot fire: this one does.
         if any(c.version is not None and c.activation._version != c.version for c in calls):
@@ -209,8 +227,25 @@ class BackwardPipeline:
                 "use an out-of-place operation (`h = h + layer(h)`)"
             )
         rule, module = state.rule, state.module
-        parts = [rule.operands(module, c.activation, c.grad) for c in calls]
-        return parts[0] if len(parts) == 1 else rule.concat_calls(parts)
+        parts, dims = [], []
+        for c in calls:
+            try:
+                rowmap = self.rows.resolve(state, c, batch)
+            except NonFiniteRows:
+                if self.overflow_skippable:
+                    raise Overflow from None
+                raise FloatingPointError(
+                    "a per-sample gradient norm is inf or NaN (overflow or a NaN in the model): nothing was "
+                    "accumulated for this batch; check the inputs, the learning rate, or use float32") from None
+            if rowmap.identity:
+                parts.append(rule.operands(module, c.activation, c.grad))
+                dims.append(c.dims)
+            else:
+                ops, call_dims = rowmap.regroup(rule, module, c.activation, c.grad)
+                parts.append(ops)
+                dims.extend(call_dims)
+        ops = parts[0] if len(parts) == 1 else rule.concat_calls(parts)
+        return ops, join_dims(dims), batch
 
     def drop_recomputed(self) -> None:
         """Recomputed calls (checkpointing) are used in the backward that made them, or never."""

@@ -28,6 +28,7 @@ def gram_inner(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 @register_layer
 class LinearRule(LayerRule):
     module_types = (nn.Linear,)
+    rows_fold_into_tokens = True
 
     def dims(self, module, activation, output):
         T = math.prod(activation.shape[1:-1])

@@ -69,6 +69,7 @@ class AffineNormRule(LayerRule):
 
 class _TrailingDimsNorm(AffineNormRule):
     """Norms whose parameter covers the trailing ``normalized_shape`` dims (LayerNorm, RMSNorm)."""
+    rows_fold_into_tokens = True
 
     def dims(self, module, activation, output):
         n = math.prod(module.normalized_shape)

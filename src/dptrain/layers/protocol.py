@@ -122,6 +122,11 @@ class LayerRule:
         """Operands of several calls of one module as if they were one call with more tokens."""
         return tuple(torch.cat(parts, dim=self.token_dim) for parts in zip(*calls))
 
+    #: True: every leading axis of the call's input and output is a token axis in the same place (features
+    #: last), so rows of several samples can be regrouped into one sample's tokens ([B, K, ...]), and a
+    #: sequence-first call ([T, B, ...]) read over its two leading axes (``dptrain.rows``)
+    rows_fold_into_tokens: bool = False
+
     #: the axis of the operands that holds the token positions
     token_dim: int = 1
 

@@ -1,0 +1,442 @@
+"""Which sample each row of a layer call belongs to: read from the gradient, never inferred from a shape.
+
+A layer call's output gradient is linear in the weights of the per-sample losses. Back-propagating
+``sum_i v_i L_i`` with distinct per-sample tags ``v`` (a *tag pass*) next to the real backward
+``sum_i L_i`` gives, for a row ``r`` that belongs to one sample ``s``, a tagged gradient
+``t_r = v_s g_r``. A least-squares fit of ``t_r`` on ``g_r`` over the whole row gives the ratio
+``v_s`` (robust in float32, unlike element-wise ratios) and its residual shows a row that mixes
+samples. The fit is read over the call's leading axis (rows ``[N, ...]``) and, for rules whose
+leading axes are all tokens (``LayerRule.rows_fold_into_tokens``), over the first two axes
+(sequence-first ``[T, B, ...]``, or any layout of ``[N0, N1, ...]``).
+
+What the engine does with a map (``RowMap``):
+
+- identity (row j is sample j): nothing, the rules run as before;
+- one sample per row in another layout (reordered rows, sequence-first, tokens or windows folded
+  into the batch, rows routed to experts): the rows are regrouped into ``[B, K, ...]`` (or K calls
+  of ``[B, ...]`` joined along the token axis) with zero gradients where a sample has fewer than K
+  rows, which contribute nothing;
+- rows that mix samples: refused, naming the layer.
+
+A verified layout is cached per pattern (``PatternKey``: the layer, which of its calls in the model
+call, and the call's leading sizes written relative to the batch size) when it is structural
+(identity, sequence-first, folded in blocks or interleaved) and no reordering op on the batch
+(``ReorderWatch``) ran before the call; anything else is read again at every step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+
+class NonFiniteRows(FloatingPointError):
+    """A call's output gradient holds inf or NaN: its rows cannot be read (the step is skipped or refused)."""
+
+
+class RowsMixSamples(ValueError):
+    """A layer call's rows combine several samples' gradients: per-sample clipping cannot split them."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A structural layout, valid for any batch size: where the batch sits among the leading axes.
+
+    ``axes``: 1 (rows along dim 0) or 2 (rows over dims 0 and 1 flattened).
+    ``kind``: ``identity`` (row j = sample j, dims 0 (and 1) as given), ``transposed`` (two axes,
+    sample = index along dim 1), ``blocks`` (sample = row // K), ``interleaved`` (sample = row % B).
+    """
+
+    axes: int
+    kind: str
+
+    def samples(self, shape: tuple[int, ...], batch: int) -> torch.Tensor | None:
+        """The sample of each row for a call of this shape, or None where the shape does not fit."""
+        rows = shape[0] if self.axes == 1 else shape[0] * shape[1]
+        if self.kind == "identity" and self.axes == 1:
+            return torch.arange(batch) if rows == batch else None
+        if self.kind == "transposed":
+            if shape[1] != batch:
+                return None
+            return torch.arange(batch).repeat(shape[0])
+        if rows % batch:
+            return None
+        k = rows // batch
+        if self.kind == "blocks":
+            return torch.arange(batch).repeat_interleave(k)
+        if self.kind == "interleaved":
+            return torch.arange(batch).repeat(k)
+        return None
+
+
+def pattern_key(shape: tuple[int, ...], batch: int) -> tuple:
+    """A call's shape with its two leading sizes written relative to the batch: ``("B", k)`` for k·B.
+
+    Two calls with the same key have the same layout whatever B is, unless the layout depends on the
+    data. A leading size that happens to be a multiple of B gives another key, which is verified anew:
+    that is when a layout cannot be told from shapes.
+    """
+    lead = tuple(("B", n // batch) if batch and n % batch == 0 else n for n in shape[:2])
+    return (*lead, *shape[2:])
+
+
+def make_tags(batch: int, generator: torch.Generator) -> torch.Tensor:
+    """Distinct per-sample tags in [0.5, 1), at least 0.5/B apart, in random order (float64).
+
+    Below 1, so a tag pass never overflows where the real backward does not.
+    """
+    order = torch.randperm(batch, generator=generator, dtype=torch.float64)
+    jitter = 0.25 + 0.5 * torch.rand(batch, generator=generator, dtype=torch.float64)
+    return 0.5 + 0.5 * (order + jitter) / batch
+
+
+@dataclass
+class RowMap:
+    """The sample of every row of one call (``samples[r]``; -1: a row with no gradient this step)."""
+
+    axes: int
+    samples: torch.Tensor  # long, on the CPU
+    batch: int
+    identity: bool
+    layout: Layout | None  # the structural layout these samples follow, if any
+
+    def regroup(self, rule, module, activation, grad: torch.Tensor) -> tuple[tuple, list]:
+        """(operands, dims of each part) of this call with its rows regrouped by sample.
+
+        Rules whose leading axes are all tokens take ``[B, K, ...]`` (K rows per sample, zero gradients
+        where a sample has fewer); other rules get K calls of ``[B, ...]`` joined along the token axis.
+        """
+        act, g = activation, grad
+        if self.axes == 2:
+            act, g = act.flatten(0, 1), g.flatten(0, 1)
+        order, counts = _order(self.samples, self.batch)
+        k = max(1, int(counts.max()) if counts.numel() else 0)
+        slots = torch.full((self.batch, k), -1, dtype=torch.long)  # slots[b, j]: sample b's j-th row, or -1
+        starts = torch.cumsum(counts, 0) - counts
+        ranked = order[self.samples[order] >= 0]
+        owners = self.samples[ranked]
+        slots[owners, torch.arange(ranked.numel()) - starts[owners]] = ranked
+        index = slots.clamp(min=0).to(g.device)
+        keep = (slots >= 0).to(g.device, g.dtype)
+        ones = [1] * (g.dim() - 1)
+        if getattr(rule, "rows_fold_into_tokens", False):
+            a_r = act.index_select(0, index.flatten().to(act.device)).reshape(self.batch, k, *act.shape[1:])
+            g_r = g.index_select(0, index.flatten()).reshape(self.batch, k, *g.shape[1:]) * keep.reshape(
+                self.batch, k, *ones)
+            return rule.operands(module, a_r, g_r), [rule.dims(module, a_r, g_r)]
+        parts, dims = [], []
+        for j in range(k):
+            a_j = act.index_select(0, index[:, j].to(act.device))
+            g_j = g.index_select(0, index[:, j]) * keep[:, j].reshape(-1, *ones)
+            parts.append(rule.operands(module, a_j, g_j))
+            dims.append(rule.dims(module, a_j, g_j))
+        return (parts[0] if len(parts) == 1 else rule.concat_calls(parts)), dims
+
+
+def _order(samples: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    key = torch.where(samples >= 0, samples, torch.full_like(samples, batch))
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(samples[samples >= 0], minlength=batch)[:batch]
+    return order, counts
+
+
+def can_regroup(rule, activation, grad: torch.Tensor, axes: int) -> bool:
+    """Whether a rule's activation can be regrouped row by row (a tensor sharing the output's leading axes)."""
+    if not isinstance(activation, torch.Tensor) or activation.dim() < axes:
+        return False
+    if activation.shape[:axes] != grad.shape[:axes]:
+        return False
+    return axes == 1 or getattr(rule, "rows_fold_into_tokens", False)
+
+
+def read_rows(grad: torch.Tensor, tagged: torch.Tensor, tags: torch.Tensor, batch: int,
+              two_axes: bool) -> RowMap:
+    """The row-to-sample map of one call from its real and tagged output gradients.
+
+    Raises ``RowsMixSamples`` where some row's gradient is not one sample's (along dim 0, and, with
+    ``two_axes``, over dims 0 and 1 either).
+    """
+    err = None
+    for axes in ((1, 2) if two_axes and grad.dim() >= 3 else (1,)):
+        try:
+            return _read(grad, tagged, tags, batch, axes)
+        except RowsMixSamples as e:
+            err = e
+    raise err
+
+
+def _read(grad, tagged, tags, batch, axes) -> RowMap:
+    rows = math.prod(grad.shape[:axes]) if grad.dim() >= axes else 1
+    if not bool(torch.isfinite(grad).all() & torch.isfinite(tagged).all()):
+        raise NonFiniteRows("a layer's output gradient is inf or NaN")
+    dtype = torch.float64
+    g = grad.detach().reshape(rows, -1).to(dtype)
+    t = tagged.detach().reshape(rows, -1).to(dtype)
+    eps = torch.finfo(grad.dtype).eps if grad.is_floating_point() else 1e-12
+    gg = g.square().sum(1)
+    gt = (g * t).sum(1)
+    tt = t.square().sum(1)
+    scale = gg.max().sqrt() if rows else gg.new_zeros(())
+    # A row whose gradient is rounding noise next to the call's largest row says nothing about its sample.
+    empty = gg.sqrt() <= 64 * eps * scale
+    ratio = torch.where(empty, torch.zeros_like(gg), gt / gg.clamp_min(torch.finfo(dtype).tiny))
+    residual = (t - ratio.unsqueeze(1) * g).square().sum(1)  # no cancellation, unlike tt - ratio * gt
+    fits = residual <= (1e3 * eps) ** 2 * tt.clamp_min(torch.finfo(dtype).tiny) + (64 * eps * scale) ** 2
+    tags_cpu = tags.to(dtype).cpu()
+    sorted_tags, tag_order = torch.sort(tags_cpu)
+    r = ratio.cpu()
+    pos = torch.searchsorted(sorted_tags, r).clamp(1, max(1, batch - 1)) if batch > 1 else torch.zeros_like(r, dtype=torch.long)
+    lo = (pos - 1).clamp(min=0)
+    hi = pos.clamp(max=batch - 1)
+    nearest = torch.where((r - sorted_tags[lo]).abs() <= (sorted_tags[hi] - r).abs(), lo, hi)
+    distance = (r - sorted_tags[nearest]).abs()
+    tolerance = max(0.025 / max(batch, 1), 1e3 * eps)
+    ok = (fits.cpu() & (distance <= tolerance)) | empty.cpu()
+    if not bool(ok.all()):
+        bad = int((~ok).sum())
+        raise RowsMixSamples(f"{bad} of {rows} rows along the {'first' if axes == 1 else 'first two'} "
+                             f"ax{'is' if axes == 1 else 'es'} mix the gradients of several samples")
+    samples = torch.where(empty.cpu(), torch.full_like(nearest, -1), tag_order[nearest])
+    return _classify(samples, grad.shape, batch, axes)
+
+
+def _classify(samples: torch.Tensor, shape, batch: int, axes: int) -> RowMap:
+    known = samples >= 0
+    for layout in _candidates(axes):
+        expected = layout.samples(tuple(shape), batch)
+        if expected is not None and expected.numel() == samples.numel() and bool((expected[known] == samples[known]).all()):
+            # rows without a gradient this step follow the structure of those with one
+            identity = layout.kind == "identity" and axes == 1
+            return RowMap(axes, expected, batch, identity, layout)
+    return RowMap(axes, samples, batch, False, None)
+
+
+def _candidates(axes: int):
+    if axes == 1:
+        return (Layout(1, "identity"), Layout(1, "blocks"), Layout(1, "interleaved"))
+    return (Layout(2, "transposed"), Layout(2, "blocks"), Layout(2, "interleaved"))
+
+
+def map_from_layout(layout: Layout, shape: tuple[int, ...], batch: int) -> RowMap | None:
+    samples = layout.samples(tuple(shape), batch)
+    if samples is None:
+        return None
+    return RowMap(layout.axes, samples, batch, layout.kind == "identity" and layout.axes == 1, layout)
+
+
+# ---------------------------------------------------------------------- reordering ops in a forward
+_INDEXING = {
+    torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select, torch.gather, torch.Tensor.gather,
+    torch.take, torch.Tensor.take, torch.take_along_dim, torch.Tensor.take_along_dim, torch.masked_select,
+    torch.Tensor.masked_select, torch.Tensor.index_add, torch.Tensor.index_add_, torch.index_add,
+    torch.Tensor.index_copy, torch.Tensor.index_copy_, torch.Tensor.index_put, torch.Tensor.index_put_,
+    torch.Tensor.scatter, torch.Tensor.scatter_, torch.scatter, torch.Tensor.scatter_add, torch.Tensor.scatter_add_,
+    torch.scatter_add, torch.Tensor.__setitem__,
+}
+
+
+class ReorderWatch(TorchFunctionMode):
+    """Notes, during a model call, whether rows of a batched tensor were picked by a tensor of indices
+    (``x[order]``, ``index_select``, ``gather``, ``scatter``, ...): a layout that depends on the data
+    (a sort inside ``forward``, rows routed to experts) cannot be cached from one batch.
+
+    Only active on forwards that verify new patterns.
+    """
+
+    def __init__(self, batch: int):
+        super().__init__()
+        self.batch = batch
+        self.seen = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.seen and func in _INDEXING and args:
+            self.seen = _reorders(func, args, kwargs, self.batch)
+        return func(*args, **kwargs)
+
+
+def _reorders(func, args, kwargs, batch: int) -> bool:
+    x = args[0]
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or isinstance(x, torch.nn.Parameter):
+        return False
+    if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+        index = args[1] if len(args) > 1 else None
+        first = index[0] if isinstance(index, tuple) and index else index
+        return isinstance(first, torch.Tensor) and first.dim() > 0 and x.shape[0] % max(batch, 1) == 0
+    dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else 0)
+    size = x.shape[dim] if -x.dim() <= dim < x.dim() else 0
+    return size % max(batch, 1) == 0 if size else False
+
+
+# ---------------------------------------------------------------------- the engine's maps
+class RowReader:
+    """Cached layouts per pattern, and the tagged gradients of the backward that verifies new ones."""
+
+    def __init__(self, seed: int | None = None):
+        self.layouts: dict[tuple, Layout] = {}
+        # The tags need no secrecy: their random order only keeps a structured mixture of rows (a mean of
+        # two samples' gradients) from landing on a third sample's tag.
+        self.generator = torch.Generator()
+        self.generator.manual_seed(0x5EED if seed is None else seed + 1)
+        #: a tag pass is running: output gradients that arrive are tagged ones
+        self.tagging = False
+        #: the tags of the running tag pass
+        self.tags: torch.Tensor | None = None
+        #: tagged gradients of calls recorded during a tag pass (recomputations), by pattern
+        self.tagged: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: maps read in this backward for recomputed calls (a second pass recomputes them again), by pattern
+        self.resolved: dict[tuple, RowMap] = {}
+        #: watch the next model call for reordering ops (it may record patterns not verified yet)
+        self.watch_next = True
+        #: the last model call was watched and picked no rows by the data: recomputations of it may be cached
+        self.forward_clean = False
+        #: batch sizes whose recomputed calls (activation checkpointing) were verified: a backward of another
+        #: batch size runs a tag pass, as recomputed calls are only known once they are recomputed
+        self.recomputed_batches: set[int] | None = None
+
+    @staticmethod
+    def pattern(state, call) -> tuple | None:
+        """The cache key of a call: its layer, which of the layer's calls it is, its shape relative to B."""
+        if call.ordinal is None:
+            return None
+        return (id(state.module), call.recomputed, call.ordinal, call.key)
+
+    def cached(self, state, call) -> Layout | None:
+        pattern = self.pattern(state, call)
+        return self.layouts.get(pattern) if pattern is not None else None
+
+    def needs_tags(self, state, call) -> bool:
+        """Whether this call's layout must be read from a tag pass (it is not known for its pattern)."""
+        if call.rowmap is not None:
+            return False
+        layout = self.cached(state, call)
+        return layout is None or call.batch_size is None or layout.samples(call.shape, call.batch_size) is None
+
+    def new_tags(self, batch: int) -> torch.Tensor:
+        self.tags = make_tags(batch, self.generator)
+        return self.tags
+
+    def record_tagged(self, state, call, grad: torch.Tensor) -> None:
+        if call.recomputed:  # the real pass recomputes it again, as another call: found by its pattern
+            pattern = self.pattern(state, call)
+            if pattern is not None:
+                self.tagged[pattern] = (grad.detach(), self.tags)
+        else:
+            call.tagged, call.tags = grad.detach(), self.tags
+
+    def end_backward(self) -> None:
+        self.tagged.clear()
+        self.resolved.clear()
+        self.tags = None
+
+    def resolve(self, state, call, batch: int) -> RowMap:
+        """The row map of a call that received its output gradient, for a step of ``batch`` samples."""
+        if call.rowmap is not None:
+            return call.rowmap
+        if call.recomputed and self.pattern(state, call) in self.resolved:
+            call.rowmap = self.resolved[self.pattern(state, call)]
+            return call.rowmap
+        if batch == 0:  # no sample: no row can belong to one
+            rows = call.shape[0] if call.shape else 0
+            call.rowmap = RowMap(1, torch.full((rows,), -1, dtype=torch.long), 0, rows == 0, None)
+            return call.rowmap
+        name = f"{state.name or '<root>'} ({type(state.module).__name__})"
+        layout = self.cached(state, call)
+        rowmap = map_from_layout(layout, call.shape, batch) if layout is not None else None
+        if rowmap is None:
+            tagged, tags = call.tagged, call.tags
+            if tagged is None and call.recomputed:
+                tagged, tags = self.tagged.get(self.pattern(state, call), (None, None))
+            if tagged is None or tags is None or tags.numel() != batch:
+                raise RuntimeError(
+                    f"{name}: the engine could not read which sample each row of this call belongs to (its output "
+                    "gradient did not come from the model's per-sample outputs or losses: a layer called outside "
+                    "the model, or a loss computed inside the model). Return per-sample outputs from model(...) "
+                    "and use engine.backward(per_sample_losses)"
+                )
+            try:
+                rowmap = read_rows(call.grad, tagged, tags.to(call.grad.device), batch,
+                                   two_axes=getattr(state.rule, "rows_fold_into_tokens", False))
+            except RowsMixSamples as err:
+                raise RowsMixSamples(
+                    f"{name}: {err} (output of shape {tuple(call.grad.shape)}, batch of {batch}): per-sample "
+                    "clipping cannot split such rows. Typical causes: a table broadcast over the batch (position "
+                    "embeddings looked up on [T] or [1, T] ids and then indexed or reduced over the batch), per-class "
+                    "or pooled vectors, an input of the model concatenated with itself. Freeze this layer, feed it "
+                    "per-sample rows (ids.expand(B, -1)), or register a rule for the module that mixes the samples"
+                ) from None
+            if rowmap.layout is not None and call.cacheable:
+                self.layouts[self.pattern(state, call)] = rowmap.layout
+        if not rowmap.identity and not can_regroup(state.rule, call.activation, call.grad, rowmap.axes):
+            raise RowsMixSamples(
+                f"{name}: its rows are samples in another order or layout ({_describe(rowmap)}, output of shape "
+                f"{tuple(call.grad.shape)}), which the rule {type(state.rule).__name__} cannot regroup. Give the "
+                "layer the batch as its first dimension, or freeze it"
+            )
+        call.rowmap = rowmap
+        call.tagged = None
+        if call.recomputed and self.pattern(state, call) is not None:
+            self.resolved[self.pattern(state, call)] = rowmap
+            self.recomputed_batches = (self.recomputed_batches or set()) | {batch}
+        return rowmap
+
+
+def _describe(rowmap: RowMap) -> str:
+    if rowmap.layout is not None:
+        return f"{rowmap.layout.kind} over {rowmap.layout.axes} axes"
+    return "rows picked by the data"
+
+
+# ---------------------------------------------------------------------- tagged outputs (plain backward)
+class _TagRows(torch.autograd.Function):
+    """Identity; its backward first back-propagates the output gradient with per-sample tags on its rows."""
+
+    @staticmethod
+    def forward(ctx, x, run, axis):
+        ctx.run, ctx.axis = run, axis
+        ctx.save_for_backward(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        ctx.run(x, grad, ctx.axis)
+        return grad, None, None
+
+
+def tag_rows(output, batch: int | None, axis: int, run):
+    """The model's output with every per-sample tensor (``batch`` rows along ``axis``) passed through
+    ``_TagRows``; containers are rebuilt (tuples) or updated (dicts, dataclasses)."""
+    if not batch:
+        return None
+
+    def wrap(obj, depth=0):
+        if isinstance(obj, torch.Tensor):
+            if not (obj.requires_grad and obj.is_floating_point()):
+                return obj
+            # a sequence-first model's output may lead with its batch after pooling; both axes the batch: unclear
+            found = [a for a in dict.fromkeys((axis, 0)) if obj.dim() > a and obj.shape[a] == batch]
+            return _TagRows.apply(obj, run, found[0]) if len(found) == 1 else obj
+        if depth >= 4:
+            return obj
+        if isinstance(obj, tuple):
+            items = [wrap(x, depth + 1) for x in obj]
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        if isinstance(obj, list):
+            obj[:] = [wrap(x, depth + 1) for x in obj]
+            return obj
+        if isinstance(obj, dict):
+            for k in list(obj.keys()):
+                obj[k] = wrap(obj[k], depth + 1)
+            return obj
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                setattr(obj, f.name, wrap(getattr(obj, f.name), depth + 1))
+            return obj
+        return obj
+
+    return wrap(output)

@@ -1,0 +1,250 @@
+"""Which sample each row of a layer call belongs to is read from the gradient (dptrain.rows), never from a shape.
+
+Every model here has a layer whose leading dimension equals the batch size by coincidence (B = T, B = C, N = B)
+or whose rows are samples in another layout. Each is exact against the one-sample-at-a-time oracle, or refused;
+none is silently wrong. Float64, noise 0, batch_size 1 (the step's p.grad is the clipped sum).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from dptrain import rows
+from dptrain.testing import reference_clipped_gradient
+from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches
+from test_hazards import R, _backward, _engine
+
+PATHS = [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES]
+
+
+def _losses(model, x, y):
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def _clipped_sum(model, mode, path, batches):
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+    engine.attach(opt)
+    for x, y in batches:
+        _backward(engine, model, x, y, path)
+    opt.step()
+    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+    engine.detach()
+    return got
+
+
+def _reference(model, batches):
+    x = torch.cat([b[0] for b in batches])
+    y = torch.cat([b[1] for b in batches])
+    return reference_clipped_gradient(model, _losses, (x, y), max_grad_norm=R)
+
+
+def _one_sample_update(model, mode, path, x, y) -> float:
+    before = copy.deepcopy(model)
+    engine = _engine(model, mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(opt)
+    _backward(engine, model, x, y, path)
+    opt.step()
+    engine.detach()
+    return float(torch.sqrt(sum((p.detach() - q.detach()).square().sum() for p, q in zip(model.parameters(), before.parameters()))))
+
+
+def _data(B, T, seed, d=6):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, d, generator=g, dtype=torch.float64), torch.randint(0, 3, (B,), generator=g)
+
+
+# ------------------------------------------------------------------------------------------ one sample per row
+class SequenceFirstInside(nn.Module):
+    """A batch-first model with one layer run on [T, B, d] (as XLNet's and Longformer's layers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x)).transpose(0, 1)  # [T, B, 8]
+        h = torch.tanh(self.mid(h)).transpose(0, 1)
+        return self.head(h.mean(1))
+
+
+class SortsTheBatch(nn.Module):
+    """Sorts the batch inside forward (by a data-dependent key) and un-sorts after: the layout changes per batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        order = x[:, 0, 0].argsort()
+        h = torch.tanh(self.inp(x[order])).mean(1)
+        return self.head(h[order.argsort()])
+
+
+class EmbeddingWindows(nn.Module):
+    """Windows of tokens folded into the batch, [B * W, N, d], as in window attention, through a norm and a conv."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.norm = nn.LayerNorm(8)
+        self.conv = nn.Conv1d(8, 4, 1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        h = self.norm(torch.tanh(self.inp(x)).reshape(B * (T // 2), 2, 8))  # windows of 2 tokens
+        h = self.conv(h.transpose(1, 2)).reshape(B, T // 2, 4, 2).mean((1, 3))
+        return self.head(h)
+
+
+ONE_SAMPLE_PER_ROW = {"sequence-first layer": SequenceFirstInside, "sorted batch": SortsTheBatch,
+                      "windows folded into the batch": EmbeddingWindows}
+
+
+@pytest.mark.parametrize("B,T", [(3, 4), (4, 4), (2, 4)], ids=["B!=T", "B=T", "T=2B"])
+@pytest.mark.parametrize("name", list(ONE_SAMPLE_PER_ROW))
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_rows_of_one_sample_in_another_layout_are_regrouped_exactly(float64, mode, path, name, B, T):
+    torch.manual_seed(0)
+    model = ONE_SAMPLE_PER_ROW[name]().double()
+    batches = [_data(B, T, seed=1), _data(B, T, seed=2), _data(B + 1, T, seed=3)]
+    got = _clipped_sum(copy.deepcopy(model), mode, path, batches)
+    assert_matches(got, _reference(model, batches), what=name)
+
+
+@pytest.mark.parametrize("name", list(ONE_SAMPLE_PER_ROW))
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_one_sample_in_another_layout_moves_the_model_by_at_most_R(float64, mode, path, name):
+    torch.manual_seed(0)
+    x, y = _data(1, 4, seed=5)
+    assert _one_sample_update(ONE_SAMPLE_PER_ROW[name]().double(), mode, path, 10 * x, y) <= R * (1 + 1e-9)
+
+
+def test_a_data_dependent_layout_is_read_at_every_step(float64):
+    """The sort's layout is never cached: a batch that happens to be in order does not fix it for the next."""
+    torch.manual_seed(0)
+    model = SortsTheBatch().double()
+    engine = _engine(model, "bk-mixopt", loss_reduction="sum")
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    x, y = _data(4, 3, seed=1)
+    x[:, 0, 0] = torch.arange(4.0)  # already sorted: the identity this time
+    engine.backward(_losses(model, x, y))
+    assert not any(key[0] == id(model.inp) for key in engine._rows.layouts)
+
+
+# ------------------------------------------------------------------------------------------ rows that mix samples
+class PerClassVectors(nn.Module):
+    """A Linear on per-class vectors [C, d] (shared by every sample): with C = B its rows look like samples."""
+
+    def __init__(self, classes):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.classes = nn.Parameter(torch.randn(classes, 8), requires_grad=False)
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.inp(x)).mean(1) @ self.proj(self.classes).t()
+
+
+class PositionTable(nn.Module):
+    """nanoGPT: wpe(arange(T)) added to wte(ids): the table's rows are positions, shared by every sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Linear(6, 8), nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        pos = self.wpe(torch.arange(x.shape[1]))
+        return self.head(torch.tanh(self.wte(x) + pos).mean(1))
+
+
+class BroadcastThenIndexed(nn.Module):
+    """An embedding fed [1, T] ids whose output user code reduces over its batch axis (pos.sum(0))."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte, self.wpe = nn.Linear(6, 8), nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        pos = self.wpe(torch.arange(x.shape[1]).unsqueeze(0)).sum(0)
+        return self.head(torch.tanh(self.wte(x) + pos).mean(1))
+
+
+MIXING = {"per-class vectors": (lambda: PerClassVectors(4), "proj"), "position table": (PositionTable, "wpe"),
+          "[1, T] ids reduced over the batch": (BroadcastThenIndexed, "wpe")}
+
+
+@pytest.mark.parametrize("name", list(MIXING))
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_rows_that_mix_samples_are_refused_also_when_B_equals_their_count(float64, mode, path, name):
+    build, layer = MIXING[name]
+    torch.manual_seed(0)
+    model = build().double()
+    engine = _engine(model, mode, loss_reduction="sum")
+    engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    x, y = _data(4, 4, seed=1)  # B = T = C = 4
+    with pytest.raises((ValueError, RuntimeError), match=rf"{layer} \("):
+        _backward(engine, model, x, y, path)
+
+
+def test_an_embedding_on_broadcast_ids_added_to_the_batch_stays_exact(float64):
+    """[1, T] position ids broadcast by an addition (Hugging Face's GPT-2): the expanded rows are per-sample."""
+
+    class Gpt2Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Linear(6, 8), nn.Embedding(16, 8)
+            self.head = nn.Linear(8, 3)
+
+        def forward(self, x):
+            pos = self.wpe(torch.arange(x.shape[1]).unsqueeze(0))
+            return self.head(torch.tanh(self.wte(x) + pos).mean(1))
+
+    torch.manual_seed(0)
+    model = Gpt2Positions().double()
+    for mode, path in [("bk-mixopt", "engine"), ("ghost", "engine"), ("per-sample", "plain")]:
+        batches = [_data(4, 4, seed=1), _data(3, 4, seed=2)]
+        got = _clipped_sum(copy.deepcopy(model), mode, path, batches)
+        assert_matches(got, _reference(model, batches), what=f"{mode}-{path}")
+
+
+# ------------------------------------------------------------------------------------------ the reading itself
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 9), per=st.integers(1, 4), width=st.integers(1, 5), seed=st.integers(0, 10_000),
+       layout=st.sampled_from(["identity", "blocks", "interleaved", "permuted", "mixed"]))
+def test_read_rows_finds_the_sample_of_every_row_or_refuses(batch, per, width, seed, layout):
+    g = torch.Generator().manual_seed(seed)
+    n = batch * (1 if layout in ("identity", "permuted") else per)
+    owner = {"identity": torch.arange(batch), "blocks": torch.arange(batch).repeat_interleave(per),
+             "interleaved": torch.arange(batch).repeat(per), "permuted": torch.randperm(batch, generator=g),
+             "mixed": torch.arange(batch).repeat_interleave(per)}[layout]
+    contributions = torch.randn(n, width, generator=g, dtype=torch.float64)
+    tags = rows.make_tags(batch, g)
+    grad = contributions.clone()
+    tagged = contributions * tags[owner].unsqueeze(1)
+    if layout == "mixed" and batch > 1:
+        extra = torch.randn(width, generator=g, dtype=torch.float64)  # row 0 also gets the last sample's gradient
+        grad[0] += extra
+        tagged[0] += tags[batch - 1] * extra
+        with pytest.raises(rows.RowsMixSamples):
+            rows.read_rows(grad, tagged, tags, batch, two_axes=False)
+        return
+    found = rows.read_rows(grad, tagged, tags, batch, two_axes=False)
+    assert torch.equal(found.samples, owner)
+    assert found.identity == bool(torch.equal(owner, torch.arange(n)) and n == batch)
+
+
+def test_pattern_keys_change_when_the_batch_size_equals_another_dimension():
+    assert rows.pattern_key((8, 12, 32), 8) == rows.pattern_key((5, 12, 32), 5)
+    assert rows.pattern_key((16, 16, 32), 16) != rows.pattern_key((8, 16, 32), 8)
+    assert rows.pattern_key((16, 8, 32), 8) != rows.pattern_key((16, 5, 32), 5)  # T = 2B: a new pattern

@@ -183,6 +183,42 @@ def norm_case(kind: str) -> Case:
     return Case(NormNet(norm), classify_tokens, (x, torch.randint(0, 3, (B, 3), generator=g)))
 
 
+class AliasBlock(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return torch.tanh(self.layer(x))
+
+
+class AliasedNet(nn.Module):
+    """CoaT's shape: a parameter of the root's own (its cls token), so the root goes through the fallback,
+    and one layer registered under two names, at the root and inside a block, called through both."""
+
+    def __init__(self, kind, d=3, C=3):
+        super().__init__()
+        layer = nn.Conv2d(d, d, 3, padding=1) if kind == "conv" else nn.Linear(d, d)
+        self.kind = kind
+        self.shared = layer
+        self.block = AliasBlock(layer)
+        self.token = nn.Parameter(torch.randn(d))
+        self.head = nn.Linear(d, C)
+
+    def forward(self, x):
+        token = self.token[:, None, None] if self.kind == "conv" else self.token
+        h = self.block(self.shared(x) * (1 + token) + token)
+        return self.head(h.mean((2, 3)) if self.kind == "conv" else h)
+
+
+def aliased_case(kind: str, seed: int = 5, n: int = B) -> Case:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    model = AliasedNet(kind)
+    shape = (n, 3, 5, 4) if kind == "conv" else (n, 3)
+    return Case(model, classify, (torch.randn(*shape, generator=g) * 2, torch.randint(0, 3, (n,), generator=g)))
+
+
 CASES = {
     "fallback-modules": fallback_case,
     "fallback-modules-seed-1": lambda: fallback_case(1),
@@ -191,6 +227,8 @@ CASES = {
     "rms-norm-one-plus": lambda: norm_case("one-plus"),
     "rms-norm-check-fails": lambda: norm_case("mean-abs"),  # shaped like one, handed to the fallback
     "fallback-around-child": block_case,  # the child's hooks stay silent while its parent is replayed
+    "fallback-root-aliased-conv": lambda: aliased_case("conv"),  # a layer registered under two names
+    "fallback-root-aliased-linear": lambda: aliased_case("linear"),
 }
 
 @functools.cache
@@ -591,3 +629,59 @@ def test_sequence_first_calls_are_replayed_in_their_own_layout():
         torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
     with pytest.raises(RuntimeError, match="TimeMix.*could not replay this call"):  # the call taken as batch first
         resolve_rule(module).capture_call(module, (x.transpose(0, 1), lengths), {}, out.transpose(0, 1))
+
+
+# --------------------------------------------------------------------------- aliased submodules
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["conv", "linear"])
+def test_aliased_layer_under_a_fallback_root_keeps_its_parameters_and_bounds_one_sample(kind, mode):
+    """The fallback replays a root whose subtree holds one layer under two names: after each step every
+    parameter is still the nn.Parameter the optimizer holds (no plain tensor left in the model), the
+    shared layer is updated, and one sample moves the model by at most max_grad_norm (noise 0, SGD lr 1)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        case = aliased_case(kind, seed=6, n=1)
+    finally:
+        torch.set_default_dtype(previous)
+    model, R = case.model, 0.05  # far below the gradient norm: every step is clipped
+    objects = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    assert objects["shared.weight"] is objects["block.layer.weight"]
+    engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, noise_multiplier=0.0, clipping_mode=mode,
+                                   max_grad_norm=R)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(optimizer)
+    try:
+        for _ in range(3):
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                engine.backward(case.losses(model))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            after = dict(model.named_parameters(remove_duplicate=False))
+            assert after.keys() == objects.keys()
+            assert all(after[n] is p and type(p) is nn.Parameter for n, p in objects.items())
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            assert {id(p) for p in model.parameters()} == held
+            update = torch.cat([(p.detach() - before[n]).flatten() for n, p in model.named_parameters()])
+            assert update.norm() <= R * (1 + 1e-9), f"{mode}: one sample moved the model by {update.norm():.4g} > {R}"
+            assert update.norm() >= R * (1 - 1e-9)  # clipped to R, not dropped
+            assert not torch.equal(model.shared.weight.detach(), before["shared.weight"])
+    finally:
+        engine.detach()
+
+
+def test_replay_swaps_each_aliased_slot_once_and_restores_the_parameters():
+    from dptrain.layers.fallback import replay
+
+    model = AliasedNet("linear").double()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    objects = list(model.named_parameters(remove_duplicate=False))
+    token = model.token.detach().clone().requires_grad_(True)
+    out = replay(model, (x,), {}, {"token": token})
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    (token_grad,) = torch.autograd.grad(out.sum(), token)
+    assert token_grad.abs().sum() > 0
+    assert [(n, p) for n, p in model.named_parameters(remove_duplicate=False)] == objects
+    assert all(type(p) is nn.Parameter for _, p in objects)

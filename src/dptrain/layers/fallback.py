@@ -70,13 +70,29 @@ def replay(module: nn.Module, args: tuple, kwargs: dict, params: dict[str, torch
     Every other parameter of the subtree enters detached (the replay differentiates only
     ``params``); buffers enter as copies, so a forward that updates them in place (running
     statistics) leaves the module as it was.
+
+    Each tensor *slot* (a module object and the attribute name it keeps the tensor under) is
+    swapped once, whatever the number of names it answers to: a submodule registered under two
+    names (timm's CoaT keeps one conv at the root and inside a block) has one slot per tensor, and
+    swapping it under both names would restore it wrong (the second swap saves the first one's
+    stand-in as the "original", which then stays in the module in place of the user's parameter).
+    A parameter of ``params`` is substituted in its own slot only; where the same parameter is also
+    registered on a descendant, that descendant's slot enters detached (its own rule handles it).
     """
     params = params or {}
+    own: dict[tuple[int, str], torch.Tensor] = {}  # (id of the owning module, local name) -> replacement
+    for name, tensor in params.items():
+        path, _, leaf = name.rpartition(".")
+        own[(id(module.get_submodule(path)), leaf)] = tensor
     swapped: dict[str, torch.Tensor] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        swapped[f"target.{name}"] = params[name] if name in params else p.detach()
-    for name, b in module.named_buffers(remove_duplicate=False):
-        swapped[f"target.{name}"] = b.clone()
+    for prefix, owner in module.named_modules(remove_duplicate=True):  # each module object once
+        dotted = f"target.{prefix}." if prefix else "target."
+        for leaf, p in owner._parameters.items():
+            if p is not None:
+                swapped[dotted + leaf] = own.get((id(owner), leaf), p.detach())
+        for leaf, b in owner._buffers.items():
+            if b is not None:
+                swapped[dotted + leaf] = b.clone()
     with replaying():
         return torch.func.functional_call(_Bypass(module), swapped, (args, kwargs), tie_weights=False)
 

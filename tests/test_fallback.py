@@ -19,6 +19,7 @@ from torch import nn
 
 import dptrain
 from dptrain.layers import FallbackRule, fallback_modules, resolve_rule
+from dptrain.layers.fallback import SampleMixingError
 from dptrain.layers.norms import RecognisedRMSNormRule
 from dptrain.testing import trainable_named_parameters
 from helpers import (
@@ -183,6 +184,69 @@ def norm_case(kind: str) -> Case:
     return Case(NormNet(norm), classify_tokens, (x, torch.randint(0, 3, (B, 3), generator=g)))
 
 
+class AliasBlock(nn.Module):
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        return torch.tanh(self.layer(x))
+
+
+class AliasedNet(nn.Module):
+    """CoaT's shape: a parameter of the root's own (its cls token), so the root goes through the fallback,
+    and one layer registered under two names, at the root and inside a block, called through both."""
+
+    def __init__(self, kind, d=3, C=3):
+        super().__init__()
+        layer = nn.Conv2d(d, d, 3, padding=1) if kind == "conv" else nn.Linear(d, d)
+        self.kind = kind
+        self.shared = layer
+        self.block = AliasBlock(layer)
+        self.token = nn.Parameter(torch.randn(d))
+        self.head = nn.Linear(d, C)
+
+    def forward(self, x):
+        token = self.token[:, None, None] if self.kind == "conv" else self.token
+        h = self.block(self.shared(x) * (1 + token) + token)
+        return self.head(h.mean((2, 3)) if self.kind == "conv" else h)
+
+
+def aliased_case(kind: str, seed: int = 5, n: int = B) -> Case:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    model = AliasedNet(kind)
+    shape = (n, 3, 5, 4) if kind == "conv" else (n, 3)
+    return Case(model, classify, (torch.randn(*shape, generator=g) * 2, torch.randint(0, 3, (n,), generator=g)))
+
+
+class AffineScalars(nn.Module):
+    """timm's LearnableAffineBlock: scale * x + bias with scalar parameters."""
+
+    def __init__(self, scale=1.3, bias=0.2):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor([scale]))
+        self.bias = nn.Parameter(torch.tensor([bias]))
+
+    def forward(self, x):
+        return self.scale * x + self.bias
+
+
+def affine_before_norm(C=4):
+    """The affine block before a GroupNorm with one channel per group, which removes each channel's mean and
+    scale: the true gradients of `bias` (and, but for the norm's eps, of `scale`) are 0, their per-sample values
+    rounding noise."""
+    return nn.Sequential(nn.Conv2d(3, C, 3), AffineScalars(), nn.GroupNorm(C, C), nn.Tanh(),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(C, 3))
+
+
+def affine_norm_case(seed: int = 7) -> Case:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    return Case(affine_before_norm(), classify,
+                (torch.randn(B, 3, 6, 5, generator=g) * 2, torch.randint(0, 3, (B,), generator=g)))
+
+
 CASES = {
     "fallback-modules": fallback_case,
     "fallback-modules-seed-1": lambda: fallback_case(1),
@@ -191,6 +255,9 @@ CASES = {
     "rms-norm-one-plus": lambda: norm_case("one-plus"),
     "rms-norm-check-fails": lambda: norm_case("mean-abs"),  # shaped like one, handed to the fallback
     "fallback-around-child": block_case,  # the child's hooks stay silent while its parent is replayed
+    "fallback-root-aliased-conv": lambda: aliased_case("conv"),  # a layer registered under two names
+    "fallback-root-aliased-linear": lambda: aliased_case("linear"),
+    "fallback-zero-gradient-before-norm": affine_norm_case,  # accepted: its gradient sums are rounding noise
 }
 
 @functools.cache
@@ -591,3 +658,107 @@ def test_sequence_first_calls_are_replayed_in_their_own_layout():
         torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
     with pytest.raises(RuntimeError, match="TimeMix.*could not replay this call"):  # the call taken as batch first
         resolve_rule(module).capture_call(module, (x.transpose(0, 1), lengths), {}, out.transpose(0, 1))
+
+
+# --------------------------------------------------------------------------- aliased submodules
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["conv", "linear"])
+def test_aliased_layer_under_a_fallback_root_keeps_its_parameters_and_bounds_one_sample(kind, mode):
+    """The fallback replays a root whose subtree holds one layer under two names: after each step every
+    parameter is still the nn.Parameter the optimizer holds (no plain tensor left in the model), the
+    shared layer is updated, and one sample moves the model by at most max_grad_norm (noise 0, SGD lr 1)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        case = aliased_case(kind, seed=6, n=1)
+    finally:
+        torch.set_default_dtype(previous)
+    model, R = case.model, 0.05  # far below the gradient norm: every step is clipped
+    objects = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    assert objects["shared.weight"] is objects["block.layer.weight"]
+    engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, noise_multiplier=0.0, clipping_mode=mode,
+                                   max_grad_norm=R)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(optimizer)
+    try:
+        for _ in range(3):
+            before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                engine.backward(case.losses(model))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            after = dict(model.named_parameters(remove_duplicate=False))
+            assert after.keys() == objects.keys()
+            assert all(after[n] is p and type(p) is nn.Parameter for n, p in objects.items())
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            assert {id(p) for p in model.parameters()} == held
+            update = torch.cat([(p.detach() - before[n]).flatten() for n, p in model.named_parameters()])
+            assert update.norm() <= R * (1 + 1e-9), f"{mode}: one sample moved the model by {update.norm():.4g} > {R}"
+            assert update.norm() >= R * (1 - 1e-9)  # clipped to R, not dropped
+            assert not torch.equal(model.shared.weight.detach(), before["shared.weight"])
+    finally:
+        engine.detach()
+
+
+def test_replay_swaps_each_aliased_slot_once_and_restores_the_parameters():
+    from dptrain.layers.fallback import replay
+
+    model = AliasedNet("linear").double()
+    x = torch.randn(2, 3, dtype=torch.float64)
+    objects = list(model.named_parameters(remove_duplicate=False))
+    token = model.token.detach().clone().requires_grad_(True)
+    out = replay(model, (x,), {}, {"token": token})
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    (token_grad,) = torch.autograd.grad(out.sum(), token)
+    assert token_grad.abs().sum() > 0
+    assert [(n, p) for n, p in model.named_parameters(remove_duplicate=False)] == objects
+    assert all(type(p) is nn.Parameter for _, p in objects)
+
+
+# --------------------------------------------------------------------------- the gradient-sum check's scale
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_parameters_with_zero_true_gradient_are_not_taken_for_mixing(dtype):
+    """Per-sample gradients of rounding noise sum to a batch gradient of rounding noise: compared with the
+    size of the terms that cancelled, not with themselves, they are accepted (float32 as in training)."""
+    torch.manual_seed(0)
+    model = affine_before_norm(8).to(dtype)
+    g = torch.Generator().manual_seed(8)
+    x, y = torch.randn(6, 3, 7, 7, generator=g).to(dtype), torch.randint(0, 3, (6,), generator=g)
+    engine = dptrain.PrivacyEngine(model, batch_size=6, sample_size=100, noise_multiplier=0.0, max_grad_norm=1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.attach(optimizer)
+    try:
+        for _ in range(2):
+            engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+            optimizer.step()
+            assert all(p.grad is not None and p.grad.isfinite().all() for p in model.parameters())
+            optimizer.zero_grad(set_to_none=True)
+    finally:
+        engine.detach()
+
+
+def test_refusals_name_the_module_path():
+    """A rule built with the module's path names it in every refusal (the class alone where none was given)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Tanh(), BatchCentred(4)), nn.Linear(4, 3))
+    module = model[1][1]
+    x = torch.randn(4, 4)
+    with pytest.raises(SampleMixingError, match=r"^1\.1 \(BatchCentred\) mixes the samples"):
+        resolve_rule(module, name="1.1").capture_call(module, (x,), {}, module(x))
+    with pytest.raises(SampleMixingError, match=r"^BatchCentred mixes the samples"):
+        resolve_rule(module).capture_call(module, (x,), {}, module(x))
+    root = MixedBackward(4)
+    rule = resolve_rule(root, name="")
+    out = root(x)
+    ops = rule.operands(root, rule.capture_call(root, (x,), {}, out), torch.randn_like(out))
+    with pytest.raises(SampleMixingError, match=r"^<root> \(MixedBackward\) mixes.*do not sum"):
+        rule.per_sample_grads(root, ops, {"weight"})
+    noisy = Noisy(4)
+    with pytest.raises(SampleMixingError, match=r"^head\.drop \(Noisy\): replaying this call does not reproduce"):
+        resolve_rule(noisy, name="head.drop").capture_call(noisy, (x,), {}, noisy(x))
+    time_mix = TimeMix(3)
+    x, lengths = torch.randn(5, 4, 3), torch.rand(4)  # [T, B, d] taken as batch first
+    with pytest.raises(RuntimeError, match=r"^t \(TimeMix\): the per-sample fallback could not replay"):
+        resolve_rule(time_mix, name="t").capture_call(time_mix, (x.transpose(0, 1), lengths), {},
+                                                       time_mix(x, lengths).transpose(0, 1))

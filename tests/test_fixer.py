@@ -1,6 +1,7 @@
 """dptrain.fixer.fix: swaps that make models private-trainable; validate finds nothing afterwards."""
 from __future__ import annotations
 
+import math
 import os
 from importlib.util import find_spec
 
@@ -248,3 +249,127 @@ def test_full_size_torchvision_models_train_exactly_after_fix(name):
     assert find_problems(fixed) == []
     assert_rule_exact(fixed, _images(32), losses_fn=classification_losses, modes=["bk-mixopt", "ghost"],
                       plain_backward=False)
+
+
+# ---------------------------------------------------------------------------- what a BatchNorm did besides batch statistics
+needs_timm = pytest.mark.skipif(find_spec("timm") is None, reason="timm is not installed")
+
+
+def _leaf_types(model):
+    """Counts of the leaf modules' classes (activations, pools, convs ...), nn.Identity aside."""
+    from collections import Counter
+
+    return Counter(type(m).__name__ for m in model.modules()
+                   if next(m.children(), None) is None and not isinstance(m, nn.Identity))
+
+
+@needs_timm
+def test_a_fused_activation_stays():
+    """timm's BatchNormAct2d (norm, then its act) becomes GroupNorm then the same act: the output is timm's
+    GroupNormAct with the same weights, and a whole timm model keeps every activation."""
+    import timm
+    from timm.layers import BatchNormAct2d, GroupNormAct
+
+    torch.manual_seed(40)
+    bn = BatchNormAct2d(16, act_layer=nn.SiLU, eps=1e-3).double()
+    with torch.no_grad():
+        bn.weight.uniform_(0.5, 1.5)
+        bn.bias.uniform_(-1, 1)
+    model = nn.Sequential(nn.Conv2d(3, 16, 3), bn, nn.Conv2d(16, 4, 1)).double()
+    plans = planned_fixes(model)
+    assert len(plans) == 1 and plans[0].startswith("1: BatchNormAct2d(16) -> Sequential(GroupNorm(16, 16), act=SiLU(inplace=True))")
+    assert "keeps its act" in plans[0]
+    fixed = fix(model)
+    assert isinstance(fixed[1], nn.Sequential) and list(fixed[1]._modules) == ["norm", "act"]
+    assert type(fixed[1].norm) is nn.GroupNorm and type(fixed[1].act) is nn.SiLU
+    expected = GroupNormAct(16, num_groups=16, eps=1e-3, act_layer=nn.SiLU).double()
+    expected.load_state_dict(fixed[1].norm.state_dict())
+    x = torch.randn(2, 3, 6, 6, dtype=F64)
+    torch.testing.assert_close(fixed(x), fixed[2](expected(fixed[0](x))), rtol=0, atol=1e-12)
+    assert find_problems(fixed) == []
+    assert_rule_exact(fixed, (x, torch.tensor([1, 3])),
+                      losses_fn=lambda m, x, y: F.cross_entropy(m(x).mean((2, 3)), y, reduction="none"),
+                      plain_backward=False)
+
+    zoo = timm.create_model("mobilenetv3_small_050", pretrained=False, num_classes=10)
+    before, after = _leaf_types(zoo), _leaf_types(fix(zoo))
+    norms = sum(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in zoo.modules())
+    assert norms and after.pop("GroupNorm") == norms
+    assert after == {k: v for k, v in before.items() if k not in ("BatchNormAct2d", "BatchNorm2d")}
+
+
+def test_a_batchnorm_subclass_with_its_own_forward_is_left_for_validate_to_report():
+    class ScaledBatchNorm(nn.BatchNorm1d):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = nn.Sequential(nn.Linear(3, 4), ScaledBatchNorm(4))
+    assert planned_fixes(model) == []
+    fixed = fix(model)
+    assert type(fixed[1]) is ScaledBatchNorm
+    assert any("ScaledBatchNorm" in p and "dptrain.fix leaves it" in p for p in find_problems(fixed))
+
+
+# ---------------------------------------------------------------------------- never one value per group
+class SqueezeExcite(nn.Module):
+    """A BatchNorm2d after global pooling ([N, C, 1, 1]) and a BatchNorm1d on [N, C] features."""
+
+    def __init__(self, C=8, hidden=16):
+        super().__init__()
+        self.conv = nn.Conv2d(3, C, 3)
+        self.reduce = nn.Conv2d(C, hidden, 1)
+        self.bn_pooled = nn.BatchNorm2d(hidden)
+        self.expand = nn.Conv2d(hidden, C, 1)
+        self.bn_features = nn.BatchNorm1d(C)
+        self.head = nn.Linear(C, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.conv(x))
+        s = torch.relu(self.bn_pooled(self.reduce(h.mean((2, 3), keepdim=True))))
+        h = h * torch.sigmoid(self.expand(s))
+        return self.head(torch.tanh(self.bn_features(h.mean((2, 3)))))
+
+
+def _values_per_group(norm, x):
+    return norm.num_channels // norm.num_groups * math.prod(x.shape[2:])
+
+
+def test_no_groupnorm_holds_one_value_per_group():
+    torch.manual_seed(41)
+    model = SqueezeExcite().double()
+    plans = dict(p.split(": ", 1) for p in planned_fixes(model))
+    assert plans["bn_pooled"].startswith("BatchNorm2d(16) -> GroupNorm(16, 16) (GroupNorm(1, 16), a norm over all "
+                                         "channels, if its first input has one value per channel")
+    assert plans["bn_features"].startswith("BatchNorm1d(8) -> GroupNorm(8, 8) (GroupNorm(1, 8)")
+    fixed = fix(model)
+    seen = {}
+    for name in ("bn_pooled", "bn_features"):
+        getattr(fixed, name).register_forward_hook(lambda m, i, o, name=name: seen.setdefault(name, (m, i[0])) and None)
+    x = torch.randn(3, 3, 6, 6, dtype=F64)
+    fixed(x)
+    assert seen["bn_pooled"][1].shape[2:] == (1, 1) and seen["bn_features"][1].dim() == 2
+    for norm, inp in seen.values():
+        assert norm.num_groups == 1 and _values_per_group(norm, inp) > 1
+    # a batch of one works, and the norms' outputs depend on their inputs (not the bias alone)
+    one = fixed(x[:1])
+    assert torch.isfinite(one).all()
+    out = fixed.bn_features(torch.randn(1, 8, dtype=F64))
+    assert not torch.allclose(out, fixed.bn_features.bias.expand_as(out))
+    assert find_problems(fixed) == []
+    assert_rule_exact(fixed, (x, torch.tensor([0, 2, 1])), losses_fn=classification_losses, plain_backward=False)
+
+
+def test_the_group_count_decided_at_the_first_call_holds_and_refuses_one_value_per_group():
+    fixed = fix(nn.BatchNorm2d(8))
+    assert (fixed.num_groups, fixed.num_channels) == (8, 8)
+    fixed(torch.randn(2, 8, 3, 3))  # spatial input: one channel per group, 9 values each
+    assert fixed.num_groups == 8
+    with pytest.raises(ValueError, match=r"GroupNorm\(8, 8\).*shape \(2, 8, 1, 1\).*one value"):
+        fixed(torch.randn(2, 8, 1, 1))
+    pooled = fix(nn.BatchNorm2d(8))
+    pooled(torch.randn(2, 8, 1, 1))
+    assert pooled.num_groups == 1
+    pooled(torch.randn(2, 8, 3, 3))  # one group holds more than one value at any size
+    odd = fix(nn.BatchNorm2d(5))  # one group from the start: more than one value at any size
+    odd(torch.randn(2, 5, 1, 1))
+    assert odd.num_groups == 1

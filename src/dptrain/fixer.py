@@ -6,6 +6,17 @@
   and per-sample gradients stop being per-sample. GroupNorm normalises each sample on its
   own: it is a *different function*, so a network pretrained with BatchNorm needs
   fine-tuning after the swap (the running statistics are dropped).
+  A GroupNorm never gets one value per group (its output would be its bias, whatever the
+  input): where its first input has one value per channel (``[N, C]``, or ``[N, C, 1, 1]``
+  after global pooling, as in squeeze-excite blocks and heads) it takes one group,
+  ``GroupNorm(1, C)``, a norm over all channels. The spatial size is only known at the call,
+  so a forward pre-hook of the new GroupNorm decides at its first call (and refuses a later
+  call that would leave one value per group).
+  A BatchNorm with a fused activation (timm's ``BatchNormAct2d`` / ``SyncBatchNormAct``:
+  norm, then its ``drop`` and ``act`` submodules) becomes ``nn.Sequential(norm=GroupNorm,
+  drop=..., act=...)``: the activation (and a drop layer) stays, the same module objects. A
+  BatchNorm subclass that overrides ``forward`` in any other way is left as it is, since a swap
+  could drop what it adds (``validate`` still reports it).
 - ``nn.RNN``, ``nn.LSTM``, ``nn.GRU`` and ``nn.MultiheadAttention`` become
   ``dptrain.nn.DPRNN``/``DPLSTM``/``DPGRU``/``DPMultiheadAttention`` with the same options
   and weights: the same function, built from ``nn.Linear`` layers the engine clips exactly.
@@ -25,6 +36,7 @@ from __future__ import annotations
 
 import copy
 import math
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -65,11 +77,22 @@ def planned_fixes(model: nn.Module, *, num_groups: int = DEFAULT_NUM_GROUPS) -> 
     plans = []
     for name, module in model.named_modules():
         label = name or "<root>"
-        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and swappable_batch_norm(module):
             C = module.num_features
+            groups = math.gcd(num_groups, C)
+            norm = f"GroupNorm({groups}, {C})"
+            kept = _kept_children(module)
+            if kept:
+                target = "Sequential(" + ", ".join([norm] + [f"{k}={_describe(m)}" for k, m in kept.items()]) + ")"
+                keeps = f"; keeps its {' and '.join(kept)}"
+            else:
+                target, keeps = norm, ""
+            lazy = (f" (GroupNorm(1, {C}), a norm over all channels, if its first input has one value per channel, "
+                    "as [N, C] or [N, C, 1, 1] after global pooling: decided at the first forward, so that no group "
+                    "holds a single value)") if _needs_lazy_groups(C, groups) else ""
             plans.append(
-                f"{label}: {type(module).__name__}({C}) -> GroupNorm({math.gcd(num_groups, C)}, {C}); a different "
-                "normalisation (per sample instead of per batch): fine-tune after the swap"
+                f"{label}: {type(module).__name__}({C}) -> {target}{lazy}{keeps}; a different normalisation "
+                "(per sample instead of per batch): fine-tune after the swap"
             )
         elif type(module) in _DP_VERSIONS:
             plans.append(
@@ -97,7 +120,13 @@ def _swap_children(module: nn.Module, num_groups: int, replaced: dict[int, nn.Mo
 
 def _replacement(module: nn.Module, num_groups: int) -> nn.Module | None:
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        return _group_norm_for(module, num_groups)
+        if not swappable_batch_norm(module):
+            return None
+        norm = _group_norm_for(module, num_groups)
+        kept = _kept_children(module)
+        if not kept:
+            return norm
+        return nn.Sequential(OrderedDict([("norm", norm), *kept.items()])).train(module.training)
     dp_class = _DP_VERSIONS.get(type(module))
     if dp_class is None:
         return None
@@ -109,15 +138,83 @@ def _replacement(module: nn.Module, num_groups: int) -> nn.Module | None:
     return new.train(module.training)
 
 
+# BatchNorm forwards that normalise and nothing else (subclasses that keep them are swapped as they are)
+_PLAIN_BATCH_NORM_FORWARDS = {nn.modules.batchnorm._BatchNorm.forward, nn.SyncBatchNorm.forward}
+# forwards that normalise, then apply the module's ``drop`` and ``act`` submodules in this order (timm's norm_act)
+_NORM_THEN_CHILDREN_FORWARDS = {("timm.layers.norm_act", "BatchNormAct2d.forward"),
+                                ("timm.layers.norm_act", "SyncBatchNormAct.forward")}
+
+
+def _norm_then_children(module: nn.Module) -> bool:
+    forward = type(module).forward
+    return (getattr(forward, "__module__", None), getattr(forward, "__qualname__", None)) in _NORM_THEN_CHILDREN_FORWARDS
+
+
+def swappable_batch_norm(module: nn.Module) -> bool:
+    """A BatchNorm whose forward is known: a plain one, or timm's norm + drop + act."""
+    return type(module).forward in _PLAIN_BATCH_NORM_FORWARDS or _norm_then_children(module)
+
+
+def _kept_children(module: nn.Module) -> dict[str, nn.Module]:
+    """What a BatchNorm applies after normalising, kept by the swap: timm's ``drop`` and ``act``
+    (an ``nn.Identity`` does nothing, so none is kept)."""
+    if not _norm_then_children(module):
+        return {}
+    return {name: child for name in ("drop", "act")
+            if (child := getattr(module, name, None)) is not None and not isinstance(child, nn.Identity)}
+
+
+def _describe(module: nn.Module) -> str:
+    text = repr(module)
+    return text if "\n" not in text and len(text) <= 60 else type(module).__name__
+
+
+def _needs_lazy_groups(C: int, groups: int) -> bool:
+    """Whether the group count must wait for the input: more than one group (one group over C >= 2
+    channels always holds more than one value), or a single channel."""
+    return groups > 1 or C == 1
+
+
+class _GroupsAtFirstCall:
+    """Forward pre-hook of a GroupNorm made by ``fix``: at its first call, one group if the input has
+    one value per channel (``[N, C]``, ``[N, C, 1, 1]``), else the group count it was built with.
+    The decision stays (the GroupNorm's rule reads ``num_groups`` in the backward); a later call whose
+    groups would hold one value each, whose output would be the bias whatever the input, is refused."""
+
+    def __init__(self, groups: int):
+        self.groups = groups
+        self.decided = False
+
+    def __call__(self, module: nn.GroupNorm, inputs):
+        x = inputs[0] if inputs else None
+        if not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return None  # GroupNorm's own forward says what is wrong
+        per_channel = math.prod(x.shape[2:])
+        if not self.decided:
+            module.num_groups = 1 if per_channel == 1 else self.groups
+            self.decided = True
+        if module.num_channels // module.num_groups * per_channel < 2:
+            raise ValueError(
+                f"this GroupNorm({module.num_groups}, {module.num_channels}), which dptrain.fix made from a "
+                f"BatchNorm, got an input of shape {tuple(x.shape)}: each group would hold one value, so its output "
+                "would be its bias whatever the input. A single value has no per-sample normalisation: remove this "
+                "norm, or replace the BatchNorm by hand with a per-sample norm that suits its input"
+            )
+        return None
+
+
 def _group_norm_for(bn: nn.modules.batchnorm._BatchNorm, num_groups: int) -> nn.GroupNorm:
     C = bn.num_features
-    gn = nn.GroupNorm(math.gcd(num_groups, C), C, eps=bn.eps, affine=bn.affine, **_factory_args(bn))
+    groups = math.gcd(num_groups, C)
+    gn = nn.GroupNorm(groups, C, eps=bn.eps, affine=bn.affine, **_factory_args(bn))
     if bn.affine:
         with torch.no_grad():
             gn.weight.copy_(bn.weight)
             gn.bias.copy_(bn.bias)
         gn.weight.requires_grad_(bn.weight.requires_grad)
         gn.bias.requires_grad_(bn.bias.requires_grad)
+    if _needs_lazy_groups(C, groups):
+        gn.register_forward_pre_hook(_GroupsAtFirstCall(groups))
     return gn.train(bn.training)
 
 

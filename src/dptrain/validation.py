@@ -26,10 +26,15 @@ def find_problems(model: nn.Module, allow_fallback: bool = True) -> list[str]:
             continue
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and params:
             where = f"the submodule {name!r}" if name else "the model itself"  # its path, as named_modules() gives it
+            from .fixer import swappable_batch_norm  # fixer imports this package's neighbours
+
+            fixes = ("replace it with nn.GroupNorm, or train dptrain.fix(model), a copy in which every BatchNorm is "
+                     "a GroupNorm" if swappable_batch_norm(module) else
+                     f"replace it with a per-sample norm (nn.GroupNorm); dptrain.fix leaves it, as "
+                     f"{type(module).__name__} overrides forward and a swap could drop what it adds")
             problems.append(
                 f"{where} ({type(module).__name__}) normalises with statistics of the whole batch, which mixes "
-                "samples and breaks per-sample clipping: replace it with nn.GroupNorm, or train "
-                "dptrain.fix(model), a copy in which every BatchNorm is a GroupNorm"
+                f"samples and breaks per-sample clipping: {fixes}"
             )
             continue
         if not params:

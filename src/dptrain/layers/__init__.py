@@ -19,7 +19,8 @@ __all__ = [
 ]
 
 
-def resolve_rule(module: nn.Module, allow_fallback: bool = True, batch_first: bool = True) -> LayerRule | None:
+def resolve_rule(module: nn.Module, allow_fallback: bool = True, batch_first: bool = True,
+                 name: str | None = None) -> LayerRule | None:
     """The rule the engine uses for ``module``: its registered rule; else, for a module shaped like an
     RMS norm, the norm rule (checked numerically on its first call, which hands a module that fails
     to the fallback if allowed, else refuses it); else, if allowed and the module has trainable
@@ -27,13 +28,15 @@ def resolve_rule(module: nn.Module, allow_fallback: bool = True, batch_first: bo
     ``None`` when nothing covers it. Recognised norms and fallbacks are built per module.
 
     ``batch_first``: the engine's option of that name; with ``False`` the engine hands rules the
-    tensors of a call with dims 0 and 1 swapped, and the fallback swaps them back to replay it."""
+    tensors of a call with dims 0 and 1 swapped, and the fallback swaps them back to replay it.
+    ``name``: the module's path in the model (``""`` for the root), which a fallback's refusals name;
+    without it they name the module's class."""
     rule = find_rule(module)
     if rule is not None:
         return rule
     fallback = None
     trainable = trainable_params(module) or any(module.get_parameter(n).requires_grad for n in container_params(module))
     if allow_fallback and trainable and fallback_refusal(module) is None:
-        fallback = FallbackRule(module, batch_first=batch_first)
+        fallback = FallbackRule(module, name=name, batch_first=batch_first)
     norm = recognise_rms_norm(module, fallback)  # a module that fails its check goes to the fallback
     return norm if norm is not None else fallback

@@ -70,13 +70,29 @@ def replay(module: nn.Module, args: tuple, kwargs: dict, params: dict[str, torch
     Every other parameter of the subtree enters detached (the replay differentiates only
     ``params``); buffers enter as copies, so a forward that updates them in place (running
     statistics) leaves the module as it was.
+
+    Each tensor *slot* (a module object and the attribute name it keeps the tensor under) is
+    swapped once, whatever the number of names it answers to: a submodule registered under two
+    names (timm's CoaT keeps one conv at the root and inside a block) has one slot per tensor, and
+    swapping it under both names would restore it wrong (the second swap saves the first one's
+    stand-in as the "original", which then stays in the module in place of the user's parameter).
+    A parameter of ``params`` is substituted in its own slot only; where the same parameter is also
+    registered on a descendant, that descendant's slot enters detached (its own rule handles it).
     """
     params = params or {}
+    own: dict[tuple[int, str], torch.Tensor] = {}  # (id of the owning module, local name) -> replacement
+    for name, tensor in params.items():
+        path, _, leaf = name.rpartition(".")
+        own[(id(module.get_submodule(path)), leaf)] = tensor
     swapped: dict[str, torch.Tensor] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        swapped[f"target.{name}"] = params[name] if name in params else p.detach()
-    for name, b in module.named_buffers(remove_duplicate=False):
-        swapped[f"target.{name}"] = b.clone()
+    for prefix, owner in module.named_modules(remove_duplicate=True):  # each module object once
+        dotted = f"target.{prefix}." if prefix else "target."
+        for leaf, p in owner._parameters.items():
+            if p is not None:
+                swapped[dotted + leaf] = own.get((id(owner), leaf), p.detach())
+        for leaf, b in owner._buffers.items():
+            if b is not None:
+                swapped[dotted + leaf] = b.clone()
     with replaying():
         return torch.func.functional_call(_Bypass(module), swapped, (args, kwargs), tie_weights=False)
 
@@ -159,7 +175,8 @@ class FallbackRule(LayerRule):
     def __init__(self, module: nn.Module, name: str | None = None, batch_first: bool = True):
         # its own parameters, and those it reads from its parameter containers (by dotted name)
         self.param_names = tuple(n for n, _ in module.named_parameters(recurse=False)) + container_params(module)
-        self.label = name or type(module).__name__
+        # its path in the model ("" is the root), which every refusal names; its class where no path was given
+        self.label = (name or "<root>") if name is not None else type(module).__name__
         # batch_first=False: the engine hands rules every tensor of 2 or more dims with dims 0 and 1
         # swapped (the batch first), the output and its gradient too; a replay swaps them back
         self.swapped = not batch_first
@@ -345,10 +362,23 @@ class FallbackRule(LayerRule):
             if out.shape[0] != g.shape[0]:  # an output broadcast over the batch: its gradient sums over it
                 g = g.sum(0, keepdim=True)
             whole = pullback(g.to(out.dtype))[0]
+            # the same sums with a random sign on each term: their size is that of the terms each gradient entry
+            # adds up (an RMS estimate), the scale its rounding errors are relative to when the terms cancel
+            gen = torch.Generator(device=g.device).manual_seed(12345)  # never the user's random stream
+            signs = torch.randint(0, 2, g.shape, generator=gen, device=g.device).to(g.dtype) * 2 - 1
+            terms = pullback((g * signs).to(out.dtype))[0]
         computed_in = min_dtype(g.dtype, *(t.dtype for t in whole.values()), *([dtype] if enabled else []))
+        # One scale for the whole module, absolute rather than relative to each entry: the largest of its
+        # per-sample gradient magnitudes and of the terms its gradients sum. A parameter whose true gradient is 0
+        # (`scale * x + bias` before a norm that removes each channel's mean and scale) has per-sample gradients
+        # of rounding noise, which no tolerance relative to themselves can tell from mixing; relative to the
+        # terms that cancelled they are a few roundings, as any error left in the per-sample norms. Mixing
+        # samples moves the sums by as much as the terms themselves.
+        sizes = [t.detach().abs().sum(0).max() for t in per_sample.values() if t.numel()]
+        sizes += [t.detach().abs().max() for t in terms.values() if t.numel()]
+        scale = max((float(s) for s in sizes), default=0.0)
         for name, batch_grad in whole.items():
             summed = per_sample[name].sum(0)
-            scale = per_sample[name].abs().sum(0).max() if per_sample[name].numel() else 0.0
             if not _close(summed, batch_grad, scale, _tolerance(computed_in)):
                 raise SampleMixingError(
                     f"{self._name(module)} mixes the samples of a batch: its per-sample gradients of {name!r} do not "

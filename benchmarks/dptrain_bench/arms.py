@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dptrain import checks
 from dptrain.algorithms import CLIPPING_MODES
 
 from .options import ALL_ARMS, NON_PRIVATE, OPACUS_ARMS
@@ -63,7 +64,7 @@ def make_arm(name: str, model: nn.Module, task: Task, batch_size: int) -> Arm:
         return Arm(name, step, engine.detach)
     if name in OPACUS_ARMS:
         return _opacus_arm(name, model, task, batch_size, optimizer)
-    raise ValueError(f"unknown arm {name!r}; valid: {', '.join(ALL_ARMS)}")
+    raise checks.unknown("arm", name, ALL_ARMS)
 
 
 def _opacus_arm(name, model, task, batch_size, optimizer) -> Arm:

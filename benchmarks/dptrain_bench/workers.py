@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from dptrain import checks
+
 from . import zoo
 from .arms import Arm, make_arm
 from .memory import LIVE_BYTES_MALLOC, PeakMemory, start_memory_watchdog, search_largest_batch
@@ -47,8 +49,7 @@ def describe_error(exc: BaseException) -> str:
 
 
 def first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return (text[0] if text else "")[:400]
+    return checks.first_line(exc)[:400]
 
 
 def _setup_worker(task: dict) -> torch.device:

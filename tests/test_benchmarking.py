@@ -93,6 +93,7 @@ def test_largest_batch_doubles_then_bisects():
     assert memory.largest_batch(lambda b: False, 8, 100) == 0
 
 
+@pytest.mark.slow
 def test_memory_worker_in_a_fresh_process():
     task = {"kind": "memory", "scale": "cpu", "config": "smoke-cnn", "arm": "bk", "device": "cpu", "threads": 1,
             "mem_limit_bytes": 2**30, "omp_wait_policy": "PASSIVE"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import socket
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,13 @@ class Case:
     @property
     def batch_size(self) -> int:
         return self.batch[0].shape[0]
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for a process group's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def per_sample(losses: torch.Tensor) -> torch.Tensor:

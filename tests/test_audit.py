@@ -13,7 +13,6 @@ import torch
 import dptrain
 from dptrain.audit import (
     CANARY_NORM_OVER_R,
-    _clipping_switched_off,
     CanaryModel,
     canary_losses,
     epsilon_lower_bound,
@@ -204,9 +203,10 @@ def test_small_audit_catches_a_run_with_a_tenth_of_its_noise():
 
 def test_small_audit_catches_a_run_whose_clipping_is_switched_off():
     # Every clipping factor 1: each sampled canary adds 64 R to its coordinate where the
-    # promise allows R.
-    with _clipping_switched_off():
-        result = run_audit(canaries=1000, steps=4, seed=0)
+    # promise allows R (the noise and the epsilon claimed stay those of clipping at R).
+    result = run_audit(canaries=1000, steps=4, seed=0, clipping_off=True)
+    honest = run_audit(canaries=1000, steps=4, seed=0)
+    assert (result.epsilon, result.noise_multiplier) == (honest.epsilon, honest.noise_multiplier)
     assert result.epsilon_lower_bound > result.epsilon
 
 

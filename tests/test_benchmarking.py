@@ -18,7 +18,7 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the harness lives in the checkout's benchmarks/, not in the package
 
-from dptrain_bench import harness as bm  # noqa: E402
+from dptrain_bench import cli, harness, memory, options, presets, reports, workers, zoo  # noqa: E402
 
 ARMS = ["non-private", "bk"]
 
@@ -35,8 +35,8 @@ def one_thread():
 @pytest.fixture(scope="module")
 def results(one_thread):
     # In-process (isolate=False) to stay fast; the subprocess path is covered below.
-    return bm.run_benchmark([bm.smoke_config(batch_size=4, steps=2)], ARMS, scale="cpu", device=torch.device("cpu"),
-                            threads=1, isolate=False, log=lambda *_: None)
+    return harness.run_benchmark([zoo.smoke_config(batch_size=4, steps=2)], ARMS, scale="cpu",
+                                 device=torch.device("cpu"), threads=1, isolate=False, log=lambda *_: None)
 
 
 def test_one_row_per_arm_with_positive_times_and_memory(results):
@@ -55,9 +55,9 @@ def test_one_row_per_arm_with_positive_times_and_memory(results):
 
 
 def test_failed_arm_is_recorded_and_the_others_still_run():
-    results = bm.run_benchmark([bm.smoke_config(batch_size=2, steps=1)], ["non-private", "no-such-mode"],
-                               scale="cpu", device=torch.device("cpu"), threads=1,
-                               isolate=False, log=lambda *_: None)
+    results = harness.run_benchmark([zoo.smoke_config(batch_size=2, steps=1)], ["non-private", "no-such-mode"],
+                                    scale="cpu", device=torch.device("cpu"), threads=1,
+                                    isolate=False, log=lambda *_: None)
     arms = results["configs"]["smoke-cnn"]["arms"]
     assert arms["no-such-mode"]["status"] == "failed"
     assert "unknown arm" in arms["no-such-mode"]["error"]
@@ -65,7 +65,7 @@ def test_failed_arm_is_recorded_and_the_others_still_run():
 
 
 def test_reports_carry_every_figure(results, tmp_path):
-    paths = bm.write_reports(results, tmp_path, "smoke")
+    paths = reports.write_reports(results, tmp_path, "smoke")
     assert json.loads(paths[0].read_text()) == json.loads(json.dumps(results))
     with open(paths[1]) as f:
         rows = list(csv.DictReader(f))
@@ -85,18 +85,19 @@ def test_largest_batch_doubles_then_bisects():
         tried.append(b)
         return b <= 37
 
-    assert bm.largest_batch(fits, 8, 4096) == 37
+    assert memory.largest_batch(fits, 8, 4096) == 37
     assert tried[:4] == [8, 16, 32, 64]
     assert len(tried) <= 4 + 5  # doubling, then log2(64 - 32) bisection steps
-    assert bm.largest_batch(lambda b: True, 8, 100) == 100
-    assert bm.largest_batch(lambda b: b <= 3, 8, 100) == 3
-    assert bm.largest_batch(lambda b: False, 8, 100) == 0
+    assert memory.largest_batch(lambda b: True, 8, 100) == 100
+    assert memory.largest_batch(lambda b: b <= 3, 8, 100) == 3
+    assert memory.largest_batch(lambda b: False, 8, 100) == 0
 
 
+@pytest.mark.slow
 def test_memory_worker_in_a_fresh_process():
     task = {"kind": "memory", "scale": "cpu", "config": "smoke-cnn", "arm": "bk", "device": "cpu", "threads": 1,
             "mem_limit_bytes": 2**30, "omp_wait_policy": "PASSIVE"}
-    res = bm.run_worker(task, timeout=600)
+    res = workers.run_worker(task, timeout=600)
     assert res["ok"], res.get("error")
     assert res["result"]["peak_above_baseline_bytes"] > 0
     assert "malloc returns freed blocks" in res["result"]["memory_method"]  # the peak follows live bytes
@@ -104,10 +105,10 @@ def test_memory_worker_in_a_fresh_process():
 
 
 def test_cli_lists_configurations_and_rejects_unknown_ones(capsys):
-    assert bm.main(["--list", "--scale", "cpu"]) == 0
+    assert cli.main(["--list", "--scale", "cpu"]) == 0
     listed = capsys.readouterr().out
     assert "gpt2-t64" in listed and "vgg11-gn-32" in listed
-    assert bm.main(["--configs", "no-such-model", "--scale", "cpu"]) == 2
+    assert cli.main(["--configs", "no-such-model", "--scale", "cpu"]) == 2
     assert "unknown configuration" in capsys.readouterr().err
 
 
@@ -117,7 +118,8 @@ def test_cli_lists_configurations_and_rejects_unknown_ones(capsys):
 @pytest.fixture
 def in_process_workers(monkeypatch):
     """Workers run in this process: the command's own logic is under test, not the subprocesses."""
-    monkeypatch.setattr(bm, "run_worker", lambda task, timeout, isolate=True: bm._run_task({**task, "isolated": False}))
+    monkeypatch.setattr(workers, "run_worker",
+                        lambda task, timeout, isolate=True: workers.run_task({**task, "isolated": False}))
 
 
 SMOKE_RUN = ["--scale", "cpu", "--configs", "smoke-cnn", "--arms", "non-private", "--no-opacus", "--warmup", "0",
@@ -132,11 +134,11 @@ def test_default_output_is_a_fresh_folder_and_every_path_is_printed(tmp_path, mo
     published = tmp_path / "checkout" / "benchmarks" / "results"
     published.mkdir(parents=True)
     (published / "cpu.json").write_text("{\"committed\": true}\n")
-    monkeypatch.setattr(bm, "published_results_dir", lambda: published)
+    monkeypatch.setattr(cli, "published_results_dir", lambda: published)
     monkeypatch.chdir(tmp_path)
     before = _snapshot(published)
-    assert bm.main(SMOKE_RUN) == 0
-    assert bm.main(SMOKE_RUN) == 0  # a second run gets its own folder too
+    assert cli.main(SMOKE_RUN) == 0
+    assert cli.main(SMOKE_RUN) == 0  # a second run gets its own folder too
     assert _snapshot(published) == before
     out = capsys.readouterr().out
     written = [line.removeprefix("wrote ") for line in out.splitlines() if line.startswith("wrote ")]
@@ -151,25 +153,25 @@ def test_default_output_is_a_fresh_folder_and_every_path_is_printed(tmp_path, mo
 def test_publish_is_the_one_way_into_the_committed_results(tmp_path, monkeypatch, capsys, in_process_workers):
     published = tmp_path / "benchmarks" / "results"
     published.mkdir(parents=True)
-    monkeypatch.setattr(bm, "published_results_dir", lambda: published)
+    monkeypatch.setattr(cli, "published_results_dir", lambda: published)
     monkeypatch.chdir(tmp_path)
-    assert bm.main([*SMOKE_RUN, "--out", str(published)]) == 2
+    assert cli.main([*SMOKE_RUN, "--out", str(published)]) == 2
     assert "--publish" in capsys.readouterr().err and not any(published.iterdir())
-    assert bm.main([*SMOKE_RUN, "--publish", "--out", str(tmp_path / "x")]) == 2
+    assert cli.main([*SMOKE_RUN, "--publish", "--out", str(tmp_path / "x")]) == 2
     assert "not both" in capsys.readouterr().err
     for option in ("--resume", "--report-only"):
-        assert bm.main([*SMOKE_RUN, option]) == 2
+        assert cli.main([*SMOKE_RUN, option]) == 2
         assert "--out DIR" in capsys.readouterr().err
-    assert bm.main([*SMOKE_RUN, "--publish"]) == 0
+    assert cli.main([*SMOKE_RUN, "--publish"]) == 0
     assert f"wrote {published / 'cpu.json'}" in capsys.readouterr().out
     assert "smoke-cnn" in json.loads((published / "cpu.json").read_text())["configs"]
-    assert bm.main(["--report-only", "--publish", "--tag", "cpu"]) == 0
+    assert cli.main(["--report-only", "--publish", "--tag", "cpu"]) == 0
     assert f"wrote {published / 'cpu.md'}" in capsys.readouterr().out
 
 
 def test_publish_outside_a_checkout_is_refused(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(bm, "published_results_dir", lambda: tmp_path / "no-such" / "results")
-    assert bm.main([*SMOKE_RUN, "--publish"]) == 2
+    monkeypatch.setattr(cli, "published_results_dir", lambda: tmp_path / "no-such" / "results")
+    assert cli.main([*SMOKE_RUN, "--publish"]) == 2
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -177,10 +179,10 @@ def test_publish_outside_a_checkout_is_refused(tmp_path, monkeypatch, capsys):
 
 
 def test_gpu_quick_plan_names_the_gpu_table_rows_and_its_budget(capsys):
-    assert bm.main(["--preset", "gpu-quick", "--dry-run"]) == 0
+    assert cli.main(["--preset", "gpu-quick", "--dry-run"]) == 0
     plan = capsys.readouterr().out
-    preset = bm.PRESETS["gpu-quick"]
-    configs = bm.configs_for(preset.scale)
+    preset = presets.PRESETS["gpu-quick"]
+    configs = zoo.configs_for(preset.scale)
     batches = {row: configs[row].batch_size for row in preset.rows}
     assert batches == {"gpt2-t100": 32, "resnet18-gn-224-b128": 128, "vgg11-gn-224": 32, "vit-224": 32,
                        "resnet18-gn-224": 32}
@@ -188,14 +190,14 @@ def test_gpu_quick_plan_names_the_gpu_table_rows_and_its_budget(capsys):
     for row in preset.rows:
         assert row in plan
     assert f"{preset.budget_s:.0f} s in all" in plan and preset.budget_s < 6 * 60
-    assert bm.main(["--preset", "gpu-quick", "--arms", "bk", "--dry-run"]) == 2
+    assert cli.main(["--preset", "gpu-quick", "--arms", "bk", "--dry-run"]) == 2
     assert "leave out --arms" in capsys.readouterr().err
-    assert bm.main(["--preset", "gpu-quick", "--configs", "gpt2-t64", "--dry-run"]) == 2
+    assert cli.main(["--preset", "gpu-quick", "--configs", "gpt2-t64", "--dry-run"]) == 2
     assert "not rows of --preset gpu-quick" in capsys.readouterr().err
-    assert bm.main(["--preset", "gpu-quick", "--configs", "vgg11-gn-224", "vit-224", "--dry-run"]) == 0
+    assert cli.main(["--preset", "gpu-quick", "--configs", "vgg11-gn-224", "vit-224", "--dry-run"]) == 0
     subset = capsys.readouterr().out
     assert "vit-224" in subset and "gpt2-t100" not in subset and "resnet18-gn-224-b128" not in subset
-    assert bm.main(["--dry-run"]) == 2
+    assert cli.main(["--dry-run"]) == 2
 
 
 def _fake_runner(clock, spend):
@@ -217,12 +219,12 @@ def _fake_runner(clock, spend):
 @pytest.mark.parametrize("worst_case", [False, True])
 def test_gpu_quick_never_outlasts_its_budget(worst_case):
     """Every worker taking its whole timeout still ends within the budget; what did not fit is marked skipped."""
-    preset = bm.PRESETS["gpu-quick"]
+    preset = presets.PRESETS["gpu-quick"]
     clock = [0.0]
     spend = (lambda task, timeout: timeout) if worst_case else (lambda task, timeout: 1.0)
     runner, tasks = _fake_runner(clock, spend)
-    results = bm.run_preset(preset, list(preset.arms), device=torch.device("cpu"), threads=1, runner=runner,
-                            clock=lambda: clock[0], log=lambda *_: None)
+    results = presets.run_preset(preset, list(preset.arms), device=torch.device("cpu"), threads=1, runner=runner,
+                                 clock=lambda: clock[0], log=lambda *_: None)
     assert clock[0] <= preset.budget_s
     assert list(results["configs"]) == list(preset.rows)
     recs = [rec for entry in results["configs"].values() for rec in entry["arms"].values()]
@@ -240,14 +242,14 @@ def test_gpu_quick_never_outlasts_its_budget(worst_case):
 
 def test_gpu_quick_plan_runs_end_to_end_on_tiny_stand_ins(monkeypatch):
     """The preset's own workers (one process kind per arm, then the largest-batch search) on the CPU."""
-    preset = dataclasses.replace(bm.PRESETS["gpu-quick"], rows=("gpt2-t100", "vgg11-gn-224"),
+    preset = dataclasses.replace(presets.PRESETS["gpu-quick"], rows=("gpt2-t100", "vgg11-gn-224"),
                                  max_batch_rows=("vgg11-gn-224",), max_batch_cap=4, warmup=1, steps=2)
-    stand_ins = {row: dataclasses.replace(bm.smoke_config(batch_size=2, steps=2), name=row) for row in preset.rows}
-    monkeypatch.setattr(bm, "configs_for", lambda scale: stand_ins)
-    arms = [bm.NON_PRIVATE, "bk-mixopt"]
-    results = bm.run_preset(preset, arms, device=torch.device("cpu"), threads=1,
-                            runner=lambda task, timeout: bm.run_worker(task, timeout, isolate=False),
-                            log=lambda *_: None)
+    stand_ins = {row: dataclasses.replace(zoo.smoke_config(batch_size=2, steps=2), name=row) for row in preset.rows}
+    monkeypatch.setattr(zoo, "configs_for", lambda scale: stand_ins)
+    arms = [options.NON_PRIVATE, "bk-mixopt"]
+    results = presets.run_preset(preset, arms, device=torch.device("cpu"), threads=1,
+                                 runner=lambda task, timeout: workers.run_worker(task, timeout, isolate=False),
+                                 log=lambda *_: None)
     for row in preset.rows:
         for arm in arms:
             rec = results["configs"][row]["arms"][arm]
@@ -266,14 +268,14 @@ def test_largest_batch_search_stops_at_its_deadline():
         now[0] += 10.0  # each trial takes 10 s
         return b <= 300
 
-    search = bm.search_largest_batch(fits, 32, 4096, deadline=35.0, clock=lambda: now[0])
+    search = memory.search_largest_batch(fits, 32, 4096, deadline=35.0, clock=lambda: now[0])
     # four trials start before the deadline of 35 s: 32, 64, 128 and 256
     assert (search.found, search.too_large, search.stopped) == (256, None, "time budget")
     assert "256 fits" in search.describe() and "time budget" in search.describe()
     now[0] = 0.0
-    search = bm.search_largest_batch(fits, 32, 4096, deadline=1000.0, clock=lambda: now[0], rel_tolerance=1 / 16)
+    search = memory.search_largest_batch(fits, 32, 4096, deadline=1000.0, clock=lambda: now[0], rel_tolerance=1 / 16)
     assert search.found <= 300 < search.too_large and search.too_large - search.found <= 300 / 16
-    assert bm.search_largest_batch(lambda b: b <= 37, 8, 4096) == bm.BatchSearch(37, 38)
+    assert memory.search_largest_batch(lambda b: b <= 37, 8, 4096) == memory.BatchSearch(37, 38)
 
 
 def test_a_configuration_merged_from_another_run_names_its_commit_and_method(results):
@@ -284,12 +286,12 @@ def test_a_configuration_merged_from_another_run_names_its_commit_and_method(res
     for rec in entry["arms"].values():
         rec["memory_method"] = "another method"
     merged["configs"]["smoke-cnn-later"] = entry
-    text = bm.markdown(merged)
+    text = reports.markdown(merged)
     later = text[text.index("## smoke-cnn-later"):]
     assert "Measured in a separate run on 2031-01-02 at commit abc1234; memory: another method" in later
     assert "separate run" not in text[:text.index("## smoke-cnn-later")]
 
 
 def test_the_committed_results_are_the_checkouts_benchmarks_results():
-    assert bm.published_results_dir() == BENCHMARKS / "results"
-    assert bm.published_results_dir().is_dir()
+    assert cli.published_results_dir() == BENCHMARKS / "results"
+    assert cli.published_results_dir().is_dir()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import socket
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from torch import nn
 
 import dptrain
 from dptrain.testing import reference_clipped_gradient
-from helpers import MODES, get_case, max_relative_error, split_max_grad_norm
+from helpers import MODES, free_port, get_case, max_relative_error, split_max_grad_norm
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -142,19 +141,13 @@ def test_recovery_from_a_real_out_of_memory_error(mode, path):
     assert rel <= 1e-4, f"after an OOM: relative error {rel:.3g} (worst {worst})"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
 def test_ddp_over_nccl_equals_one_process(tmp_path, mode):
     import distributed_workers as W
 
     out = tmp_path / "run"
-    mp.start_processes(W.run_training_cuda, args=(2, _free_port(), mode, str(out)), nprocs=2, start_method="spawn")
+    mp.start_processes(W.run_training_cuda, args=(2, free_port(), mode, str(out)), nprocs=2, start_method="spawn")
     ranks = [torch.load(f"{out}.rank{r}", weights_only=False) for r in range(2)]
     model = W.build_model()
     W.train(model, model, mode, "all-layer", 3, 2, 0.0, rank=0, world=1)

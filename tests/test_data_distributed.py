@@ -6,7 +6,6 @@ runs a real two-process gloo group.
 
 import io
 import math
-import socket
 import sys
 from datetime import timedelta
 
@@ -22,6 +21,7 @@ from dptrain.data import (
     is_poisson_loader,
     poisson_loader,
 )
+from helpers import free_port
 
 
 def seeded(seed=0):
@@ -323,12 +323,6 @@ def _worker(rank, world_size, port, out_dir):
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
 def test_two_process_gloo_group_defaults_and_disjoint_union(tmp_path):
     world_size = 2
@@ -336,7 +330,7 @@ def test_two_process_gloo_group_defaults_and_disjoint_union(tmp_path):
     # (Linux), so the children inherit the imported modules instead of re-importing
     # torch and dptrain (seconds each), which keeps this test at a few seconds.
     start_method = "fork" if sys.platform.startswith("linux") else "spawn"
-    mp.start_processes(_worker, args=(world_size, _free_port(), str(tmp_path)), nprocs=world_size,
+    mp.start_processes(_worker, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size,
                        join=True, start_method=start_method)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
     assert [(r["num_replicas"], r["rank"]) for r in results] == [(2, 0), (2, 1)]

@@ -6,7 +6,6 @@ The process bodies are in tests/distributed_workers.py. Processes are forked on 
 from __future__ import annotations
 
 import math
-import socket
 import sys
 
 import pytest
@@ -18,6 +17,7 @@ import torch.nn.functional as F
 import distributed_workers as W
 import dptrain
 import dptrain.testing
+from helpers import free_port
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 WORLD = 2
@@ -28,15 +28,9 @@ except ImportError:
     ENGINES = ["ddp", pytest.param("fsdp2", marks=pytest.mark.skip(reason="FSDP2 needs torch >= 2.6"))]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(fn, *args) -> None:
     method = "fork" if sys.platform.startswith("linux") else "spawn"
-    mp.start_processes(fn, args=(WORLD, _free_port(), *args), nprocs=WORLD, start_method=method)
+    mp.start_processes(fn, args=(WORLD, free_port(), *args), nprocs=WORLD, start_method=method)
 
 
 def _results(out) -> list[dict]:

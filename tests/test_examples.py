@@ -30,6 +30,7 @@ def _run(name: str, argv: list[str]) -> dict:
         return _load(name).main(argv)
 
 
+@pytest.mark.slow
 def test_gpt2_trainer_example_learns_privately():
     pytest.importorskip("transformers")
     out = _run("gpt2_trainer", ["--tiny", "--max-steps", "60", "--sentences", "2000", "--batch-size", "64",
@@ -48,6 +49,7 @@ def test_timm_classification_example_learns_privately():
     assert out["accuracy"] > 0.9  # four classes: chance is 0.25
 
 
+@pytest.mark.slow
 def test_timm_classification_example_vit_learns_privately():
     """A ViT needs more steps than a convolutional network before it starts to learn: 160 here
     (0.70; the default run, twice the data and batch, reaches 0.99)."""
@@ -77,6 +79,7 @@ def test_lora_example_trains_only_the_adapters_and_learns():
     assert out["accuracy"] > out["majority"] + 0.1  # clearly better than always answering the commoner class
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 def test_ddp_example_learns_under_torchrun(engine):
     """`torchrun --nproc_per_node=2 examples/ddp_train.py` (gloo on CPU), as the README shows it."""

@@ -77,14 +77,6 @@ def test_register_layer_refuses_what_is_not_a_rule():
         dptrain.register_layer(nn.Linear)
 
 
-def test_the_old_base_module_still_exports_everything():
-    from dptrain.layers import base, numerics, protocol
-
-    assert base.LayerRule is protocol.LayerRule and base.layer_params is registry.layer_params
-    assert base.weighted_sum is numerics.weighted_sum and base.OneHot is numerics.OneHot
-    assert all(hasattr(base, name) for name in base.__all__)
-
-
 def test_the_norm_base_is_public():
     assert issubclass(type(dptrain.find_rule(nn.LayerNorm(3))), dptrain.AffineNormRule)
     assert issubclass(type(dptrain.find_rule(nn.GroupNorm(1, 3))), dptrain.layers.AffineNormRule)

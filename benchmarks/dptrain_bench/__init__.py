@@ -1,7 +1,14 @@
 """dptrain's benchmark harness (``dptrain bench``, ``python benchmarks/run.py``, ``python -m dptrain_bench``).
 
-It lives in a checkout's ``benchmarks/``, not in the installed package: ``harness`` measures, ``options`` holds the
-command's options (torch-free, so ``--help`` answers at once). See benchmarks/README.md.
+It lives in a checkout's ``benchmarks/``, not in the installed package. Its modules:
+
+- ``options``: the command's options (torch-free, so ``--help`` answers at once); ``cli``: the command itself;
+- ``zoo``: the models and their batches; ``arms``: the ways of training them that are compared;
+- ``memory``: peak-memory probes and the largest-batch search; ``workers``: the measurements, each in a fresh process;
+- ``harness``: a run over configurations and arms; ``presets``: fixed plans within a time budget;
+- ``environment``: hardware, versions and commit; ``reports``: ratios, targets, JSON, CSV, Markdown and PNG.
+
+See benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -16,6 +23,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .options import parser
 
         parser().parse_args(argv)  # prints the help and exits, without importing torch
-    from .harness import main as run
+    from .cli import main as run
 
     return run(argv)

@@ -10,7 +10,7 @@ NON_PRIVATE = "non-private"
 OPACUS_ARMS = ("opacus-hooks", "opacus-ghost")
 ALL_ARMS = (NON_PRIVATE, *CLIPPING_MODES, *OPACUS_ARMS)
 SCALES = ("cpu", "full")
-PRESET_NAMES = ("gpu-quick",)  # harness.PRESETS holds them
+PRESET_NAMES = ("gpu-quick",)  # presets.PRESETS holds them
 
 
 def parser() -> argparse.ArgumentParser:

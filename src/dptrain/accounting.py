@@ -109,10 +109,6 @@ def _check_noise_multiplier(noise_multiplier: Any) -> float:
     return checks.non_negative("noise_multiplier", noise_multiplier, "0 means no noise, i.e. infinite epsilon")
 
 
-def _check_sample_rate(sample_rate: Any) -> float:
-    return checks.rate("sample_rate", sample_rate, "expected batch size / dataset size")
-
-
 def _check_count(value: Any, what: str, minimum: int) -> int:
     # 10.0 is taken (from epochs * steps_per_epoch arithmetic), 10.5 is not
     return checks.integer(what, value, minimum, integral_floats=True)
@@ -300,7 +296,7 @@ class Accountant:
     def step(self, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
         """Record ``num_steps`` steps with noise multiplier sigma and sample rate q."""
         sigma = _check_noise_multiplier(noise_multiplier)
-        q = _check_sample_rate(sample_rate)
+        q = checks.sample_rate(sample_rate)
         count = _check_count(num_steps, "num_steps", 1)
         if self._history and self._history[-1][0] == sigma and self._history[-1][1] == q:
             self._history[-1][2] += count
@@ -377,7 +373,7 @@ def compute_epsilon(
     """Epsilon of ``steps`` DP-SGD steps with Poisson sample rate ``sample_rate``."""
     name = _check_accountant_name(accountant)
     sigma = _check_noise_multiplier(noise_multiplier)
-    q = _check_sample_rate(sample_rate)
+    q = checks.sample_rate(sample_rate)
     steps = _check_count(steps, "steps", 0)
     delta = _check_delta(delta)
     if name == "gdp":
@@ -402,7 +398,7 @@ def calibrate_noise_multiplier(
     name = _check_accountant_name(accountant)
     target = checks.positive("target_epsilon", target_epsilon)
     delta = _check_delta(target_delta)
-    q = _check_sample_rate(sample_rate)
+    q = checks.sample_rate(sample_rate)
     steps = _check_count(steps, "steps", 1)
     if name == "gdp":
         warnings.warn(_GDP_WARNING, GDPApproximationWarning, stacklevel=2)

@@ -31,7 +31,6 @@ a canary: the accountant's epsilon includes the amplification by subsampling.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
 import math
@@ -87,6 +86,9 @@ AUDIT_DEFAULTS: dict[str, Any] = {
 # clipping would stand out 64-fold, and a power of two, so that the clipping factor 1/64
 # and the clipped contribution R are exact in float32.
 CANARY_NORM_OVER_R = 64.0
+# A clipping threshold, in units of R, that no gradient of an audit reaches (run_audit's clipping_off);
+# a power of two, so that the noise multiplier of that run times the threshold is exactly sigma R.
+_UNCLIPPED_NORM_OVER_R = 2.0**20
 # Numbers of guesses the bound tries (then split between "in" and "out" guesses).
 _GUESS_COUNTS = 8
 _SMALLEST_GUESS_COUNT = 10
@@ -347,6 +349,7 @@ def run_audit(
     clipping_mode: str = AUDIT_DEFAULTS["clipping_mode"],
     confidence: float = AUDIT_DEFAULTS["confidence"],
     noise_scale: float = AUDIT_DEFAULTS["noise_scale"],
+    clipping_off: bool = False,
     max_grad_norm: float = AUDIT_DEFAULTS["max_grad_norm"],
     lr: float = AUDIT_DEFAULTS["lr"],
     accountant: str = AUDIT_DEFAULTS["accountant"],
@@ -357,11 +360,15 @@ def run_audit(
 ) -> AuditResult:
     """Train ``model`` with ``canaries`` gradient canaries, privately, and audit the run.
 
-    The engine is calibrated for ``epsilon`` at ``delta`` over ``steps`` Poisson steps of
-    rate ``sample_rate`` (over real samples plus all potential canaries) and trains with
-    DP-Adam in ``clipping_mode``. ``noise_scale`` != 1 makes the engine draw that multiple
-    of the noise it accounts for: a deliberately broken run, to show that the audit catches
-    it. ``seed`` fixes the coins, batches, noise and initialisation (default: fresh OS
+    The promise: clipping at ``max_grad_norm`` R and noise of sigma R per coordinate, with sigma
+    calibrated (as the engine calibrates ``target_epsilon``) for ``epsilon`` at ``delta`` over
+    ``steps`` Poisson steps of rate ``sample_rate`` (over real samples plus all potential
+    canaries). The engine runs that mechanism and trains with DP-Adam in ``clipping_mode``.
+
+    Two deliberately broken runs, to show that the audit catches a broken promise (the promise,
+    and so the epsilon reported, stay those above): ``noise_scale`` != 1 makes the engine draw
+    that multiple of the noise, and ``clipping_off`` makes it clip at a threshold that no
+    gradient of the run reaches (``2**20`` R), with the noise still sigma R. ``seed`` fixes the coins, batches, noise and initialisation (default: fresh OS
     entropy, reported in the result). ``progress(step, steps)`` is called after each step.
 
     ``model`` is a built-in spec (``"cnn"``, ``"mlp"``: built with random weights for the
@@ -379,6 +386,7 @@ def run_audit(
     noise_scale = checks.non_negative("noise_scale", noise_scale)
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
+    from . import accounting
     from .data import poisson_loader
     from .engine import PrivacyEngine
     from .models import build_image_model
@@ -419,12 +427,15 @@ def run_audit(
 
     audited = CanaryModel(base, canaries).to(device)
     optimizer = torch.optim.Adam(audited.parameters(), lr=lr)
+    sigma = accounting.calibrate_noise_multiplier(epsilon, delta, batch_size / pool, steps, accountant=accountant)
+    # The mechanism the engine runs: the promise, unless deliberately broken. Its own accountant then
+    # charges for what it draws; the epsilon reported is the promise's.
+    threshold = max_grad_norm * (_UNCLIPPED_NORM_OVER_R if clipping_off else 1.0)
     engine = PrivacyEngine(
-        audited, batch_size=batch_size, sample_size=pool, max_grad_norm=max_grad_norm,
-        target_epsilon=epsilon, target_delta=delta, steps=steps, clipping_mode=clipping_mode,
-        accountant=accountant, seed=seed + 1,
+        audited, batch_size=batch_size, sample_size=pool, max_grad_norm=threshold,
+        noise_multiplier=sigma * noise_scale * (max_grad_norm / threshold),  # the noise drawn: sigma R noise_scale
+        clipping_mode=clipping_mode, accountant=accountant, seed=seed + 1,
     )
-    engine._audit_noise_scale = float(noise_scale)  # the engine's private hook; accounting is unchanged
     loader = poisson_loader(dataset, sample_rate=engine.sample_rate, steps=steps,
                             generator=torch.Generator().manual_seed(seed + 2))
     engine.attach(optimizer, data_loader=loader)
@@ -460,40 +471,18 @@ def run_audit(
     contribution = canary_norm * min(1.0, max_grad_norm / canary_norm)
     scores = subsampled_gaussian_scores(
         np.stack(observations), contribution=contribution,
-        noise_std=engine.noise_multiplier * max_grad_norm, sample_rate=engine.sample_rate,
+        noise_std=sigma * max_grad_norm, sample_rate=engine.sample_rate,
     )
     bound = epsilon_lower_bound(scores, included, delta=delta, confidence=confidence)
     return AuditResult(
-        epsilon=engine.get_epsilon(delta), delta=delta, epsilon_lower_bound=bound.epsilon,
+        epsilon=accounting.compute_epsilon(sigma, engine.sample_rate, engine.steps_taken, delta, accountant),
+        delta=delta, epsilon_lower_bound=bound.epsilon,
         confidence=confidence, canaries=canaries, steps=steps, clipping_mode=clipping_mode,
         noise_scale=float(noise_scale), included_canaries=int(included.sum()), guesses_in=bound.guesses_in,
-        guesses_out=bound.guesses_out, correct_guesses=bound.correct, noise_multiplier=engine.noise_multiplier,
+        guesses_out=bound.guesses_out, correct_guesses=bound.correct, noise_multiplier=sigma,
         sample_rate=engine.sample_rate, max_grad_norm=max_grad_norm, accountant=accountant, model=model_name,
         data=data_name, train_size=n, seed=seed, wall_time_s=round(time.perf_counter() - started, 3),
     )
-
-
-@contextlib.contextmanager
-def _clipping_switched_off():
-    """A deliberately broken engine: every clipping factor 1, wherever the engine's modules bind
-    the clipping function. Only for the tests and benchmarks/audit_sweep.py, to show that the
-    audit catches a run whose clipping is off."""
-    from . import clipping, engine  # noqa: F401 (imports the modules that bind the function)
-
-    original = clipping.clipping_factors
-
-    def unclipped(norms, *args, **kwargs):
-        return torch.ones_like(norms)
-
-    modules = [m for name, m in list(sys.modules.items())
-               if name.startswith("dptrain") and getattr(m, "clipping_factors", None) is original]
-    for module in modules:
-        module.clipping_factors = unclipped
-    try:
-        yield
-    finally:
-        for module in modules:
-            module.clipping_factors = original
 
 
 def format_report(result: AuditResult) -> str:

@@ -24,9 +24,14 @@ def _fail(name: str, requirement: str, value: Any, meaning: str = "") -> CheckEr
     return CheckError(name, f"{requirement}{f' ({meaning})' if meaning else ''}", value)
 
 
+def unknown(name: str, value: Any, valid: Sequence[str]) -> ValueError:
+    """The error for a value that is none of the valid ones: ``unknown <name> <value>; valid: <valid, ...>``."""
+    return ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+
+
 def choice(name: str, value: Any, valid: Sequence[str]) -> str:
     if not isinstance(value, str) or value not in valid:
-        raise ValueError(f"unknown {name} {value!r}; valid: {', '.join(valid)}")
+        raise unknown(name, value, valid)
     return value
 
 
@@ -86,6 +91,17 @@ def rate(name: str, value: Any, meaning: str = "") -> float:
     if not 0.0 < number <= 1.0:
         raise _fail(name, "in (0, 1]", value, meaning)
     return number
+
+
+def sample_rate(value: Any) -> float:
+    """The Poisson sample rate q of DP-SGD, in (0, 1]."""
+    return rate("sample_rate", value,
+                "the probability that each example is in a batch, i.e. expected batch size / dataset size")
+
+
+def first_line(err: BaseException) -> str:
+    """The first non-blank line of an error's message (its type's name if the message is blank)."""
+    return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
 
 
 def open_unit(name: str, value: Any, meaning: str = "") -> float:

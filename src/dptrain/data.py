@@ -37,11 +37,6 @@ __all__ = [
 ]
 
 
-def _check_sample_rate(sample_rate: Any) -> float:
-    return checks.rate("sample_rate", sample_rate,
-                       "the probability that each example is in a batch, i.e. expected batch size / dataset size")
-
-
 def _secure_generator() -> torch.Generator:
     # A seed from the OS entropy pool, so the batches cannot be predicted from a seed
     # that leaked into logs or configs (63 bits: manual_seed's safe range; note that
@@ -73,7 +68,7 @@ class PoissonSampler(Sampler[list[int]]):
         generator: torch.Generator | None = None,
     ):
         self.num_samples = checks.positive_int("num_samples", num_samples)
-        self.sample_rate = _check_sample_rate(sample_rate)
+        self.sample_rate = checks.sample_rate(sample_rate)
         self.steps = (
             max(1, round(1.0 / self.sample_rate))
             if steps is None
@@ -310,6 +305,15 @@ class DistributedPoissonSampler(PoissonSampler):
 # list of plain values (what default_collate makes of strings).
 
 _PLAIN_VALUES = (str, bytes, numbers.Number, type(None))
+
+
+def batch_len(batch: Any) -> int | None:
+    """The number of samples in a batch, read leniently: the length along dim 0 of its first tensor that has a
+    dim 0 (in dicts, tuples and lists, depth first); None if it holds none. ``_batch_size`` is the strict reading."""
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() > 0 else None
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (tuple, list)) else ()
+    return next((n for n in map(batch_len, values) if n is not None), None)
 
 
 def _is_per_sample_list(batch: Any) -> bool:

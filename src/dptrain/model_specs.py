@@ -5,6 +5,8 @@ The CLI checks a spec here before it loads torch, so a misspelt model answers at
 """
 from __future__ import annotations
 
+from . import checks
+
 BUILTIN_MODELS = ("cnn", "mlp")
 MODEL_SOURCES = ("torchvision", "timm", "hf")
 MODEL_SPEC_HELP = "cnn, mlp, torchvision:NAME, timm:NAME or hf:NAME"
@@ -24,7 +26,7 @@ def parse_spec(spec: str, valid: str = MODEL_SPEC_HELP) -> tuple[str, str]:
         return "builtin", spec
     source, sep, name = spec.partition(":")
     if not sep or source not in MODEL_SOURCES or not name:
-        raise ModelSpecError(f"unknown model {spec!r}; valid: {valid}")
+        raise ModelSpecError(str(checks.unknown("model", spec, (valid,))))
     return source, name
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .checks import first_line
 from .model_specs import (  # noqa: F401  (the spec names, read here as before)
     BUILTIN_MODELS,
     IMAGE_MODEL_HELP,
@@ -162,9 +163,9 @@ def _build_for_size(spec: str, image_size: int, build):
     try:
         return build()
     except (AssertionError, ValueError, RuntimeError, TypeError) as err:  # the libraries' own checks
-        reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise ModelSpecError(
-            f"{spec} takes images of one fixed size and cannot be built for {image_size}x{image_size} ({reason}); "
+            f"{spec} takes images of one fixed size and cannot be built for {image_size}x{image_size} "
+            f"({first_line(err)}); "
             "use a model without a fixed input size (cnn, torchvision:resnet18, timm:resnet18, ...) or images of a "
             "size it takes"
         ) from None
@@ -199,9 +200,8 @@ def build_text_model(spec: str, *, for_training: bool = False) -> BuiltModel:
         try:
             config = transformers.AutoConfig.from_pretrained(name)
         except (OSError, ValueError) as err:
-            first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ModelSpecError(
-                f"cannot load the Hugging Face config {name!r} ({first_line}); give a model type such as "
+                f"cannot load the Hugging Face config {name!r} ({first_line(err)}); give a model type such as "
                 "bert or gpt2, a cached hub id or a local directory"
             ) from None
     model = transformers.AutoModel.from_config(config)

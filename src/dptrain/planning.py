@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from . import checks
 from .algorithms import DEFAULT_CLIPPING_MODE, RECIPES, Grad, GradVia, Norm, NormVia, Recipe
 from .layers import resolve_rule
 from .layers.protocol import LayerDims
@@ -53,7 +54,7 @@ def prefers_ghost(dims: LayerDims, rule: str = "space", keeps_operands: bool = F
         return dims.ghost_cost < dims.instantiate_cost
     if rule == "time":
         return ghost_time(dims) < instantiate_time(dims)
-    raise ValueError(f"unknown decision rule {rule!r}; valid: {', '.join(DECISION_RULES)}")
+    raise checks.unknown("decision_rule", rule, DECISION_RULES)
 
 
 @dataclass(frozen=True)
@@ -128,10 +129,8 @@ def plan(model: nn.Module, *example_args, clipping_mode: str = DEFAULT_CLIPPING_
     (``decide_parameter``): a module called several times is one layer, its calls' tokens
     together. Nothing on the model is changed.
     """
-    if clipping_mode not in RECIPES:
-        raise ValueError(f"unknown clipping_mode {clipping_mode!r}; valid: {', '.join(RECIPES)}")
-    if decision_rule not in DECISION_RULES:
-        raise ValueError(f"unknown decision rule {decision_rule!r}; valid: {', '.join(DECISION_RULES)}")
+    checks.choice("clipping_mode", clipping_mode, tuple(RECIPES))
+    checks.choice("decision_rule", decision_rule, DECISION_RULES)
     recipe = RECIPES[clipping_mode]
     from .capture import Capture, LayerState  # the engine's own capture (it imports this module's neighbours)
 

@@ -23,6 +23,9 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from . import checks
+from .data import batch_len
+
 
 def _slice_batch(batch, i: int):
     if isinstance(batch, torch.Tensor):
@@ -32,13 +35,6 @@ def _slice_batch(batch, i: int):
     if isinstance(batch, (tuple, list)):
         return type(batch)(_slice_batch(v, i) for v in batch)
     return batch
-
-
-def _batch_len(batch) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    values = batch.values() if isinstance(batch, dict) else batch
-    return next(_batch_len(v) for v in values if isinstance(v, (torch.Tensor, dict, tuple, list)))
 
 
 def trainable_named_parameters(model: nn.Module) -> dict[str, tuple[str, nn.Parameter]]:
@@ -60,7 +56,7 @@ def per_sample_gradients(model: nn.Module, losses_fn: Callable, batch) -> dict[s
     named = trainable_named_parameters(model)
     params = [p for _, p in named.values()]
     rows: list[list[torch.Tensor]] = []
-    for i in range(_batch_len(batch)):
+    for i in range(batch_len(batch)):
         sample = _slice_batch(batch, i)
         loss = losses_fn(model, *sample) if isinstance(sample, (tuple, list)) else losses_fn(model, sample)
         grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
@@ -179,9 +175,8 @@ def assert_rule_exact(
         raise TypeError(f"assert_rule_exact checks a module (the layer the rule is for, or a model), got "
                         f"{type(module).__name__}; give the rule as rule=")
     modes = tuple(CLIPPING_MODES if modes is None else modes)
-    unknown = [m for m in modes if m not in RECIPES]
-    if unknown:
-        raise ValueError(f"unknown clipping modes {unknown}; valid: {', '.join(CLIPPING_MODES)}")
+    for mode in modes:
+        checks.choice("clipping_mode", mode, CLIPPING_MODES)
     model = copy.deepcopy(module)
     for p in model.parameters():
         p.grad = None
@@ -193,9 +188,9 @@ def assert_rule_exact(
         inputs = batch if isinstance(batch, tuple) else (batch,)
         with torch.no_grad():
             out = _output_tensor(model(*inputs), model)
-        if out.dim() == 0 or out.shape[0] != _batch_len(inputs):
+        if out.dim() == 0 or out.shape[0] != batch_len(inputs):
             raise ValueError(f"the output of {type(module).__name__} has shape {tuple(out.shape)}, not the batch "
-                             f"({_batch_len(inputs)}) first: give losses_fn")
+                             f"({batch_len(inputs)}) first: give losses_fn")
         target = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(0)).to(out.device)
         batch, losses_fn = (*inputs, target), _squared_error
     call = (lambda: losses_fn(model, *batch)) if isinstance(batch, (tuple, list)) else (lambda: losses_fn(model, batch))

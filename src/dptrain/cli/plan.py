@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
     source, _ = parse_spec(args.model)  # before torch: a misspelt model answers at once
     import torch
 
-    from ..layers.base import layer_params
+    from ..layers.registry import layer_params
     from ..models import build_image_model, build_text_model
     from ..validation import find_problems
 

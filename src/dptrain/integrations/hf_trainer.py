@@ -58,14 +58,14 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "dptrain.integrations.hf_trainer needs Hugging Face transformers: pip install 'dptrain[transformers]'"
     ) from err
 
+from .. import checks
 from ..algorithms import DEFAULT_CLIPPING_MODE
-from ..data import poisson_loader
+from ..data import batch_len, poisson_loader
 from ..engine import PrivacyEngine
-from ..losses import sequence_losses
+from ..losses import LOSS_REDUCTIONS, sequence_losses
 
 __all__ = ["DPTrainer", "per_sample_losses"]
 
-TOKEN_LOSS_REDUCTIONS = ("mean", "sum")
 
 
 def _names(mapping: Mapping) -> set[str]:
@@ -187,10 +187,7 @@ class DPTrainer(Trainer):
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
-        if token_loss_reduction not in TOKEN_LOSS_REDUCTIONS:
-            raise ValueError(
-                f"unknown token_loss_reduction {token_loss_reduction!r}; valid: {', '.join(TOKEN_LOSS_REDUCTIONS)}"
-            )
+        checks.choice("token_loss_reduction", token_loss_reduction, LOSS_REDUCTIONS)
         self._check_arguments(poisson_sampling)
         self.per_sample_loss = per_sample_loss
         self.token_loss_reduction = token_loss_reduction
@@ -288,7 +285,7 @@ class DPTrainer(Trainer):
         model.train()
         inputs = self._prepare_inputs(inputs)
         accumulation = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
-        if _batch_len(inputs) == 0:  # an empty Poisson batch: nothing to back-propagate, the step adds noise
+        if batch_len(inputs) == 0:  # an empty Poisson batch: nothing to back-propagate, the step adds noise
             return torch.zeros((), device=self.args.device)
         with self.compute_loss_context_manager():
             losses = self.compute_per_sample_losses(model, inputs)
@@ -302,10 +299,3 @@ class DPTrainer(Trainer):
             logs.pop("grad_norm", None)  # the norm of p.grad before the private step: not meaningful here
             logs["epsilon"] = self.privacy_engine.get_epsilon()
         super().log(logs, *args, **kwargs)
-
-
-def _batch_len(inputs: Mapping[str, Any]) -> int:
-    for value in inputs.values():
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return value.shape[0]
-    return -1

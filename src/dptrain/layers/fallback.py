@@ -31,7 +31,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .numerics import scale_samples, weighted_sum
+from ..checks import first_line
+from .numerics import scale_samples, swap01, weighted_sum
 from .protocol import LayerDims, LayerRule
 from .registry import container_params
 
@@ -284,9 +285,9 @@ class FallbackRule(LayerRule):
         """``replay`` of a call kept as the engine handed it: batch first, as its output and gradient."""
         if not self.swapped:
             return replay(module, args, kwargs, params)
-        args, kwargs = pytree.tree_map(_swap01, (args, kwargs))
+        args, kwargs = pytree.tree_map(swap01, (args, kwargs))
         out = replay(module, args, kwargs, params)
-        return _swap01(out)
+        return swap01(out)
 
     def _per_sample(self, module, calls, names) -> dict[str, torch.Tensor]:
         primals = {n: module.get_parameter(n).detach() for n in names}
@@ -389,7 +390,7 @@ class FallbackRule(LayerRule):
 
     def _cannot_replay(self, module, err: BaseException, how: str = "") -> RuntimeError:
         return RuntimeError(
-            f"{self._name(module)}: the per-sample fallback could not replay this call{how} ({_first_line(err)}). "
+            f"{self._name(module)}: the per-sample fallback could not replay this call{how} ({first_line(err)}). "
             f"Register a rule for {type(module).__name__} with dptrain.register_layer, or freeze its parameters"
         )
 
@@ -417,19 +418,10 @@ def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
         return "cpu", False, torch.bfloat16
 
 
-def _swap01(t):
-    return t.transpose(0, 1) if isinstance(t, torch.Tensor) and t.dim() >= 2 else t
-
-
 def _describe(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)}"
     return type(x).__name__
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[0] if text else type(err).__name__
 
 
 def fallback_refusal(module: nn.Module) -> str | None:

@@ -52,6 +52,11 @@ def flatten_tokens(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
 
 
+def swap01(t):
+    """A tensor with its first two dimensions swapped (batch-first <-> time-first); anything else as it is."""
+    return t.transpose(0, 1) if isinstance(t, torch.Tensor) and t.dim() >= 2 else t
+
+
 def float32_at_least(x: torch.Tensor) -> torch.Tensor:
     """Norms are accumulated in float32 or wider, also under bf16/fp16 training."""
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x

@@ -253,9 +253,6 @@ class PrivacyEngine:
         self._warned_loader = False
         self._warned_budget = False
         self._budget_limit: int | None = None
-        # Multiplies the noise actually drawn, never the accounted one: only dptrain.audit sets it,
-        # to show that the audit catches a run whose noise is smaller than its accounting claims.
-        self._audit_noise_scale = 1.0
 
     # ------------------------------------------------------------------ configuration
     def _trainable_key(self) -> tuple:
@@ -281,7 +278,7 @@ class PrivacyEngine:
                 continue
             state = previous.get(id(module))
             if state is None:
-                rule = resolve_rule(module, self.allow_fallback, batch_first=self.batch_first)
+                rule = resolve_rule(module, self.allow_fallback, batch_first=self.batch_first, name=name)
                 state = LayerState(name, module, rule, covered[module])
             else:
                 state.params = covered[module]
@@ -843,7 +840,7 @@ class PrivacyEngine:
             self._sums.clear()
             self._pipeline.forget_calls()
             raise
-        std = self.noise_multiplier * self.max_grad_norm * self._audit_noise_scale
+        std = self.noise_multiplier * self.max_grad_norm
 
         # In place on the engine's own sums, one parameter at a time: the step needs no more
         # memory than the gradients themselves (plus one parameter's noise).

@@ -139,7 +139,7 @@ def plan(model: nn.Module, *example_args, clipping_mode: str = DEFAULT_CLIPPING_
     states = []
     for name, module in model.named_modules():
         params = covered.get(module, {})
-        rule = resolve_rule(module, allow_fallback, batch_first=batch_first) if params else None
+        rule = resolve_rule(module, allow_fallback, batch_first=batch_first, name=name) if params else None
         if rule is not None:
             layers[name] = (module, rule, params)
             states.append(LayerState(name, module, rule, params))

@@ -231,11 +231,12 @@ def test_read_rows_finds_the_sample_of_every_row_or_refuses(batch, per, width, s
     contributions = torch.randn(n, width, generator=g, dtype=torch.float64)
     tags = rows.make_tags(batch, g)
     grad = contributions.clone()
-    tagged = contributions * tags[owner].unsqueeze(1)
+    tagged = [contributions * v[owner].unsqueeze(1) for v in tags]
     if layout == "mixed" and batch > 1:
         extra = torch.randn(width, generator=g, dtype=torch.float64)  # row 0 also gets the last sample's gradient
         grad[0] += extra
-        tagged[0] += tags[batch - 1] * extra
+        for t, v in zip(tagged, tags):
+            t[0] += v[batch - 1] * extra
         with pytest.raises(rows.RowsMixSamples):
             rows.read_rows(grad, tagged, tags, batch, two_axes=False)
         return

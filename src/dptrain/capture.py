@@ -175,7 +175,9 @@ class Capture:
         self._watch: ReorderWatch | None = None
         self._forward_needs_tags = False
         #: set by the engine: replaces a model call's outputs by tagging ones (plain backward of new patterns)
-        self.on_tag_outputs: Callable[[Any], Any] | None = None
+        self.on_tag_outputs: Callable[[Any, bool], Any] | None = None
+        #: set by the engine: a gradient reached a scalar output of the model (a loss computed inside it)
+        self.on_scalar_output_grad: Callable[[], None] | None = None
         #: ``plan()``'s dry forward: every call recorded (sizes only, gradients on or off), nothing switched or hooked
         self.dry = dry
         self.called: list[LayerState] = []  # dry: the layers in the order of their first call
@@ -318,14 +320,19 @@ class Capture:
         self.rows.watch_next = self._forward_needs_tags
         replaced = None
         if torch.is_grad_enabled() and not self.dry:
-            if self._forward_needs_tags and self.on_tag_outputs is not None:
-                replaced = self.on_tag_outputs(output)  # a plain backward reads the rows from tagged outputs
+            if self.on_tag_outputs is not None:  # a plain backward reads new patterns' rows from tagged outputs
+                replaced = self.on_tag_outputs(output, self._forward_needs_tags)
             for t in _tensors(replaced if replaced is not None else output):
                 if t.requires_grad:
-                    t.register_hook(self._output_grad_hook)
+                    t.register_hook(self._scalar_output_hook if t.dim() == 0 else self._output_grad_hook)
         return replaced
 
     def _output_grad_hook(self, grad):
+        self.on_output_grad()
+
+    def _scalar_output_hook(self, grad):
+        if self.on_scalar_output_grad is not None:
+            self.on_scalar_output_grad()
         self.on_output_grad()
 
     def _model_failed_hook(self, module, args, output):

@@ -28,7 +28,7 @@ from .noise import GaussianNoise
 from .pipeline import BackwardPipeline, Overflow, StepSums
 from .planning import DECISION_RULES, DEFAULT_DECISION_RULE, LayerDecision
 from .precision import LossScaling
-from .rows import RowReader, tag_rows
+from .rows import RowReader, tag_passes, tag_rows
 from .validation import validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -247,6 +247,7 @@ class PrivacyEngine:
         self._done_forwards: set[int] = set()  # model calls already back-propagated in this step
         self._callback_queued = False
         self._callback_task = -1
+        self._agreed_tags: int | None = None  # data parallelism: the tag passes every rank runs in this backward
 
         # Counters.
         self.steps_taken = 0
@@ -372,6 +373,7 @@ class PrivacyEngine:
             rows=self._rows,
         )
         self._capture.on_tag_outputs = self._tag_outputs
+        self._capture.on_scalar_output_grad = self._refuse_loss_inside_model
         self._capture.install(self._layers, extra_checks=_frozen_batchnorm_checks(self.model))
         self._sync_grad_hooks()
         self._step_handle = optimizer.register_step_pre_hook(self._before_step)
@@ -493,6 +495,13 @@ class PrivacyEngine:
         self._capture.settle_open_forward()
         if losses.dim() > 1:
             losses = losses.flatten(1).sum(1)
+        # Whether a tag pass runs (rows.py) is agreed by every rank, the empty and overflowed ones included:
+        # it is one more backward, in which FSDP2 gathers the parameters.
+        self._agreed_tags = None
+        if self._parallel is not None:
+            needs = losses.shape[0] > 0 and losses.requires_grad and self._needs_tags()
+            flag, most = self._parallel.maximum([float(needs), float(losses.shape[0])], losses.device)
+            self._agreed_tags = tag_passes(int(most)) if flag else 0
         # Without a scaler, non-finite losses show as non-finite norms (checked once, with them): no extra
         # host-device synchronisation on the hot path.
         if self._scaling is not None and not torch.isfinite(losses).all():
@@ -512,7 +521,7 @@ class PrivacyEngine:
             if B == 0 and losses.requires_grad and isinstance(self._parallel, distributed.FSDP2Gradients):
                 # FSDP2 gathers parameters inside each backward: a rank with an empty batch runs as many.
                 self._phase = _Phase.DISCARD
-                passes = 1 + self._num_groups if self.recipe.two_pass else 1
+                passes = (1 + self._num_groups if self.recipe.two_pass else 1) + self._agreed_tags
                 try:
                     for k in range(passes):
                         torch.autograd.backward(losses.sum(), retain_graph=k < passes - 1)
@@ -579,8 +588,11 @@ class PrivacyEngine:
     def _one_backward(self, losses: torch.Tensor, factor: float, kappa: float, retain: bool) -> None:
         """Back-propagate ``factor * sum_i losses_i``; ``kappa`` is that objective's factor on the true losses."""
         objective = losses.sum() if factor == 1.0 else (losses * factor).sum()
-        if self._needs_tags():
-            self._tag_pass(losses, factor)
+        passes = self._agreed_tags
+        if passes is None:
+            passes = tag_passes(losses.shape[0]) if self._needs_tags() else 0
+        if passes:
+            self._tag_pass(losses, factor, passes)
         self._capture.new_pass()
         if self.recipe.two_pass:
             self._two_pass_backward(losses, objective, factor, kappa)
@@ -620,22 +632,34 @@ class PrivacyEngine:
             return True
         return any(self._rows.needs_tags(state, call) for state in self._layers for call in state.calls)
 
-    def _tag_pass(self, losses: torch.Tensor, factor: float) -> None:
-        """Back-propagate ``factor * sum_i v_i L_i`` with per-sample tags ``v``: each call's tagged output
-        gradient shows which sample each of its rows belongs to (``rows.read_rows``). Nothing is reduced."""
-        tags = self._rows.new_tags(losses.shape[0])
-        weights = (tags * factor).to(losses.device, torch.promote_types(losses.dtype, torch.float32))
-        self._rows.tagging = True
-        self._capture.new_pass()
-        try:
-            torch.autograd.backward((losses * weights).sum(), retain_graph=True)
-        finally:
-            self._rows.tagging = False
+    def _tag_pass(self, losses: torch.Tensor, factor: float, passes: int) -> None:
+        """Back-propagate ``factor * sum_i v_i L_i`` once per set of per-sample tags ``v`` (``rows.make_tags``):
+        each call's tagged output gradients show which sample each of its rows belongs to
+        (``rows.read_rows``). Nothing is reduced."""
+        dtype = torch.promote_types(losses.dtype, torch.float32)
+        for k, tags in enumerate(self._rows.new_tags(losses.shape[0], passes)):
+            self._rows.tagging, self._rows.tag_pass = True, k
+            self._capture.new_pass()
+            try:
+                torch.autograd.backward((losses * (tags * factor).to(losses.device, dtype)).sum(), retain_graph=True)
+            finally:
+                self._rows.tagging = False
 
-    def _tag_outputs(self, output):
-        """A model call with patterns not read yet: its per-sample outputs tag a plain backward (``tag_rows``)."""
-        if self.recipe.two_pass:
-            return None  # refused at its first output gradient anyway
+    def _tag_outputs(self, output, needs_tags: bool):
+        """A model call with patterns not read yet: its per-sample outputs tag a plain backward (``tag_rows``).
+
+        Under data parallelism every rank agrees (an empty rank too): the tagged pass is one more backward,
+        in which FSDP2 gathers the parameters.
+        """
+        batch = self._capture.forward_batch
+        passes = tag_passes(batch or 0)
+        if self._parallel is not None:
+            flag, most = self._parallel.maximum([float(needs_tags), float(batch or 0)],
+                                                next(iter(self._users)).device)
+            needs_tags, passes = bool(flag), tag_passes(int(most))
+        if not needs_tags or self.recipe.two_pass or batch is None:
+            return None  # (two-pass modes refuse a plain backward at its first output gradient)
+        all_tags = self._rows.new_tags(batch, passes)
         engine = weakref.ref(self)
 
         def tagged_pass(raw: torch.Tensor, grad: torch.Tensor, axis: int) -> None:
@@ -643,17 +667,18 @@ class PrivacyEngine:
             if alive is None or alive._rows.tagging or alive._phase is not _Phase.IDLE:
                 return  # engine.backward tags its losses instead
             rows = alive._rows
-            tags = rows.new_tags(raw.shape[axis])
             shape = [1] * grad.dim()
             shape[axis] = -1
-            rows.tagging = True
-            alive._capture.new_pass()
-            try:
-                torch.autograd.backward(raw, grad * tags.to(grad.device, grad.dtype).reshape(shape),
-                                        retain_graph=True)
-            finally:
-                rows.tagging = False
+            rows.tags = all_tags
+            for k, tags in enumerate(all_tags):
+                rows.tagging, rows.tag_pass = True, k
                 alive._capture.new_pass()
+                try:
+                    torch.autograd.backward(raw, grad * tags.to(grad.device, grad.dtype).reshape(shape),
+                                            retain_graph=True)
+                finally:
+                    rows.tagging = False
+                    alive._capture.new_pass()
 
         return tag_rows(output, self._capture.forward_batch, 0 if self.batch_first else 1, tagged_pass)
 
@@ -703,6 +728,17 @@ class PrivacyEngine:
         state.calls.hold(call)
         if self._pipeline.can_reduce_now(state):
             self._pipeline.reduce_layer(state)
+
+    def _refuse_loss_inside_model(self) -> None:
+        """A plain backward from a loss the model computed itself (Hugging Face's ``labels=``)."""
+        if self._phase is _Phase.IDLE and not self._rows.tagging and not self._capture.paused:
+            raise ValueError(
+                "loss.backward() from a loss computed inside the model (e.g. Hugging Face's labels=...): the engine "
+                "cannot see which sample each part of it comes from, and Hugging Face's loss is a mean over every "
+                "token of the batch, so each sample's weight depends on the other samples' lengths. Compute "
+                "per-sample losses from the logits (dptrain.losses.sequence_losses or token_losses) and call "
+                "engine.backward(losses)"
+            )
 
     def _on_model_output_grad(self) -> None:
         """The gradient reached the model's output: a backward starts (on the outermost graph task)."""

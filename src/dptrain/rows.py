@@ -84,14 +84,26 @@ def pattern_key(shape: tuple[int, ...], batch: int) -> tuple:
     return (*lead, *shape[2:])
 
 
-def make_tags(batch: int, generator: torch.Generator) -> torch.Tensor:
-    """Distinct per-sample tags in [0.5, 1), at least 0.5/B apart, in random order (float64).
+DIGITS = 4  # tags per pass: 1, 1/2, 1/4, 1/8
 
-    Below 1, so a tag pass never overflows where the real backward does not.
+
+def tag_passes(batch: int) -> int:
+    """How many tag passes tell ``batch`` samples apart: one per base-4 digit of their ids."""
+    return max(1, math.ceil(math.log(max(batch, 1), DIGITS) - 1e-9))
+
+
+def make_tags(batch: int, generator: torch.Generator, passes: int | None = None) -> list[torch.Tensor]:
+    """Per-sample tags for ceil(log4 B) tag passes (float64): sample s gets the base-4 digits of a random id.
+
+    A tag is a power of two (1, 1/2, 1/4, 1/8): scaling by it is exact in any floating-point format, so a
+    row of one sample is its tag times the real row up to the rounding of its own computation, and two
+    tags are a factor of two apart, which bf16 rounding cannot bridge. At most 1, so a tag pass never
+    overflows where the real backward does not. Two samples differ in some digit: a row mixing them
+    fails that pass's fit.
     """
-    order = torch.randperm(batch, generator=generator, dtype=torch.float64)
-    jitter = 0.25 + 0.5 * torch.rand(batch, generator=generator, dtype=torch.float64)
-    return 0.5 + 0.5 * (order + jitter) / batch
+    ids = torch.randperm(batch, generator=generator)
+    passes = max(tag_passes(batch), passes or 0)
+    return [torch.pow(2.0, -((ids // DIGITS ** k) % DIGITS).to(torch.float64)) for k in range(passes)]
 
 
 @dataclass
@@ -153,9 +165,9 @@ def can_regroup(rule, activation, grad: torch.Tensor, axes: int) -> bool:
     return axes == 1 or getattr(rule, "rows_fold_into_tokens", False)
 
 
-def read_rows(grad: torch.Tensor, tagged: torch.Tensor, tags: torch.Tensor, batch: int,
+def read_rows(grad: torch.Tensor, tagged: list[torch.Tensor], tags: list[torch.Tensor], batch: int,
               two_axes: bool) -> RowMap:
-    """The row-to-sample map of one call from its real and tagged output gradients.
+    """The row-to-sample map of one call from its real output gradient and those of the tag passes.
 
     Raises ``RowsMixSamples`` where some row's gradient is not one sample's (along dim 0, and, with
     ``two_axes``, over dims 0 and 1 either).
@@ -171,36 +183,39 @@ def read_rows(grad: torch.Tensor, tagged: torch.Tensor, tags: torch.Tensor, batc
 
 def _read(grad, tagged, tags, batch, axes) -> RowMap:
     rows = math.prod(grad.shape[:axes]) if grad.dim() >= axes else 1
-    if not bool(torch.isfinite(grad).all() & torch.isfinite(tagged).all()):
+    if not bool(torch.isfinite(grad).all()) or not all(bool(torch.isfinite(t).all()) for t in tagged):
         raise NonFiniteRows("a layer's output gradient is inf or NaN")
     dtype = torch.float64
     g = grad.detach().reshape(rows, -1).to(dtype)
-    t = tagged.detach().reshape(rows, -1).to(dtype)
     eps = torch.finfo(grad.dtype).eps if grad.is_floating_point() else 1e-12
     gg = g.square().sum(1)
-    gt = (g * t).sum(1)
-    tt = t.square().sum(1)
     scale = gg.max().sqrt() if rows else gg.new_zeros(())
     # A row whose gradient is rounding noise next to the call's largest row says nothing about its sample.
     empty = gg.sqrt() <= 64 * eps * scale
-    ratio = torch.where(empty, torch.zeros_like(gg), gt / gg.clamp_min(torch.finfo(dtype).tiny))
-    residual = (t - ratio.unsqueeze(1) * g).square().sum(1)  # no cancellation, unlike tt - ratio * gt
-    fits = residual <= (1e3 * eps) ** 2 * tt.clamp_min(torch.finfo(dtype).tiny) + (64 * eps * scale) ** 2
-    tags_cpu = tags.to(dtype).cpu()
-    sorted_tags, tag_order = torch.sort(tags_cpu)
-    r = ratio.cpu()
-    pos = torch.searchsorted(sorted_tags, r).clamp(1, max(1, batch - 1)) if batch > 1 else torch.zeros_like(r, dtype=torch.long)
-    lo = (pos - 1).clamp(min=0)
-    hi = pos.clamp(max=batch - 1)
-    nearest = torch.where((r - sorted_tags[lo]).abs() <= (sorted_tags[hi] - r).abs(), lo, hi)
-    distance = (r - sorted_tags[nearest]).abs()
-    tolerance = max(0.025 / max(batch, 1), 1e3 * eps)
-    ok = (fits.cpu() & (distance <= tolerance)) | empty.cpu()
+    # The gradient's dtype does not tell the precision it was computed in (a float64 model may normalise in
+    # float32): float32's is the floor. A row that mixes samples misses by far more than rounding.
+    rel = min(1e3 * max(eps, torch.finfo(torch.float32).eps), 0.05)
+    ids = torch.zeros(rows, dtype=torch.long)
+    ok = torch.ones(rows, dtype=torch.bool)
+    for k, t in enumerate(tagged):
+        t = t.detach().reshape(rows, -1).to(dtype)
+        ratio = torch.where(empty, torch.ones_like(gg), (g * t).sum(1) / gg.clamp_min(torch.finfo(dtype).tiny))
+        residual = (t - ratio.unsqueeze(1) * g).square().sum(1)  # no cancellation, unlike tt - ratio * gt
+        fits = residual <= rel ** 2 * t.square().sum(1) + (64 * eps * scale) ** 2
+        digit = -torch.log2(ratio.clamp_min(2.0 ** -(DIGITS + 1)))
+        nearest = digit.round()
+        ok &= (fits & ((digit - nearest).abs() <= 0.1) & (nearest >= 0) & (nearest < DIGITS)).cpu() | empty.cpu()
+        ids += (nearest.clamp(0, DIGITS - 1).long() * DIGITS ** k).cpu()
+    sample_of_id = torch.full((max(DIGITS ** len(tagged), batch),), -1, dtype=torch.long)
+    tag_ids = sum((-torch.log2(v.cpu())).round().long() * DIGITS ** k for k, v in enumerate(tags))
+    sample_of_id[tag_ids] = torch.arange(batch)
+    samples = sample_of_id[ids.clamp(max=sample_of_id.numel() - 1)]
+    ok &= (samples >= 0) | empty.cpu()
     if not bool(ok.all()):
         bad = int((~ok).sum())
         raise RowsMixSamples(f"{bad} of {rows} rows along the {'first' if axes == 1 else 'first two'} "
                              f"ax{'is' if axes == 1 else 'es'} mix the gradients of several samples")
-    samples = torch.where(empty.cpu(), torch.full_like(nearest, -1), tag_order[nearest])
+    samples = torch.where(empty.cpu(), torch.full_like(samples, -1), samples)
     return _classify(samples, grad.shape, batch, axes)
 
 
@@ -284,10 +299,11 @@ class RowReader:
         self.generator.manual_seed(0x5EED if seed is None else seed + 1)
         #: a tag pass is running: output gradients that arrive are tagged ones
         self.tagging = False
-        #: the tags of the running tag pass
-        self.tags: torch.Tensor | None = None
+        #: the tags of every tag pass of the running backward, and which pass runs
+        self.tags: list[torch.Tensor] | None = None
+        self.tag_pass = 0
         #: tagged gradients of calls recorded during a tag pass (recomputations), by pattern
-        self.tagged: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.tagged: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         #: maps read in this backward for recomputed calls (a second pass recomputes them again), by pattern
         self.resolved: dict[tuple, RowMap] = {}
         #: watch the next model call for reordering ops (it may record patterns not verified yet)
@@ -316,17 +332,28 @@ class RowReader:
         layout = self.cached(state, call)
         return layout is None or call.batch_size is None or layout.samples(call.shape, call.batch_size) is None
 
-    def new_tags(self, batch: int) -> torch.Tensor:
-        self.tags = make_tags(batch, self.generator)
+    def new_tags(self, batch: int, passes: int | None = None) -> list[torch.Tensor]:
+        """The tags of the tag passes of a backward of ``batch`` samples (one pass per base-4 digit, or
+        ``passes``, which all ranks agree on under data parallelism)."""
+        self.tags = make_tags(batch, self.generator, passes)
+        self.tagged.clear()
         return self.tags
 
     def record_tagged(self, state, call, grad: torch.Tensor) -> None:
+        """An output gradient of tag pass ``self.tag_pass``."""
         if call.recomputed:  # the real pass recomputes it again, as another call: found by its pattern
             pattern = self.pattern(state, call)
-            if pattern is not None:
-                self.tagged[pattern] = (grad.detach(), self.tags)
+            if pattern is None:
+                return
+            got = self.tagged.setdefault(pattern, ([], self.tags))[0]
         else:
-            call.tagged, call.tags = grad.detach(), self.tags
+            if call.tagged is None or call.tags is not self.tags:
+                call.tagged, call.tags = [], self.tags
+            got = call.tagged
+        if len(got) > self.tag_pass:  # a model with several outputs: each adds its part of the pass
+            got[self.tag_pass] = got[self.tag_pass] + grad.detach()
+        else:
+            got.append(grad.detach())
 
     def end_backward(self) -> None:
         self.tagged.clear()
@@ -351,7 +378,7 @@ class RowReader:
             tagged, tags = call.tagged, call.tags
             if tagged is None and call.recomputed:
                 tagged, tags = self.tagged.get(self.pattern(state, call), (None, None))
-            if tagged is None or tags is None or tags.numel() != batch:
+            if tagged is None or tags is None or tags[0].numel() != batch or len(tagged) != len(tags):
                 raise RuntimeError(
                     f"{name}: the engine could not read which sample each row of this call belongs to (its output "
                     "gradient did not come from the model's per-sample outputs or losses: a layer called outside "
@@ -359,7 +386,7 @@ class RowReader:
                     "and use engine.backward(per_sample_losses)"
                 )
             try:
-                rowmap = read_rows(call.grad, tagged, tags.to(call.grad.device), batch,
+                rowmap = read_rows(call.grad, tagged, tags, batch,
                                    two_axes=getattr(state.rule, "rows_fold_into_tokens", False))
             except RowsMixSamples as err:
                 raise RowsMixSamples(
@@ -411,7 +438,7 @@ class _TagRows(torch.autograd.Function):
 def tag_rows(output, batch: int | None, axis: int, run):
     """The model's output with every per-sample tensor (``batch`` rows along ``axis``) passed through
     ``_TagRows``; containers are rebuilt (tuples) or updated (dicts, dataclasses)."""
-    if not batch:
+    if batch is None:
         return None
 
     def wrap(obj, depth=0):

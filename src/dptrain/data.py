@@ -337,13 +337,18 @@ class DistributedPoissonSampler(PoissonSampler):
 
 # ------------------------------------------------------------------ batch structure
 # A batch is a tensor, or a Mapping / tuple / list nesting of batches, or a per-sample
-# list of plain values (what default_collate makes of strings).
+# list or tuple of plain values (what default_collate makes of strings: a list in a dict,
+# a tuple in a tuple of fields).
 
 _PLAIN_VALUES = (str, bytes, numbers.Number, type(None))
 
 
 def _is_per_sample_list(batch: Any) -> bool:
-    return isinstance(batch, list) and all(isinstance(item, _PLAIN_VALUES) for item in batch)
+    return (
+        isinstance(batch, (list, tuple))
+        and not hasattr(batch, "_fields")
+        and all(isinstance(item, _PLAIN_VALUES) for item in batch)
+    )
 
 
 def _map_batch(batch: Any, fn: Callable[..., Any], *others: Any) -> Any:
@@ -492,7 +497,7 @@ def _append_rows(leaf: Any, pad: Any, count: int) -> Any:
                 f"({pad.dtype}, {list(pad.shape[1:])}); pad or crop the examples to one shape in the dataset"
             )
         return torch.cat([leaf, pad.to(leaf.device).expand(count, *pad.shape[1:])])
-    return list(leaf) + list(pad) * count
+    return type(leaf)(list(leaf) + list(pad) * count)
 
 
 class _FixedShapeCollate(_EmptyBatchCollate):

@@ -268,13 +268,14 @@ def test_fixed_shapes_compile_once_and_poisson_batches_recompile():
 
 
 def _exact_tail(n: int, q: Fraction, k: int) -> float:
-    return float(sum(math.comb(n, j) * q**j * (1 - q) ** (n - j) for j in range(k + 1, n + 1)))
+    """P[Binomial(n, q) >= k], exactly (then rounded)."""
+    return float(sum(math.comb(n, j) * q**j * (1 - q) ** (n - j) for j in range(k, n + 1)))
 
 
 @pytest.mark.parametrize("n", [1, 7, 60, 250])
 @pytest.mark.parametrize("q", [Fraction(1, 1000), Fraction(1, 20), Fraction(3, 10), Fraction(9, 10)])
 def test_truncation_delta_is_the_binomial_tail_times_steps(n, q):
-    for k in sorted({1, 2, n // 4, n // 2, int(n * q) + 1, int(n * q) + 5, n - 1, n} - {0}):
+    for k in sorted({1, 2, n // 4, n // 2, int(n * q) + 1, int(n * q) + 5, n - 1, n, n + 1} - {0}):
         exact = _exact_tail(n, q, k)
         got = accounting.truncation_delta(n, float(q), k, 1)
         assert exact <= got * (1 + 1e-14) and got <= exact * (1 + 1e-9) + 1e-300, (n, q, k, got, exact)
@@ -282,14 +283,16 @@ def test_truncation_delta_is_the_binomial_tail_times_steps(n, q):
 
 
 def test_truncation_delta_edges_and_large_datasets():
-    assert accounting.truncation_delta(100, 0.1, 100, 10**6) == 0.0  # K >= N: never truncates
+    assert accounting.truncation_delta(100, 0.1, 101, 10**6) == 0.0  # K > N: never truncates
+    # K = N truncates a neighbour with N + 1 examples when all N are drawn
+    assert accounting.truncation_delta(100, 0.5, 100, 1) == pytest.approx(0.5**100, rel=1e-9)
     assert accounting.truncation_delta(100, 0.1, 5, 0) == 0.0
-    assert accounting.truncation_delta(100, 1.0, 99, 1) == 1.0
+    assert accounting.truncation_delta(100, 1.0, 100, 1) == 1.0
     assert accounting.truncation_delta(100, 0.5, 1, 10) == 1.0  # capped
     # tails far below the smallest float round up, not to 0
-    assert 0.0 < accounting.truncation_delta(10**6, 1e-6, 500, 1) < 1e-300
+    assert 0.0 < accounting.truncation_delta(10**6, 1e-6, 501, 1) < 1e-300
     # A billion examples, expected batch 10^6: fast, and decreasing in K
-    tails = [accounting.truncation_delta(10**9, 1e-3, 10**6 + s * 1000, 1) for s in (0, 2, 4, 6)]
+    tails = [accounting.truncation_delta(10**9, 1e-3, 10**6 + 1 + s * 1000, 1) for s in (0, 2, 4, 6)]
     assert 0.4 < tails[0] < 0.6 and tails == sorted(tails, reverse=True) and tails[-1] < 1e-8
     with pytest.raises(ValueError, match="max_batch_size must be a positive integer"):
         accounting.truncation_delta(100, 0.1, 0, 1)

@@ -373,10 +373,11 @@ def create_accountant(name: str = DEFAULT_ACCOUNTANT) -> Accountant:
 
 # ------------------------------------------------------------ fixed-shape batches
 # A fixed-shape loader (dptrain.data.poisson_loader(..., max_batch_size=K)) draws a Poisson
-# sample and, when it has more than K examples, keeps a uniformly random K of them. On the
-# event that no draw of the run exceeds K, the truncated run *is* the Poisson run, so it is
-# (epsilon, delta)-DP with delta grown by the probability of the other event, at most
-# steps * P[Binomial(N, q) > K] (union bound). See docs/accounting.md.
+# sample and, when it has more than K examples, keeps a uniformly random K of them. Compare
+# neighbouring datasets D and D + x: on the event that every step draws at most K - 1 of D's
+# examples, neither run truncates (x makes at most K), so both are the Poisson runs; that
+# event depends only on D's draws, so the Poisson guarantee holds on it, and the run is
+# (epsilon, delta + steps * P[Binomial(N, q) >= K])-DP (union bound). See docs/accounting.md.
 
 _ULP = 2.0**-52
 _NEGLIGIBLE = 2.0**-60  # a term below this fraction of the running sum ends a sum
@@ -435,12 +436,15 @@ def _binomial_tail(n: int, p: float, k: int) -> float:
 def truncation_delta(sample_size: int, sample_rate: float, max_batch_size: int, steps: int) -> float:
     """The delta that truncating Poisson batches to ``max_batch_size`` rows adds to a run.
 
-    ``steps * P[Binomial(sample_size, sample_rate) > max_batch_size]`` (capped at 1): by the
-    union bound, the probability that some step's Poisson draw had more than ``K =
-    max_batch_size`` examples, the only event on which the truncated batches differ from
-    Poisson ones. A run with epsilon computed by the accountant at ``delta`` is then
-    ``(epsilon, delta + truncation_delta(...))``-DP. Computed exactly (an upper bound within
-    ~1e-9 relative), without scipy; 0.0 when ``K >= sample_size``.
+    ``steps * P[Binomial(sample_size, sample_rate) >= max_batch_size]`` (capped at 1): by the
+    union bound, the probability that some step draws ``K = max_batch_size`` or more of the
+    dataset's N examples. Outside that event a draw has at most K - 1 of them, so even with
+    the one example in which a neighbouring dataset differs it has at most K and nothing is
+    truncated: both runs are Poisson runs, and the Poisson guarantee holds there. A run
+    whose accountant gives epsilon at ``delta`` is then ``(epsilon, delta +
+    truncation_delta(...))``-DP (docs/accounting.md). ``>= K``, not ``> K``: the neighbour
+    with one more example must not be truncated either. Computed exactly (an upper bound
+    within ~1e-9 relative), without scipy; 0.0 when ``K > sample_size``.
     """
     n = checks.integer("sample_size", sample_size, 1, "the number of training examples", integral_floats=True)
     q = _check_sample_rate(sample_rate)
@@ -448,8 +452,8 @@ def truncation_delta(sample_size: int, sample_rate: float, max_batch_size: int, 
     steps = _check_count(steps, "steps", 0)
     if steps == 0:
         return 0.0
-    tail = _binomial_tail(n, q, k)
-    if tail == 0.0 and k < n:
+    tail = _binomial_tail(n, q, k - 1)  # P[X >= k] = P[X > k - 1]
+    if tail == 0.0 and k <= n:
         tail = 5e-324  # the exact tail is positive; round up, not to zero
     return min(1.0, steps * tail)
 
@@ -465,7 +469,7 @@ def default_max_batch_size(sample_size: int, sample_rate: float, delta: float, s
     q = _check_sample_rate(sample_rate)
     budget = _check_delta(delta) / 10.0
     steps = _check_count(steps, "steps", 1)
-    low, high = 0, n  # truncation_delta(high) <= budget (it is 0 at n); low fails or is 0
+    low, high = 0, n + 1  # truncation_delta(high) <= budget (it is 0 at n + 1); low fails or is 0
     while high - low > 1:
         middle = (low + high) // 2
         if truncation_delta(n, q, middle, steps) <= budget:
@@ -624,7 +628,7 @@ def _fixed_shape_delta(delta: float, sample_size: Any, q: float, max_batch_size:
         return delta
     if sample_size is None:
         raise ValueError("max_batch_size needs sample_size (the dataset size N): the truncation term is "
-                         "steps * P[Binomial(N, q) > max_batch_size]")
+                         "steps * P[Binomial(N, q) >= max_batch_size]")
     return poisson_delta(delta, sample_size, q, max_batch_size, steps)
 
 

@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-batch-size", type=max_batch_size_type, metavar="K|auto",
                        help="fixed-shape batches: every batch has exactly K rows (a larger Poisson draw keeps a "
                        "random K, a smaller one is padded and masked); the privacy guarantee then also covers "
-                       "the chance of truncation, steps * P[Binomial(N, q) > K], taken from delta. auto: the "
+                       "the chance of truncation, steps * P[Binomial(N, q) >= K], taken from delta. auto: the "
                        "smallest K whose truncation costs at most delta / 10 (default: no truncation, batches "
                        "of varying size)")
     train.add_argument("--max-grad-norm", type=positive_float,

@@ -415,7 +415,7 @@ class TrainingRun:
         if self.max_batch_size:
             extra = self._truncation_delta(self.total_steps)
             print(f"  truncation to {self.max_batch_size} rows: {extra:.3g} of delta {c['delta']:g} over "
-                  f"{plural(self.total_steps, 'step')} (the chance that a Poisson draw exceeds it)")
+                  f"{plural(self.total_steps, 'step')} (the chance that a Poisson draw reaches it)")
         if c["epsilon"] is not None and self.total_steps > self.planned_steps:
             warnings.warn(f"training {c['epochs']} epochs goes past the {self.planned_steps} steps the noise was "
                           f"calibrated for: epsilon will exceed the target {c['epsilon']:g}")

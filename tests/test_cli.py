@@ -150,6 +150,32 @@ def test_physical_batches_give_the_same_step(tmp_path, capsys):
     assert split["test_accuracy"] == pytest.approx(whole["test_accuracy"], abs=1 / 360)
 
 
+def test_fixed_shape_batches_account_for_truncation_and_resume_with_the_same_k(tmp_path, capsys):
+    q, n = 512 / 1437, 1437
+    status, out, err = run(tiny() + ["--max-batch-size", "auto", "--output", str(tmp_path)], capsys)
+    assert status == 0, err
+    report = report_of(tmp_path)
+    k = accounting.default_max_batch_size(n, q, 1e-5, 6)
+    assert report["max_batch_size"] == k and f"fixed-shape batches of {k} rows" in out
+    assert report["truncation_delta"] == accounting.truncation_delta(n, q, k, 6) <= 1e-6
+    # epsilon at delta = 1e-5 including the truncation term, within the target
+    assert report["epsilon"] <= 3.0 and report["epsilon"] == pytest.approx(
+        accounting.compute_epsilon(report["noise_multiplier"], q, 6, 1e-5, sample_size=n, max_batch_size=k),
+        rel=1e-6)
+    status, _, err = run(["train", "--resume", str(tmp_path), "--epochs", "3"], capsys)
+    assert status == 0, err
+    resumed = report_of(tmp_path)
+    assert resumed["max_batch_size"] == k and resumed["steps"] == 9
+    assert resumed["epsilon"] == pytest.approx(
+        accounting.compute_epsilon(report["noise_multiplier"], q, 9, 1e-5, sample_size=n, max_batch_size=k),
+        rel=1e-6)
+
+
+def test_a_max_batch_size_that_truncates_too_often_is_refused(capsys):
+    status, _, err = run(tiny() + ["--max-batch-size", "520"], capsys)
+    assert status == 1 and "--max-batch-size 520" in err and "truncates too often" in err
+
+
 def _write_fake_mnist(root, n_train=300, n_test=100):
     """MNIST in its raw idx format (torchvision reads it from ROOT/MNIST/raw), with random pixels."""
     raw = root / "MNIST" / "raw"

@@ -12,6 +12,11 @@ can be zero. A shuffled fixed-size ``DataLoader`` does not match that analysis.
   that returns correctly shaped empty batches (``distributed=True``: one rank's loader).
 * :func:`split_batches` cuts each (logical) batch into physical batches that fit in
   memory; the optimizer steps once per logical batch.
+* ``poisson_loader(..., max_batch_size=K)`` makes *fixed-shape* batches: every batch is a
+  :class:`FixedShapeBatch` of exactly K rows, the Poisson draw (cut to a uniformly random K
+  of its examples when larger) followed by zero rows, with a mask saying which rows are
+  real; :func:`masked_losses` zeroes the losses of the padding. The accounting adds
+  :func:`dptrain.accounting.truncation_delta` to delta.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import numbers
 import os
 from collections.abc import Mapping
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
@@ -30,8 +35,10 @@ from . import checks
 __all__ = [
     "DPDataLoader",
     "DistributedPoissonSampler",
+    "FixedShapeBatch",
     "PoissonSampler",
     "is_poisson_loader",
+    "masked_losses",
     "poisson_loader",
     "split_batches",
 ]
@@ -55,6 +62,10 @@ class PoissonSampler(Sampler[list[int]]):
     data. Randomness comes only from ``generator`` (default: a fresh generator seeded
     from ``os.urandom``), so a seeded generator makes the batches reproducible.
 
+    With ``max_batch_size=K`` a draw of more than K indices keeps a uniformly random K of
+    them (drawn from the same generator), so no batch has more than K indices; the
+    loader pads them to exactly K rows (:func:`poisson_loader`).
+
     :meth:`state_dict` / :meth:`load_state_dict` save and restore the generator and the
     position in the epoch: a resumed run continues with exactly the batches the stopped
     run would have drawn.
@@ -66,9 +77,14 @@ class PoissonSampler(Sampler[list[int]]):
         sample_rate: float,
         steps: int | None = None,
         generator: torch.Generator | None = None,
+        max_batch_size: int | None = None,
     ):
         self.num_samples = checks.positive_int("num_samples", num_samples)
         self.sample_rate = checks.sample_rate(sample_rate)
+        self.max_batch_size = (
+            None if max_batch_size is None else checks.positive_int(
+                "max_batch_size", max_batch_size, "the fixed number of rows of every batch, K")
+        )
         self.steps = (
             max(1, round(1.0 / self.sample_rate))
             if steps is None
@@ -91,7 +107,14 @@ class PoissonSampler(Sampler[list[int]]):
         mask = torch.rand(
             self.num_samples, generator=self.generator, device=self.generator.device
         ) < self.sample_rate
-        return mask.nonzero().flatten().tolist()
+        return self._truncate(mask.nonzero().flatten()).tolist()
+
+    def _truncate(self, drawn: torch.Tensor) -> torch.Tensor:
+        """At most ``max_batch_size`` of the drawn indices: a uniformly random subset, in order."""
+        if self.max_batch_size is None or len(drawn) <= self.max_batch_size:
+            return drawn
+        keep = torch.randperm(len(drawn), generator=self.generator, device=self.generator.device)
+        return drawn[keep[: self.max_batch_size].sort().values.to(drawn.device)]
 
     def __iter__(self) -> Iterator[list[int]]:
         if self._resume_pending:
@@ -117,6 +140,7 @@ class PoissonSampler(Sampler[list[int]]):
             "num_samples": self.num_samples,
             "sample_rate": self.sample_rate,
             "steps": self.steps,
+            "max_batch_size": self.max_batch_size,
             "generator_state": generator_state,
             "position": position,
         }
@@ -141,6 +165,12 @@ class PoissonSampler(Sampler[list[int]]):
                 f"{saved}, but this sampler has {(self.num_samples, self.sample_rate, self.steps)}; "
                 "the saved batches cannot be reproduced. Build the sampler with the saved "
                 "settings."
+            )
+        if state.get("max_batch_size") != self.max_batch_size:  # absent: saved before truncation existed
+            raise ValueError(
+                f"This state was saved by a sampler with max_batch_size={state.get('max_batch_size')!r}, but "
+                f"this sampler has max_batch_size={self.max_batch_size!r}; the saved batches cannot be "
+                "reproduced. Build the loader with the saved max_batch_size."
             )
         position = checks.index("position", state["position"], self.steps, "steps")
         self._epoch_start_state = state["generator_state"].clone()
@@ -302,7 +332,8 @@ class DistributedPoissonSampler(PoissonSampler):
 
 # ------------------------------------------------------------------ batch structure
 # A batch is a tensor, or a Mapping / tuple / list nesting of batches, or a per-sample
-# list of plain values (what default_collate makes of strings).
+# list or tuple of plain values (what default_collate makes of strings: a list in a dict,
+# a tuple in a tuple of fields).
 
 _PLAIN_VALUES = (str, bytes, numbers.Number, type(None))
 
@@ -317,23 +348,30 @@ def batch_len(batch: Any) -> int | None:
 
 
 def _is_per_sample_list(batch: Any) -> bool:
-    return isinstance(batch, list) and all(isinstance(item, _PLAIN_VALUES) for item in batch)
+    return (
+        isinstance(batch, (list, tuple))
+        and not hasattr(batch, "_fields")
+        and all(isinstance(item, _PLAIN_VALUES) for item in batch)
+    )
 
 
-def _map_batch(batch: Any, fn: Callable[[Any], Any]) -> Any:
-    """Apply ``fn`` to every per-sample leaf (tensor or per-sample list) of a batch."""
+def _map_batch(batch: Any, fn: Callable[..., Any], *others: Any) -> Any:
+    """Apply ``fn`` to every per-sample leaf (tensor or per-sample list) of a batch.
+
+    With ``others`` (batches of the same structure), ``fn`` gets the leaf and theirs.
+    """
     if isinstance(batch, torch.Tensor) or _is_per_sample_list(batch):
-        return fn(batch)
+        return fn(batch, *others)
     if isinstance(batch, Mapping):
-        mapped = {key: _map_batch(value, fn) for key, value in batch.items()}
+        mapped = {key: _map_batch(value, fn, *(o[key] for o in others)) for key, value in batch.items()}
         try:
             return type(batch)(mapped)
         except TypeError:
             return mapped
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_map_batch(value, fn) for value in batch))
+        return type(batch)(*(_map_batch(value, fn, *rest) for value, *rest in zip(batch, *others)))
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_map_batch(value, fn) for value in batch)
+        return type(batch)(_map_batch(value, fn, *rest) for value, *rest in zip(batch, *others))
     raise TypeError(
         f"Cannot split a batch element of type {type(batch).__name__}: batches must be "
         "tensors, or dicts / tuples / lists of tensors (lists of strings are also fine)."
@@ -391,6 +429,104 @@ class _EmptyBatchCollate:
         return self.collate_fn(items)
 
 
+class FixedShapeBatch(NamedTuple):
+    """A fixed-shape batch from ``poisson_loader(..., max_batch_size=K)``.
+
+    ``data``: the collated batch (same structure as without ``max_batch_size``), every
+    tensor with exactly K rows along dim 0 (per-sample lists: K entries). The first
+    ``n`` rows are the real examples (``n = int(mask.sum())``, at most K), the rest are
+    padding: zeros (``""`` / ``0`` in per-sample lists). ``mask``: ``torch.bool`` of shape
+    ``[K]``, True for real rows.
+
+    Unpack it as ``for (x, y), mask in loader`` (or ``batch.data`` / ``batch.mask``) and
+    give the engine the masked losses, ``engine.backward(masked_losses(losses, mask))``:
+    a padded row's loss is then 0, its per-sample gradient 0 and its clipped contribution
+    exactly 0. Padded rows are never counted as samples: the engine divides the noisy sum
+    by the *expected* batch size, ``q * len(dataset)``, not by a number of rows. (For a
+    plain ``loss.backward()`` with ``loss_reduction="mean"``, take the mean over all K
+    rows, ``masked_losses(losses, mask).mean()``, not over the real ones.)
+    """
+
+    data: Any
+    mask: torch.Tensor
+
+
+def masked_losses(losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``losses`` with the rows of padding (``mask`` False) set to exactly 0.
+
+    ``losses``: per-sample losses ``[K]`` or ``[K, ...]``; ``mask``: the batch's boolean
+    ``[K]`` mask (:class:`FixedShapeBatch`). Unlike ``losses * mask``, a non-finite loss
+    on a padded row (zero inputs can give one) becomes 0 too.
+    """
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
+        raise ValueError(
+            "mask must be the boolean [K] mask of a FixedShapeBatch (True for real rows), got "
+            + (f"a {mask.dtype} tensor of shape {list(mask.shape)}" if isinstance(mask, torch.Tensor)
+               else type(mask).__name__)
+        )
+    if not isinstance(losses, torch.Tensor) or losses.dim() == 0 or losses.shape[0] != mask.shape[0]:
+        shape = list(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+        raise ValueError(
+            f"losses must be per-sample losses with one row per row of the batch ({mask.shape[0]}), got {shape}; "
+            "use reduction='none'"
+        )
+    keep = mask.to(losses.device).view(-1, *([1] * (losses.dim() - 1)))
+    return torch.where(keep, losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
+
+
+def _zero_value(value: Any) -> Any:
+    """The padding entry of a per-sample list: an empty string, a zero number, None."""
+    if value is None:
+        return None
+    try:
+        return type(value)()
+    except TypeError:
+        return 0
+
+
+def _zero_row(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return torch.zeros_like(leaf[:1])
+    return [_zero_value(leaf[0])]
+
+
+def _append_rows(leaf: Any, pad: Any, count: int) -> Any:
+    if count == 0:
+        return leaf
+    if isinstance(leaf, torch.Tensor):
+        if leaf.shape[1:] != pad.shape[1:] or leaf.dtype != pad.dtype:
+            raise ValueError(
+                f"fixed-shape batches need every example to collate to the same shapes: a batch tensor of "
+                f"{leaf.dtype} with trailing shape {list(leaf.shape[1:])} differs from dataset[0]'s "
+                f"({pad.dtype}, {list(pad.shape[1:])}); pad or crop the examples to one shape in the dataset"
+            )
+        return torch.cat([leaf, pad.to(leaf.device).expand(count, *pad.shape[1:])])
+    return type(leaf)(list(leaf) + list(pad) * count)
+
+
+class _FixedShapeCollate(_EmptyBatchCollate):
+    """Collate to a :class:`FixedShapeBatch` of exactly ``max_batch_size`` rows: the real
+    rows first, then zero rows (made from the collated ``dataset[0]``)."""
+
+    def __init__(self, collate_fn: Callable[[list], Any], example_item: Any, max_batch_size: int):
+        super().__init__(collate_fn, example_item)
+        self.max_batch_size = max_batch_size
+        self.zero_row = _map_batch(collate_fn([example_item]), _zero_row)
+
+    def __call__(self, items: list) -> FixedShapeBatch:
+        real, rows = len(items), self.max_batch_size
+        if real > rows:
+            raise RuntimeError(f"a batch of {real} examples reached a loader of max_batch_size={rows}")
+        batch = super().__call__(items)
+        collated = _batch_size(batch)
+        if collated != real:
+            raise ValueError(
+                f"collate_fn made {collated} rows of {real} examples: fixed-shape batches need one row per example"
+            )
+        data = _map_batch(batch, lambda leaf, pad: _append_rows(leaf, pad, rows - real), self.zero_row)
+        return FixedShapeBatch(data, torch.arange(rows) < real)
+
+
 class DPDataLoader(DataLoader):
     """A ``DataLoader`` over Poisson-sampled batches; build it with :func:`poisson_loader`.
 
@@ -400,12 +536,14 @@ class DPDataLoader(DataLoader):
     With a :class:`DistributedPoissonSampler` (one rank of data-parallel training) both
     are global: q is the rate every rank samples its shard with, and
     ``expected_batch_size`` the expected size of the union of all ranks' batches.
+    ``max_batch_size`` is K for fixed-shape batches (:class:`FixedShapeBatch`), else None.
     """
 
     def __init__(self, dataset: Dataset, sampler: PoissonSampler, **kwargs: Any):
         super().__init__(dataset, batch_sampler=sampler, **kwargs)
         self.sample_rate = sampler.sample_rate
         self.expected_batch_size = sampler.sample_rate * sampler.num_samples
+        self.max_batch_size = sampler.max_batch_size
         self._consumed: int | None = None  # batches handed out in the current epoch
 
     @property
@@ -444,6 +582,7 @@ def poisson_loader(
     distributed: bool = False,
     num_replicas: int | None = None,
     rank: int | None = None,
+    max_batch_size: int | None = None,
 ) -> DPDataLoader:
     """A ``DataLoader`` with Poisson sampling over a map-style ``dataset``.
 
@@ -463,6 +602,16 @@ def poisson_loader(
     to the initialised process group's world size / rank. Each rank draws from its own
     generator, derived from ``generator`` and the rank (or seeded from ``os.urandom``
     without one): pass the same seeded generator on every rank for reproducible runs.
+
+    ``max_batch_size=K`` makes every batch a :class:`FixedShapeBatch` ``(data, mask)``:
+    ``data`` has exactly K rows (tensors ``[K, ...]``), ``mask`` is a ``[K]`` bool tensor,
+    True for the real rows, which come first. A Poisson draw of more than K examples keeps
+    a uniformly random K of them; a smaller one is padded with zero rows. Fixed shapes
+    let a compiled model compile once. Train on ``masked_losses(losses, mask)``, and
+    account with ``PrivacyEngine(..., max_batch_size=K)``: truncation adds
+    ``dptrain.accounting.truncation_delta(len(dataset), q, K, steps)`` to delta, and
+    ``dptrain.accounting.default_max_batch_size`` is the smallest K that keeps it below a
+    tenth of delta. Not available with ``distributed=True`` yet.
     """
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise ValueError(
@@ -487,6 +636,14 @@ def poisson_loader(
         sample_rate = batch_size / num_samples
     if not isinstance(distributed, bool):
         raise ValueError(f"distributed must be True or False, got {distributed!r}")
+    if max_batch_size is not None:
+        max_batch_size = checks.positive_int("max_batch_size", max_batch_size,
+                                             "the fixed number of rows of every batch, K")
+        if distributed:
+            raise ValueError(
+                "max_batch_size is not supported with distributed=True yet: each rank would truncate its own "
+                "shard, which the accounting (one Binomial(N, q) draw per step) does not cover"
+            )
     if distributed:
         sampler: PoissonSampler = DistributedPoissonSampler(
             num_samples, sample_rate, num_replicas, rank, steps=steps, generator=generator
@@ -497,8 +654,12 @@ def poisson_loader(
             "(without it, every process would sample the whole dataset)."
         )
     else:
-        sampler = PoissonSampler(num_samples, sample_rate, steps=steps, generator=generator)
-    collate = _EmptyBatchCollate(collate_fn or default_collate, dataset[0])
+        sampler = PoissonSampler(num_samples, sample_rate, steps=steps, generator=generator,
+                                 max_batch_size=max_batch_size)
+    if max_batch_size is None:
+        collate = _EmptyBatchCollate(collate_fn or default_collate, dataset[0])
+    else:
+        collate = _FixedShapeCollate(collate_fn or default_collate, dataset[0], max_batch_size)
     return DPDataLoader(
         dataset, sampler, num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory
     )

@@ -52,6 +52,12 @@ probability = _number(float, checks.open_unit)
 sample_rate_type = _number(float, checks.rate)
 
 
+def max_batch_size_type(text: str):
+    """``--max-batch-size``: a positive integer K, or ``auto`` (accounting.default_max_batch_size)."""
+    return "auto" if text == "auto" else _number(int, lambda name, value: checks.positive_int(
+        name, value, "or auto"))(text)
+
+
 # Defaults of `dptrain train`, tuned on digits at epsilon = 3 (over seeds 0-2: 93-95 % test
 # accuracy; 30 epochs or batch 512 are no better) in well under a minute on two CPU cores.
 TRAIN_DEFAULTS: dict[str, Any] = {
@@ -61,6 +67,7 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "epochs": 15,
     "batch_size": 256,
     "physical_batch_size": None,
+    "max_batch_size": None,
     "max_grad_norm": 1.0,
     "lr": 1e-2,
     "optimizer": "adam",
@@ -126,6 +133,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--physical-batch-size", type=positive_int,
                        help="largest batch sent through the model at once (memory); the optimizer still "
                        "steps once per logical batch (default: the whole logical batch)")
+    train.add_argument("--max-batch-size", type=max_batch_size_type, metavar="K|auto",
+                       help="fixed-shape batches: every batch has exactly K rows (a larger Poisson draw keeps a "
+                       "random K, a smaller one is padded and masked); the privacy guarantee then also covers "
+                       "the chance of truncation, steps * P[Binomial(N, q) >= K], taken from delta. auto: the "
+                       "smallest K whose truncation costs at most delta / 10 (default: no truncation, batches "
+                       "of varying size)")
     train.add_argument("--max-grad-norm", type=positive_float,
                        help=f"per-sample clipping threshold R (default {d['max_grad_norm']:g})")
     train.add_argument("--lr", type=positive_float, help=f"learning rate (default {d['lr']:g})")

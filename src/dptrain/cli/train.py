@@ -151,13 +151,29 @@ class TrainingRun:
             torch.set_num_threads(1)
 
         generator = None if c["secure_rng"] else torch.Generator().manual_seed(c["seed"])
+        from .. import accounting
         from ..data import poisson_loader  # local: keeps `dptrain plan` / `epsilon` light to start
 
-        self.loader = poisson_loader(self.data.train, batch_size=c["batch_size"], generator=generator)
-        self.steps_per_epoch = len(self.loader)
+        self.sample_rate = c["batch_size"] / n
+        self.steps_per_epoch = max(1, round(1.0 / self.sample_rate))  # as the loader runs an epoch
         self.total_steps = c["epochs"] * self.steps_per_epoch
         # The noise was calibrated for the first run's length; a resumed run may go further.
         self.planned_steps = self.checkpoint["planned_steps"] if self.checkpoint else self.total_steps
+        # Fixed-shape batches: K is resolved once (auto: for the planned steps) and kept by a resumed run.
+        self.max_batch_size = c["max_batch_size"]
+        if self.checkpoint is not None:
+            self.max_batch_size = self.checkpoint.get("max_batch_size")
+        elif self.max_batch_size == "auto":
+            self.max_batch_size = accounting.default_max_batch_size(n, self.sample_rate, c["delta"],
+                                                                    self.planned_steps)
+        self.loader = poisson_loader(self.data.train, batch_size=c["batch_size"], generator=generator,
+                                     max_batch_size=self.max_batch_size)
+        assert len(self.loader) == self.steps_per_epoch
+        if self.private and self.max_batch_size is not None:
+            try:
+                self._poisson_delta(self.total_steps)  # truncation must leave some delta to the accountant
+            except ValueError as err:
+                raise CLIError(f"--max-batch-size {self.max_batch_size}: {err}") from None
 
         optimizer_cls = getattr(torch.optim, OPTIMIZERS[c["optimizer"]])
         self.optimizer = optimizer_cls(self.model.parameters(), lr=c["lr"])
@@ -172,7 +188,9 @@ class TrainingRun:
             else:
                 # Calibrate for the steps the loader really runs (round(1/q) per epoch), so the
                 # final epsilon meets the target exactly rather than for an approximate step count.
-                privacy = {"target_epsilon": c["epsilon"], "target_delta": c["delta"], "steps": self.total_steps}
+                # With fixed-shape batches the accountant gets the delta that truncation leaves.
+                privacy = {"target_epsilon": c["epsilon"], "target_delta": self._poisson_delta(self.total_steps),
+                           "steps": self.total_steps}
             self.engine = PrivacyEngine(
                 self.model, batch_size=c["batch_size"], sample_size=n, max_grad_norm=c["max_grad_norm"],
                 clipping_mode=c["clipping_mode"], clipping_fn=c["clipping_fn"], accountant=c["accountant"],
@@ -184,6 +202,18 @@ class TrainingRun:
         self.previous_wall_time = 0.0
         if self.checkpoint is not None:
             self._restore(self.checkpoint)
+
+    def _poisson_delta(self, steps: int) -> float:
+        """The delta at which the accountant's epsilon holds at --delta for ``steps`` steps: all of it,
+        less the truncation term with --max-batch-size (dptrain.accounting.poisson_delta)."""
+        from .. import accounting
+
+        return accounting.poisson_delta(self.config["delta"], len(self.data.train), self.sample_rate,
+                                        self.max_batch_size, steps)
+
+    def _epsilon(self) -> float:
+        """Epsilon spent so far, at --delta (including the truncation term of fixed-shape batches)."""
+        return self.engine.get_epsilon(self._poisson_delta(self.engine.steps_taken))
 
     def _check_forward(self) -> None:
         """One test image through the model: a model that cannot take this image size is one line."""
@@ -220,6 +250,7 @@ class TrainingRun:
             "config": {k: v for k, v in self.config.items() if k not in ("output", "resume")},
             "epoch": self.epoch,
             "planned_steps": self.planned_steps,
+            "max_batch_size": self.max_batch_size,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "loader": self.loader.state_dict(),
@@ -271,7 +302,7 @@ class TrainingRun:
                     bar.update(1)
                 self.epoch += 1
                 # Epsilon once per epoch: an exact accountant costs ~0.1-0.5 s per evaluation.
-                epsilon = self.engine.get_epsilon(c["delta"]) if self.private else None
+                epsilon = self._epsilon() if self.private else None
                 accuracy = self.evaluate()
                 if self.private:
                     postfix["eps"] = f"{epsilon:.2f}"
@@ -311,13 +342,20 @@ class TrainingRun:
 
     def _step(self, logical: list) -> tuple[int, float]:
         """One optimizer step on a logical batch (a list of physical batches); (batch size, mean loss)."""
+        import torch
         import torch.nn.functional as F
 
-        size = sum(len(y) for _, y in logical)
+        from ..data import masked_losses
+
+        if self.max_batch_size is None:  # batches of varying size, every row real
+            logical = [((x, y), torch.ones(len(y), dtype=torch.bool)) for x, y in logical]
+        size = sum(int(mask.sum()) for _, mask in logical)
         loss_total = 0.0
-        for x, y in logical:
+        for (x, y), mask in logical:
             x, y = self.data.preprocess(x.to(self.device)), y.to(self.device)
             losses = F.cross_entropy(self.model(x), y, reduction="none")
+            if self.max_batch_size is not None:  # padded rows get a loss of exactly 0: they add nothing
+                losses = masked_losses(losses, mask)
             loss_total += float(losses.detach().sum())
             if self.private:
                 self.engine.backward(losses)  # an empty batch still gets its noise at the step
@@ -359,6 +397,7 @@ class TrainingRun:
         print(f"training: {optimizer}, lr {c['lr']:g}, {plural(c['epochs'], 'epoch')} x "
               f"{plural(self.steps_per_epoch, 'step')}, "
               f"Poisson sampling with rate {q:.4g} (expected batch {c['batch_size']})"
+              + (f", fixed-shape batches of {self.max_batch_size} rows" if self.max_batch_size else "")
               + (f", physical batches of at most {c['physical_batch_size']}" if c["physical_batch_size"] else ""))
         if self.checkpoint is not None:
             print(f"resuming after epoch {self.epoch} (step {self.epoch * self.steps_per_epoch})")
@@ -373,6 +412,10 @@ class TrainingRun:
             target = f"noise multiplier {e.noise_multiplier:.4g}"
         print(f"privacy: {target} ({c['accountant']} accountant), max grad norm {c['max_grad_norm']:g}, "
               f"clipping {c['clipping_mode']}/{c['clipping_fn']}")
+        if self.max_batch_size:
+            extra = self._truncation_delta(self.total_steps)
+            print(f"  truncation to {self.max_batch_size} rows: {extra:.3g} of delta {c['delta']:g} over "
+                  f"{plural(self.total_steps, 'step')} (the chance that a Poisson draw reaches it)")
         if c["epsilon"] is not None and self.total_steps > self.planned_steps:
             warnings.warn(f"training {c['epochs']} epochs goes past the {self.planned_steps} steps the noise was "
                           f"calibrated for: epsilon will exceed the target {c['epsilon']:g}")
@@ -383,6 +426,13 @@ class TrainingRun:
         print(f"per-layer norms ({c['clipping_mode']}): {ghost} by ghost norm, {len(decisions) - ghost} "
               f"instantiated, of {len(decisions)} layers (details: dptrain plan --model {c['model']} "
               f"--input-size {' '.join(map(str, data.shape))}{classes}{fix})")
+
+    def _truncation_delta(self, steps: int) -> float | None:
+        if self.max_batch_size is None:
+            return None
+        from .. import accounting
+
+        return accounting.truncation_delta(len(self.data.train), self.sample_rate, self.max_batch_size, steps)
 
     def _layer_decisions(self) -> list[LayerDecision]:
         from ..planning import plan
@@ -411,6 +461,8 @@ class TrainingRun:
             "epochs": c["epochs"],
             "batch_size": c["batch_size"],
             "physical_batch_size": c["physical_batch_size"],
+            "max_batch_size": self.max_batch_size,
+            "truncation_delta": self._truncation_delta(steps) if self.private else None,
             "lr": c["lr"],
             "optimizer": c["optimizer"],
             "model": c["model"],

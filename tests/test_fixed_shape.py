@@ -1,0 +1,336 @@
+"""Fixed-shape Poisson batches: the loader, the padding, and the truncation term of the accounting.
+
+The engine side (``PrivacyEngine(..., max_batch_size=K)``) is not needed here: padded rows are
+checked against the engine as it is, through ``masked_losses``.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+from dptrain import accounting
+from dptrain.data import FixedShapeBatch, PoissonSampler, masked_losses, poisson_loader, split_batches
+
+from helpers import MODES, SINGLE_BACKWARD_MODES, classify, conv_case, linear_case, run_engine, transformer_case
+
+
+class Records(Dataset):
+    """(features [3], label, name): a tensor, a number and a string per example."""
+
+    def __init__(self, n: int):
+        self.x = torch.arange(1, 3 * n + 1, dtype=torch.float32).view(n, 3)  # no row is zero
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], i + 1, f"ex{i}"
+
+
+def _seeded(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- the loader
+
+
+def test_every_batch_has_k_rows_real_rows_first_then_zero_padding():
+    data = Records(40)
+    # q = 0.25 of 40 examples: draws of 0 to ~20 around 10, so K = 8 sees both truncation and padding
+    loader = poisson_loader(data, sample_rate=0.25, max_batch_size=8, steps=60, generator=_seeded(1))
+    assert loader.max_batch_size == 8 and loader.expected_batch_size == 10.0
+    real_counts = []
+    for batch in loader:
+        assert isinstance(batch, FixedShapeBatch)
+        (x, label, name), mask = batch
+        assert x.shape == (8, 3) and label.shape == (8,) and len(name) == 8
+        assert mask.dtype == torch.bool and mask.shape == (8,)
+        n = int(mask.sum())
+        real_counts.append(n)
+        assert mask[:n].all() and not mask[n:].any()  # real rows first
+        indices = (label[:n] - 1).tolist()
+        assert indices == sorted(set(indices))
+        assert torch.equal(x[:n], data.x[indices]) and list(name[:n]) == [f"ex{i}" for i in indices]
+        assert not x[n:].any() and not label[n:].any() and list(name[n:]) == [""] * (8 - n)
+    assert max(real_counts) == 8 and min(real_counts) < 8  # some draws were cut, some padded
+
+
+def test_an_empty_draw_is_all_padding():
+    loader = poisson_loader(Records(5), sample_rate=1e-9, max_batch_size=3, steps=2, generator=_seeded())
+    for (x, label, name), mask in loader:
+        assert x.shape == (3, 3) and not mask.any() and not x.any() and list(name) == ["", "", ""]
+
+
+def test_without_max_batch_size_batches_are_as_before():
+    loader = poisson_loader(Records(20), sample_rate=0.5, steps=3, generator=_seeded())
+    assert loader.max_batch_size is None
+    for batch in loader:
+        assert not isinstance(batch, FixedShapeBatch) and len(batch) == 3
+
+
+def test_inclusion_probability_is_q_when_k_is_not_binding():
+    N, q, steps = 200, 0.1, 2000
+    # P[Binomial(200, 0.1) > 45] < 1e-9: no draw is cut, so each example is in a batch w.p. q
+    sampler = PoissonSampler(N, q, steps=steps, generator=_seeded(2), max_batch_size=45)
+    counts = torch.zeros(N)
+    for batch in sampler:
+        assert len(batch) <= 45
+        counts[batch] += 1
+    sd = math.sqrt(steps * q * (1 - q))  # each example's count is Binomial(steps, q)
+    assert (counts - steps * q).abs().max() < 5.5 * sd
+    assert abs(counts.sum() - N * steps * q) < 5.5 * math.sqrt(N * steps * q * (1 - q))
+
+
+def test_truncation_keeps_a_uniformly_random_subset():
+    # q = 1: every draw is all 6 examples, cut to K = 3: each of the C(6, 3) = 20 subsets w.p. 1/20
+    steps, subsets = 8000, list(itertools.combinations(range(6), 3))
+    sampler = PoissonSampler(6, 1.0, steps=steps, generator=_seeded(3), max_batch_size=3)
+    counts = dict.fromkeys(subsets, 0)
+    for batch in sampler:
+        counts[tuple(batch)] += 1  # sorted, as every batch is
+    expected, sd = steps / 20, math.sqrt(steps * (1 / 20) * (19 / 20))
+    assert max(abs(c - expected) for c in counts.values()) < 5.5 * sd
+
+
+def test_truncation_has_no_bias_towards_any_example():
+    # K = 20 binds often for Binomial(50, 0.5); every example is still in w.p. E[min(X, K)] / N
+    N, q, K, steps = 50, 0.5, 20, 3000
+    half = Fraction(1, 2)
+    expected_rate = float(sum(math.comb(N, j) * half**N * min(j, K) for j in range(N + 1)) / N)
+    sampler = PoissonSampler(N, q, steps=steps, generator=_seeded(4), max_batch_size=K)
+    counts = torch.zeros(N)
+    for batch in sampler:
+        counts[batch] += 1
+    sd = math.sqrt(steps * expected_rate * (1 - expected_rate))  # about: draws are not quite independent
+    assert (counts - steps * expected_rate).abs().max() < 5.5 * sd
+    assert counts[:25].sum() / counts[25:].sum() == pytest.approx(1.0, abs=0.03)
+
+
+def test_checkpoint_resumes_the_same_truncated_batches_and_refuses_another_k():
+    def loader(k=4):
+        return poisson_loader(Records(30), sample_rate=0.3, max_batch_size=k, steps=12, generator=_seeded(5))
+
+    full = [(b.data[1].tolist(), b.mask.tolist()) for b in loader()]
+    first = loader()
+    it = iter(first)
+    for _ in range(5):
+        next(it)
+    state = first.state_dict()
+    assert state["max_batch_size"] == 4
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert [(b.data[1].tolist(), b.mask.tolist()) for b in resumed] == full[5:]
+    with pytest.raises(ValueError, match="max_batch_size=4.*max_batch_size=5"):
+        loader(5).load_state_dict(state)
+    untruncated = poisson_loader(Records(30), sample_rate=0.3, steps=12, generator=_seeded(5))
+    with pytest.raises(ValueError, match="max_batch_size"):
+        untruncated.load_state_dict(state)
+
+
+def test_split_batches_cuts_the_mask_with_the_data():
+    def loader():
+        return poisson_loader(Records(40), sample_rate=0.25, max_batch_size=8, steps=5, generator=_seeded(6))
+
+    for logical, whole in zip(split_batches(loader(), 4), loader()):
+        assert [type(b) for b in logical] == [FixedShapeBatch, FixedShapeBatch]
+        assert torch.equal(torch.cat([b.mask for b in logical]), whole.mask)
+        assert torch.equal(torch.cat([b.data[0] for b in logical]), whole.data[0])
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="max_batch_size must be a positive integer"):
+        poisson_loader(Records(5), sample_rate=0.5, max_batch_size=0)
+    with pytest.raises(ValueError, match="max_batch_size must be a positive integer"):
+        PoissonSampler(5, 0.5, max_batch_size=2.5)
+    with pytest.raises(ValueError, match="not supported with distributed=True"):
+        poisson_loader(Records(5), sample_rate=0.5, max_batch_size=2, distributed=True, num_replicas=1, rank=0)
+    ragged = [torch.zeros(2), torch.zeros(3)]
+    loader = poisson_loader(ragged, sample_rate=1.0, max_batch_size=3, steps=1,
+                            collate_fn=lambda items: torch.stack(items[:1]))
+    with pytest.raises(ValueError, match="collate_fn made 1 rows of 2 examples"):
+        next(iter(loader))
+
+
+def test_masked_losses():
+    losses = torch.tensor([[1.0, 2.0], [float("nan"), float("inf")], [3.0, 4.0]], requires_grad=True)
+    mask = torch.tensor([True, False, True])
+    out = masked_losses(losses, mask)
+    assert torch.equal(out, torch.tensor([[1.0, 2.0], [0.0, 0.0], [3.0, 4.0]]))
+    out.sum().backward()
+    assert torch.equal(losses.grad, torch.tensor([[1.0, 1.0], [0.0, 0.0], [1.0, 1.0]]))
+    with pytest.raises(ValueError, match="boolean"):
+        masked_losses(losses, mask.float())
+    with pytest.raises(ValueError, match="one row per row of the batch"):
+        masked_losses(torch.zeros(2), mask)
+
+
+# ------------------------------------------------------- padded rows through the engine (as it is)
+
+
+def _padded(batch: tuple, extra: int) -> tuple:
+    """The batch with ``extra`` zero rows appended, and its mask as the last element."""
+    B = batch[0].shape[0]
+    padded = tuple(torch.cat([t, torch.zeros((extra, *t.shape[1:]), dtype=t.dtype)]) for t in batch)
+    return (*padded, torch.arange(B + extra) < B)
+
+
+CASES = {
+    "linear": lambda: linear_case(0, token_dims=1),
+    "conv": lambda: conv_case(1, ndim=2),
+    "transformer": lambda: transformer_case(2),
+}
+
+
+@pytest.mark.parametrize("case_name", sorted(CASES))
+@pytest.mark.parametrize("mode, path", [(m, "engine") for m in MODES] + [(m, "mean") for m in SINGLE_BACKWARD_MODES])
+def test_padded_rows_contribute_nothing_to_the_clipped_sum(float64, mode, case_name, path):
+    """engine.backward(masked_losses(...)) of a padded batch, or a plain backward of their mean over
+    all rows, gives the clipped sum of the real rows alone (noise 0)."""
+    case = CASES[case_name]()
+    kwargs = dict(mode=mode, max_grad_norm=0.5, batch_size=4, path=path)  # noise 0: p.grad = clipped sum / 4
+    plain = run_engine(case.model, case.losses_fn, case.batch, **kwargs)
+    padded = _padded(case.batch, 3)
+
+    def masked(model, *batch):
+        return masked_losses(case.losses_fn(model, *batch[:-1]), batch[-1])
+
+    got = run_engine(case.model, masked, padded, **kwargs)
+    assert got.keys() == plain.keys()
+    scale = max(float(g.abs().max()) for g in plain.values())
+    for name in plain:  # the same up to summation order: float64 rounding only
+        assert float((got[name] - plain[name]).abs().max()) <= 1e-12 * scale, (name, mode)
+
+
+def test_padded_rows_are_not_counted_as_samples(float64):
+    # Division by the expected batch size, never by rows: a batch of 1 real row and 5 padded rows
+    # gives the same gradient as the real row alone.
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    x, y = torch.randn(1, 3), torch.tensor([1])
+    kwargs = dict(mode="bk-mixopt", max_grad_norm=10.0, batch_size=7)
+    alone = run_engine(model, classify, (x, y), **kwargs)
+    padded = run_engine(model, lambda m, x, y, mask: masked_losses(classify(m, x, y), mask),
+                        _padded((x, y), 5), **kwargs)
+    expected = torch.autograd.grad(F.cross_entropy(model(x), y), model.weight)[0] / 7
+    assert torch.allclose(alone["weight"], expected, rtol=1e-12, atol=0)
+    for name in alone:  # zero rows add exact zeros; only the summation order may differ
+        assert torch.allclose(padded[name], alone[name], rtol=1e-12, atol=0)
+
+
+# ---------------------------------------------------------------------------- torch.compile
+
+
+def test_fixed_shapes_compile_once_and_poisson_batches_recompile():
+    compiles = []
+
+    def counting_backend(gm, example_inputs):
+        compiles.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
+        return gm.forward
+
+    data = TensorDataset(torch.randn(64, 5), torch.randint(0, 3, (64,)))
+
+    def run(**loader_kwargs) -> int:
+        torch._dynamo.reset()
+        compiles.clear()
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
+
+        @torch.compile(backend=counting_backend, dynamic=False)
+        def step_losses(x, y, mask):
+            return masked_losses(F.cross_entropy(model(x), y, reduction="none"), mask)
+
+        loader = poisson_loader(data, batch_size=16, steps=6, generator=_seeded(7), **loader_kwargs)
+        sizes = set()
+        for batch in loader:
+            if isinstance(batch, FixedShapeBatch):
+                (x, y), mask = batch
+            else:
+                (x, y), mask = batch, torch.ones(len(batch[0]), dtype=torch.bool)
+            sizes.add(len(x))
+            step_losses(x, y, mask).sum().backward()
+        return len(compiles), len(sizes)
+
+    fixed, fixed_sizes = run(max_batch_size=24)
+    assert (fixed, fixed_sizes) == (1, 1)
+    variable, variable_sizes = run()
+    assert variable_sizes > 1 and variable == variable_sizes  # one compilation per batch size
+    torch._dynamo.reset()
+
+
+# ------------------------------------------------------------------------------- accounting
+
+
+def _exact_tail(n: int, q: Fraction, k: int) -> float:
+    """P[Binomial(n, q) >= k], exactly (then rounded)."""
+    return float(sum(math.comb(n, j) * q**j * (1 - q) ** (n - j) for j in range(k, n + 1)))
+
+
+@pytest.mark.parametrize("n", [1, 7, 60, 250])
+@pytest.mark.parametrize("q", [Fraction(1, 1000), Fraction(1, 20), Fraction(3, 10), Fraction(9, 10)])
+def test_truncation_delta_is_the_binomial_tail_times_steps(n, q):
+    for k in sorted({1, 2, n // 4, n // 2, int(n * q) + 1, int(n * q) + 5, n - 1, n, n + 1} - {0}):
+        exact = _exact_tail(n, q, k)
+        got = accounting.truncation_delta(n, float(q), k, 1)
+        assert exact <= got * (1 + 1e-14) and got <= exact * (1 + 1e-9) + 1e-300, (n, q, k, got, exact)
+        assert accounting.truncation_delta(n, float(q), k, 100) == pytest.approx(min(1.0, 100 * got), rel=1e-12)
+
+
+def test_truncation_delta_edges_and_large_datasets():
+    assert accounting.truncation_delta(100, 0.1, 101, 10**6) == 0.0  # K > N: never truncates
+    # K = N truncates a neighbour with N + 1 examples when all N are drawn
+    assert accounting.truncation_delta(100, 0.5, 100, 1) == pytest.approx(0.5**100, rel=1e-9)
+    assert accounting.truncation_delta(100, 0.1, 5, 0) == 0.0
+    assert accounting.truncation_delta(100, 1.0, 100, 1) == 1.0
+    assert accounting.truncation_delta(100, 0.5, 1, 10) == 1.0  # capped
+    # tails far below the smallest float round up, not to 0
+    assert 0.0 < accounting.truncation_delta(10**6, 1e-6, 501, 1) < 1e-300
+    # A billion examples, expected batch 10^6: fast, and decreasing in K
+    tails = [accounting.truncation_delta(10**9, 1e-3, 10**6 + 1 + s * 1000, 1) for s in (0, 2, 4, 6)]
+    assert 0.4 < tails[0] < 0.6 and tails == sorted(tails, reverse=True) and tails[-1] < 1e-8
+    with pytest.raises(ValueError, match="max_batch_size must be a positive integer"):
+        accounting.truncation_delta(100, 0.1, 0, 1)
+    with pytest.raises(ValueError, match="steps must be an integer >= 0"):
+        accounting.truncation_delta(100, 0.1, 5, -1)
+
+
+@pytest.mark.parametrize("n, q, delta, steps", [
+    (60_000, 256 / 60_000, 1e-5, 2_345),  # MNIST-like
+    (1_437, 256 / 1_437, 1e-5, 90),       # dptrain train's default run
+    (50, 0.5, 0.01, 1),
+    (10**9, 1e-4, 1e-10, 10**5),
+])
+def test_default_max_batch_size_is_the_smallest_k_within_a_tenth_of_delta(n, q, delta, steps):
+    k = accounting.default_max_batch_size(n, q, delta, steps)
+    assert accounting.truncation_delta(n, q, k, steps) <= delta / 10
+    assert k == 1 or accounting.truncation_delta(n, q, k - 1, steps) > delta / 10
+    assert k > n * q  # never below the expected batch size
+    assert accounting.poisson_delta(delta, n, q, k, steps) >= 0.9 * delta
+
+
+def test_poisson_delta_and_epsilon_with_truncation():
+    n, q, steps, delta = 10_000, 0.01, 500, 1e-5
+    k = 140  # P[Binomial(10^4, 0.01) > 140] ~ 1e-4: far too often for this delta
+    assert accounting.poisson_delta(delta, n, q, None, steps) == delta
+    with pytest.raises(ValueError, match=r"max_batch_size=140 truncates too often.*max_batch_size >= \d+"):
+        accounting.poisson_delta(delta, n, q, k, steps)
+    with pytest.raises(ValueError, match="truncates too often"):
+        accounting.compute_epsilon(1.0, q, steps, delta, sample_size=n, max_batch_size=k)
+    with pytest.raises(ValueError, match="max_batch_size needs sample_size"):
+        accounting.compute_epsilon(1.0, q, steps, delta, max_batch_size=k)
+
+    k = accounting.default_max_batch_size(n, q, delta, steps)
+    left = accounting.poisson_delta(delta, n, q, k, steps)
+    assert left == delta - accounting.truncation_delta(n, q, k, steps)
+    truncated = accounting.compute_epsilon(1.0, q, steps, delta, sample_size=n, max_batch_size=k)
+    assert truncated == accounting.compute_epsilon(1.0, q, steps, left)
+    assert truncated >= accounting.compute_epsilon(1.0, q, steps, delta)  # the price of fixed shapes
+    sigma = accounting.calibrate_noise_multiplier(2.0, delta, q, steps, sample_size=n, max_batch_size=k)
+    assert 0.99 * 2.0 <= accounting.compute_epsilon(sigma, q, steps, left) <= 2.0
+    assert sigma >= accounting.calibrate_noise_multiplier(2.0, delta, q, steps)

@@ -50,6 +50,7 @@ class EngineConfig:
     target_epsilon: float | None
     target_delta: float
     planned_steps: int | None  # the length the noise was calibrated for (None: noise_multiplier was given)
+    max_batch_size: int | None  # K of fixed-shape batches (None: Poisson batches are never truncated)
     clipping_mode: str
     clipping_fn: str
     clipping_style: Any
@@ -86,7 +87,7 @@ class _FromConfig:
 
 
 def _noise_multiplier(sigma, target_epsilon, target_delta, epochs, steps, sample_rate, accountant,
-                      delta_given: bool) -> tuple[float, int | None]:
+                      delta_given: bool, sample_size: int, max_batch_size: int | None) -> tuple[float, int | None]:
     """(noise multiplier, planned steps): the one given, or the one calibrated for the planned run."""
     if (sigma is None) == (target_epsilon is None):
         raise ValueError("give exactly one of noise_multiplier or target_epsilon (with epochs or steps)")
@@ -100,7 +101,8 @@ def _noise_multiplier(sigma, target_epsilon, target_delta, epochs, steps, sample
     # An epoch is round(1/q) Poisson steps, as dptrain.data.poisson_loader runs it.
     planned = steps if steps is not None else int(math.ceil(epochs * max(1, round(1 / sample_rate))))
     return accounting.calibrate_noise_multiplier(target_epsilon, target_delta, sample_rate, planned,
-                                                 accountant=accountant), planned
+                                                 accountant=accountant, sample_size=sample_size,
+                                                 max_batch_size=max_batch_size), planned
 
 
 class _Phase(Enum):
@@ -134,6 +136,7 @@ class PrivacyEngine:
     target_epsilon = _FromConfig()
     target_delta = _FromConfig()
     planned_steps = _FromConfig()
+    max_batch_size = _FromConfig()
     clipping_mode = _FromConfig()
     clipping_fn = _FromConfig()
     clipping_style = _FromConfig()
@@ -169,6 +172,7 @@ class PrivacyEngine:
         allow_fallback: bool = True,
         batch_first: bool = True,
         budget: str = "warn",
+        max_batch_size: int | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -197,9 +201,12 @@ class PrivacyEngine:
             allow_fallback=bool(allow_fallback),
             batch_first=bool(batch_first),
             budget=checks.choice("budget", budget, BUDGETS),
+            max_batch_size=None if max_batch_size is None else checks.positive_int(
+                "max_batch_size", max_batch_size, "the fixed number of rows of every batch, K"),
         )
         sigma, planned = _noise_multiplier(noise_multiplier, target_epsilon, checked["target_delta"], epochs, steps,
-                                           batch_size / sample_size, accountant, delta_given)
+                                           batch_size / sample_size, accountant, delta_given, sample_size,
+                                           checked["max_batch_size"])
         self.config = EngineConfig(noise_multiplier=sigma, planned_steps=planned, **checked)
         self.model = model
         self.accountant = accounting.create_accountant(accountant)
@@ -408,6 +415,13 @@ class PrivacyEngine:
                     f"the loader samples with q={loader.sample_rate:.6g} but the engine accounts for "
                     f"q = batch_size / sample_size = {self.sample_rate:.6g}: build both from the same batch size "
                     "and dataset size"
+                )
+            loader_k = getattr(getattr(loader, "batch_sampler", None), "max_batch_size", None)
+            if loader_k != self.max_batch_size:
+                raise ValueError(
+                    f"the loader makes batches with max_batch_size={loader_k!r} but the engine accounts for "
+                    f"max_batch_size={self.max_batch_size!r}: give PrivacyEngine the loader's max_batch_size "
+                    "(truncating batches changes the privacy accounting)"
                 )
         elif not self._warned_loader:
             self._warned_loader = True
@@ -943,8 +957,12 @@ class PrivacyEngine:
     def _epsilon_after(self, steps: int) -> float:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return accounting.compute_epsilon(self.noise_multiplier, self.sample_rate, steps, self.target_delta,
-                                              accountant=self.accountant.name)
+            try:
+                return accounting.compute_epsilon(self.noise_multiplier, self.sample_rate, steps, self.target_delta,
+                                                  accountant=self.accountant.name, sample_size=self.sample_size,
+                                                  max_batch_size=self.max_batch_size)
+            except ValueError:  # truncation alone uses up target_delta by then
+                return math.inf
 
     def _steps_within_budget(self) -> int:
         """The largest number of steps whose epsilon stays within ``target_epsilon`` (at least the plan)."""
@@ -985,7 +1003,9 @@ class PrivacyEngine:
 
     def get_epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent by the steps taken so far, at ``delta`` (default: ``target_delta``)."""
-        return self.accountant.get_epsilon(self.target_delta if delta is None else delta)
+        delta = self.target_delta if delta is None else delta
+        return self.accountant.get_epsilon(accounting.poisson_delta(
+            delta, self.sample_size, self.sample_rate, self.max_batch_size, self.steps_taken))
 
     def privacy_report(self, delta: float | None = None) -> dict:
         delta = self.target_delta if delta is None else delta
@@ -1000,6 +1020,9 @@ class PrivacyEngine:
             "accountant": self.accountant.name,
             "max_grad_norm": self.max_grad_norm,
             "clipping_mode": self.clipping_mode,
+            "max_batch_size": self.max_batch_size,
+            "truncation_delta": 0.0 if self.max_batch_size is None else accounting.truncation_delta(
+                self.sample_size, self.sample_rate, self.max_batch_size, self.steps_taken),
         }
 
     # ------------------------------------------------------------------ checkpoints

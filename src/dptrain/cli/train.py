@@ -188,15 +188,15 @@ class TrainingRun:
             else:
                 # Calibrate for the steps the loader really runs (round(1/q) per epoch), so the
                 # final epsilon meets the target exactly rather than for an approximate step count.
-                # With fixed-shape batches the accountant gets the delta that truncation leaves.
-                privacy = {"target_epsilon": c["epsilon"], "target_delta": self._poisson_delta(self.total_steps),
-                           "steps": self.total_steps}
+                # With fixed-shape batches the engine calibrates at the delta that truncation leaves.
+                privacy = {"target_epsilon": c["epsilon"], "target_delta": c["delta"], "steps": self.total_steps}
             self.engine = PrivacyEngine(
                 self.model, batch_size=c["batch_size"], sample_size=n, max_grad_norm=c["max_grad_norm"],
                 clipping_mode=c["clipping_mode"], clipping_fn=c["clipping_fn"], accountant=c["accountant"],
-                secure_rng=c["secure_rng"], seed=None if c["secure_rng"] else c["seed"], **privacy,
+                secure_rng=c["secure_rng"], seed=None if c["secure_rng"] else c["seed"],
+                max_batch_size=self.max_batch_size, **privacy,
             )
-            self.engine.attach(self.optimizer)
+            self.engine.attach(self.optimizer, data_loader=self.loader)
 
         self.history: dict[str, list] = {"step_loss": [], "epochs": []}
         self.previous_wall_time = 0.0
@@ -212,8 +212,8 @@ class TrainingRun:
                                         self.max_batch_size, steps)
 
     def _epsilon(self) -> float:
-        """Epsilon spent so far, at --delta (including the truncation term of fixed-shape batches)."""
-        return self.engine.get_epsilon(self._poisson_delta(self.engine.steps_taken))
+        """Epsilon spent so far, at --delta (the engine includes the truncation term of fixed-shape batches)."""
+        return self.engine.get_epsilon(self.config["delta"])
 
     def _check_forward(self) -> None:
         """One test image through the model: a model that cannot take this image size is one line."""

@@ -224,6 +224,8 @@ def test_an_embedding_on_broadcast_ids_added_to_the_batch_stays_exact(float64):
        layout=st.sampled_from(["identity", "blocks", "interleaved", "permuted", "mixed"]))
 def test_read_rows_finds_the_sample_of_every_row_or_refuses(batch, per, width, seed, layout):
     g = torch.Generator().manual_seed(seed)
+    if layout == "mixed":  # rows of one value can mix into a tag's value by chance: the residual needs two
+        width = max(width, 2)
     n = batch * (1 if layout in ("identity", "permuted") else per)
     owner = {"identity": torch.arange(batch), "blocks": torch.arange(batch).repeat_interleave(per),
              "interleaved": torch.arange(batch).repeat(per), "permuted": torch.randperm(batch, generator=g),

@@ -154,34 +154,27 @@ class PerClassVectors(nn.Module):
         return torch.tanh(self.inp(x)).mean(1) @ self.proj(self.classes).t()
 
 
-class PositionTable(nn.Module):
-    """nanoGPT: wpe(arange(T)) added to wte(ids): the table's rows are positions, shared by every sample."""
+class Positions(nn.Module):
+    """A position embedding added to the tokens' features, looked up as nanoGPT does (``table``: [T] ids, rows
+    shared by every sample), on [1, T] ids reduced over their batch axis by user code (``reduced``), or on
+    [1, T] ids broadcast by the addition, as Hugging Face's GPT-2 does (``broadcast``: per-sample once expanded)."""
 
-    def __init__(self):
+    def __init__(self, lookup: str):
         super().__init__()
+        self.lookup = lookup
         self.wte, self.wpe = nn.Linear(6, 8), nn.Embedding(16, 8)
         self.head = nn.Linear(8, 3)
 
     def forward(self, x):
-        pos = self.wpe(torch.arange(x.shape[1]))
+        ids = torch.arange(x.shape[1])
+        pos = {"table": lambda: self.wpe(ids), "reduced": lambda: self.wpe(ids.unsqueeze(0)).sum(0),
+               "broadcast": lambda: self.wpe(ids.unsqueeze(0))}[self.lookup]()
         return self.head(torch.tanh(self.wte(x) + pos).mean(1))
 
 
-class BroadcastThenIndexed(nn.Module):
-    """An embedding fed [1, T] ids whose output user code reduces over its batch axis (pos.sum(0))."""
-
-    def __init__(self):
-        super().__init__()
-        self.wte, self.wpe = nn.Linear(6, 8), nn.Embedding(16, 8)
-        self.head = nn.Linear(8, 3)
-
-    def forward(self, x):
-        pos = self.wpe(torch.arange(x.shape[1]).unsqueeze(0)).sum(0)
-        return self.head(torch.tanh(self.wte(x) + pos).mean(1))
-
-
-MIXING = {"per-class vectors": (lambda: PerClassVectors(4), "proj"), "position table": (PositionTable, "wpe"),
-          "[1, T] ids reduced over the batch": (BroadcastThenIndexed, "wpe")}
+MIXING = {"per-class vectors": (lambda: PerClassVectors(4), "proj"),
+          "position table": (lambda: Positions("table"), "wpe"),
+          "[1, T] ids reduced over the batch": (lambda: Positions("reduced"), "wpe")}
 
 
 @pytest.mark.parametrize("name", list(MIXING))
@@ -200,18 +193,8 @@ def test_rows_that_mix_samples_are_refused_also_when_B_equals_their_count(float6
 def test_an_embedding_on_broadcast_ids_added_to_the_batch_stays_exact(float64):
     """[1, T] position ids broadcast by an addition (Hugging Face's GPT-2): the expanded rows are per-sample."""
 
-    class Gpt2Positions(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.wte, self.wpe = nn.Linear(6, 8), nn.Embedding(16, 8)
-            self.head = nn.Linear(8, 3)
-
-        def forward(self, x):
-            pos = self.wpe(torch.arange(x.shape[1]).unsqueeze(0))
-            return self.head(torch.tanh(self.wte(x) + pos).mean(1))
-
     torch.manual_seed(0)
-    model = Gpt2Positions().double()
+    model = Positions("broadcast").double()
     for mode, path in [("bk-mixopt", "engine"), ("ghost", "engine"), ("per-sample", "plain")]:
         batches = [_data(4, 4, seed=1), _data(3, 4, seed=2)]
         got = _clipped_sum(copy.deepcopy(model), mode, path, batches)

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.modules import module as _module_globals
 
 from .distributed import is_dtensor
+from .layers.numerics import swap01
 from .layers.protocol import LayerDims, LayerRule
 from .layers.fallback import in_replay
 from .rows import ReorderWatch, RowReader, pattern_key
@@ -52,12 +53,12 @@ class Call:
     version: int | None = None  # the activation's version counter when it was captured
     forward_id: int | None = None  # the model call it belongs to (None: outside one, or a recomputation)
     recomputed: bool = False  # recorded during a backward pass (checkpointing recomputes the forward)
-    batch_checked: bool = False  # made inside a model call whose batch size is known
     grad: torch.Tensor | None = None
     shape: tuple = ()  # the shape of the output (the gradient) as the rule sees it
     key: tuple = ()  # rows.pattern_key: the shape relative to the batch size
     ordinal: int | None = None  # which call of its layer in the model call (or the recomputation); None: neither
     cacheable: bool = False  # its layout may be cached (a watched model call, no reordering op before it)
+    unread: bool = False  # no layout was known for its pattern when it was recorded: a tag pass reads it
     tagged: torch.Tensor | None = None  # its output gradient in a tag pass
     tags: torch.Tensor | None = None  # the per-sample tags of that pass
     rowmap: Any = None  # rows.RowMap, once read
@@ -311,9 +312,12 @@ class Capture:
             return None
         self._finished_forward = True
         self._open_forward = None
-        watch = self._watch
-        self.rows.forward_clean = watch is not None and not watch.seen or (
-            watch is None and self.rows.forward_clean and not self._forward_needs_tags)
+        # Recomputations of this call (checkpointing) may cache their layouts if it picked no rows by the data:
+        # known from its watch, or, unwatched with nothing new, as for the model call that was watched last.
+        if self._watch is not None:
+            self.rows.forward_clean = not self._watch.seen
+        elif self._forward_needs_tags:
+            self.rows.forward_clean = False
         self._end_watch()
         # The next model call is watched if this one had patterns not verified yet (they are read in this
         # step's backward, and cached only from a watched call).
@@ -511,7 +515,7 @@ class Capture:
         output_swapped = seen_output is not tensor
         if not tensor.requires_grad and not self.dry:
             tensor = _Origin.apply(self._anchor(tensor.device), tensor)
-        seen = _swap01(tensor) if output_swapped else tensor
+        seen = swap01(tensor) if output_swapped else tensor
         if seen.dim() and seen.shape[0] == 1 and forward_batch is not None and forward_batch != 1:
             if not self.batch_first:
                 raise ValueError(
@@ -527,7 +531,7 @@ class Capture:
         dims = state.rule.dims(module, activation, seen)
         version = activation._version if isinstance(activation, torch.Tensor) else None
         forward_id = None if recomputed else self._open_forward
-        call = Call(activation, dims, batch, version, forward_id, recomputed, forward_batch is not None)
+        call = Call(activation, dims, batch, version, forward_id, recomputed)
         call.shape = tuple(seen.shape)
         if forward_batch is not None:
             ordinals = self._recomputed_ordinals if recomputed else self._ordinals
@@ -537,7 +541,7 @@ class Capture:
             call.cacheable = (self.rows.forward_clean if recomputed
                               else self._watch is not None and not self._watch.seen)
         if not self.dry and not recomputed and self.rows.needs_tags(state, call):
-            self._forward_needs_tags = True
+            call.unread = self._forward_needs_tags = True
         state.calls.append(call)
         if self.dry:  # sizes are all a plan needs; nothing holds the call but this list
             call.activation = None
@@ -546,14 +550,20 @@ class Capture:
                 self.called.append(state)
             return tensor
         if output_swapped:
-            tensor.register_hook(lambda g: self.on_grad(state, call, _swap01(g)))
+            tensor.register_hook(lambda g: self.on_grad(state, call, swap01(g)))
         else:
             tensor.register_hook(lambda g: self.on_grad(state, call, g))
         return tensor
 
 
-def _swap01(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(0, 1) if isinstance(t, torch.Tensor) and t.dim() >= 2 else t
+def outside_model_call(state: LayerState) -> ValueError:
+    """The refusal of a layer call whose samples cannot be counted: made outside a call of the model."""
+    return ValueError(
+        f"{state.name or '<root>'} ({type(state.module).__name__}) was called outside a call of the model given "
+        "to the engine, or the model's input held no tensor to read the batch size from: through a plain "
+        "loss.backward() the engine cannot tell which sample each row belongs to. Call the model itself "
+        "(model(x)), or use engine.backward(per_sample_losses)"
+    )
 
 
 def _batch_to_front(inputs, batch: int | None, state: LayerState):
@@ -562,7 +572,7 @@ def _batch_to_front(inputs, batch: int | None, state: LayerState):
         if inputs.dim() < 2:
             return inputs
         if batch is None:
-            return _swap01(inputs)
+            return swap01(inputs)
         first, second = inputs.shape[0] == batch, inputs.shape[1] == batch
         if first and second:
             raise ValueError(
@@ -571,7 +581,7 @@ def _batch_to_front(inputs, batch: int | None, state: LayerState):
                 "as many positions as samples the engine cannot tell which axis is the batch. Use another batch "
                 "size for this step"
             )
-        return _swap01(inputs) if second else inputs
+        return swap01(inputs) if second else inputs
     if isinstance(inputs, tuple):
         return tuple(_batch_to_front(x, batch, state) for x in inputs)
     if isinstance(inputs, dict):

@@ -19,11 +19,12 @@ from torch import nn
 
 from . import accounting, checks, data, distributed
 from .algorithms import DEFAULT_CLIPPING_MODE, RECIPES
-from .capture import Call, Capture, LayerState, graph_task, in_backward
+from .capture import Call, Capture, LayerState, graph_task, in_backward, outside_model_call
 from .clipping import CLIPPING_FNS, build_groups, group_threshold
 from .layers import resolve_rule
 from .layers.registry import layer_params
 from .layers.fallback import FallbackRule, fallback_warning
+from .losses import LOSS_REDUCTIONS
 from .noise import GaussianNoise
 from .pipeline import BackwardPipeline, Overflow, StepSums
 from .planning import DECISION_RULES, DEFAULT_DECISION_RULE, LayerDecision
@@ -31,7 +32,6 @@ from .precision import LossScaling
 from .rows import RowReader, tag_passes, tag_rows
 from .validation import validate
 
-LOSS_REDUCTIONS = ("mean", "sum")
 BUDGETS = ("warn", "strict")
 
 # Engines attached right now, by the model they hook: a second engine on the same model (or on a part
@@ -254,7 +254,6 @@ class PrivacyEngine:
         self._done_forwards: set[int] = set()  # model calls already back-propagated in this step
         self._callback_queued = False
         self._callback_task = -1
-        self._agreed_tags: int | None = None  # data parallelism: the tag passes every rank runs in this backward
 
         # Counters.
         self.steps_taken = 0
@@ -511,11 +510,11 @@ class PrivacyEngine:
             losses = losses.flatten(1).sum(1)
         # Whether a tag pass runs (rows.py) is agreed by every rank, the empty and overflowed ones included:
         # it is one more backward, in which FSDP2 gathers the parameters.
-        self._agreed_tags = None
+        passes = None  # tag passes (rows.py) agreed by every rank: one more backward each, in which FSDP2 gathers
         if self._parallel is not None:
             needs = losses.shape[0] > 0 and losses.requires_grad and self._needs_tags()
             flag, most = self._parallel.maximum([float(needs), float(losses.shape[0])], losses.device)
-            self._agreed_tags = tag_passes(int(most)) if flag else 0
+            passes = tag_passes(int(most)) if flag else 0
         # Without a scaler, non-finite losses show as non-finite norms (checked once, with them): no extra
         # host-device synchronisation on the hot path.
         if self._scaling is not None and not torch.isfinite(losses).all():
@@ -535,7 +534,7 @@ class PrivacyEngine:
             if B == 0 and losses.requires_grad and isinstance(self._parallel, distributed.FSDP2Gradients):
                 # FSDP2 gathers parameters inside each backward: a rank with an empty batch runs as many.
                 self._phase = _Phase.DISCARD
-                passes = (1 + self._num_groups if self.recipe.two_pass else 1) + self._agreed_tags
+                passes += 1 + self._num_groups if self.recipe.two_pass else 1
                 try:
                     for k in range(passes):
                         torch.autograd.backward(losses.sum(), retain_graph=k < passes - 1)
@@ -549,7 +548,7 @@ class PrivacyEngine:
         overflow = False
         try:
             self._pipeline.samples = B
-            overflow = self._scaled_backward(losses)
+            overflow = self._scaled_backward(losses, passes)
             self._backward_done()
         except FloatingPointError as err:
             self._abort_backward()
@@ -568,7 +567,7 @@ class PrivacyEngine:
             self._rows.end_backward()
         self._after_backward(overflow)
 
-    def _scaled_backward(self, losses: torch.Tensor) -> bool:
+    def _scaled_backward(self, losses: torch.Tensor, passes: int | None) -> bool:
         """One backward (both passes in the two-pass modes); True if it overflowed and the step is skipped.
 
         Without a GradScaler the objective is ``sum_i L_i``. With one, ``losses`` carry its scale S and
@@ -579,7 +578,7 @@ class PrivacyEngine:
         """
         B = losses.shape[0]
         if self._scaling is None:
-            self._one_backward(losses, 1.0, 1.0, retain=False)
+            self._one_backward(losses, 1.0, 1.0, retain=False, passes=passes)
             return False
         scale = self._scaling.scale()
         retry = self._scaling.can_retry(scale, self.recipe.two_pass, self._parallel is not None)
@@ -587,7 +586,7 @@ class PrivacyEngine:
         while True:
             try:
                 self._pipeline.consumed = [] if retry else None
-                self._one_backward(losses, attempt / B, scale * attempt / B, retain=retry)
+                self._one_backward(losses, attempt / B, scale * attempt / B, retain=retry, passes=passes)
                 break
             except Overflow:
                 if not retry or scale * attempt <= 1.0:  # below scale 1 a smaller scale no longer helps: a real NaN
@@ -599,10 +598,13 @@ class PrivacyEngine:
         self._scaling.worked(scale, attempt)
         return False
 
-    def _one_backward(self, losses: torch.Tensor, factor: float, kappa: float, retain: bool) -> None:
-        """Back-propagate ``factor * sum_i losses_i``; ``kappa`` is that objective's factor on the true losses."""
+    def _one_backward(self, losses: torch.Tensor, factor: float, kappa: float, retain: bool,
+                      passes: int | None) -> None:
+        """Back-propagate ``factor * sum_i losses_i``; ``kappa`` is that objective's factor on the true losses.
+
+        First the tag passes that read new patterns' rows: ``passes`` (agreed by every rank), or, in one
+        process (None), as many as the batch needs if a call waits with an unread pattern."""
         objective = losses.sum() if factor == 1.0 else (losses * factor).sum()
-        passes = self._agreed_tags
         if passes is None:
             passes = tag_passes(losses.shape[0]) if self._needs_tags() else 0
         if passes:
@@ -613,7 +615,7 @@ class PrivacyEngine:
         else:
             self._phase = _Phase.SINGLE
             torch.autograd.backward(objective, retain_graph=retain)
-            self._pipeline.finish(losses.shape[0], 1.0 / kappa, self._scaling is not None)
+            self._pipeline.finish(losses.shape[0], 1.0 / kappa)
 
     def _two_pass_backward(self, losses: torch.Tensor, objective: torch.Tensor, factor: float, kappa: float) -> None:
         """Lee & Kifer: norms from a first backward of sum_i L_i, then back-propagate sum_i C_i L_i.
@@ -626,7 +628,7 @@ class PrivacyEngine:
         """
         self._phase = _Phase.FIRST_PASS
         torch.autograd.backward(objective, retain_graph=True)
-        factors = self._pipeline.finish(losses.shape[0], 1.0 / kappa, self._scaling is not None)
+        factors = self._pipeline.finish(losses.shape[0], 1.0 / kappa)
         ones = torch.full_like(factors[0], 1.0 / kappa)
         self._phase = _Phase.SECOND_PASS
         self._sums.begin()
@@ -644,7 +646,7 @@ class PrivacyEngine:
         recomputed = self._rows.recomputed_batches
         if recomputed is not None and self._capture.forward_batch not in recomputed:
             return True
-        return any(self._rows.needs_tags(state, call) for state in self._layers for call in state.calls)
+        return any(call.unread and call.rowmap is None for state in self._layers for call in state.calls)
 
     def _tag_pass(self, losses: torch.Tensor, factor: float, passes: int) -> None:
         """Back-propagate ``factor * sum_i v_i L_i`` once per set of per-sample tags ``v`` (``rows.make_tags``):
@@ -718,13 +720,8 @@ class PrivacyEngine:
                     "engine.backward(per_sample_losses) instead of loss.backward()"
                 )
             self._begin_plain_backward(from_layer=call)
-            if not call.batch_checked and not call.recomputed:
-                raise ValueError(
-                    f"{state.name or '<root>'} ({type(state.module).__name__}) was called outside a call of the model "
-                    "given to the engine, or the model's input held no tensor to read the batch size from: through a "
-                    "plain loss.backward() the engine cannot check that this layer's rows are samples. Call the "
-                    "model itself (model(x)), or use engine.backward(per_sample_losses)"
-                )
+            if call.batch_size is None and not call.recomputed:
+                raise outside_model_call(state)
         if call.forward_id is not None and call.forward_id in self._done_forwards:
             raise RuntimeError(
                 f"{state.name or '<root>'}: this model call was already back-propagated in this step (one forward, "
@@ -795,7 +792,7 @@ class PrivacyEngine:
         try:
             batch = self._pipeline.reduce_all(expected=None)
             scale = float(batch) if self.loss_reduction == "mean" else 1.0
-            self._pipeline.finish(batch, scale / self._loss_scale(), self._scaling is not None)
+            self._pipeline.finish(batch, scale / self._loss_scale())
         except Overflow:
             self._rows.end_backward()
             self._after_backward(overflow=True)

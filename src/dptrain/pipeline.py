@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from .algorithms import Grad, Norm, Recipe
-from .capture import Call, LayerState
+from .capture import Call, LayerState, outside_model_call
 from .clipping import clipping_factors
-from .layers.numerics import shared_sq_norm
+from .layers.numerics import float32_at_least, shared_sq_norm
 from .layers.protocol import LayerDims
 from .planning import LayerDecision, decide_parameter, join_dims
 from .rows import NonFiniteRows, RowReader
@@ -212,12 +212,7 @@ class BackwardPipeline:
             raise ValueError(f"module {state.name!r} was called with different batch sizes {sorted(sizes)} in one forward")
         batch = sizes.pop()
         if batch is None:
-            raise ValueError(
-                f"{state.name or '<root>'} ({type(state.module).__name__}) was called outside a call of the model "
-                "given to the engine, or the model's input held no tensor to read the batch size from: through a "
-                "plain loss.backward() the engine cannot tell which sample each row belongs to. Call the model "
-                "itself (model(x)), or use engine.backward(per_sample_losses)"
-            )
+            raise outside_model_call(state)
         # With ghost differentiation autograd does not save a layer's input, so its own check
         # for inputs modified in place cannot fire: this one does.
         if any(c.version is not None and c.activation._version != c.version for c in calls):
@@ -232,11 +227,7 @@ class BackwardPipeline:
             try:
                 rowmap = self.rows.resolve(state, c, batch)
             except NonFiniteRows:
-                if self.overflow_skippable:
-                    raise Overflow from None
-                raise FloatingPointError(
-                    "a per-sample gradient norm is inf or NaN (overflow or a NaN in the model): nothing was "
-                    "accumulated for this batch; check the inputs, the learning rate, or use float32") from None
+                raise self._non_finite() from None
             if rowmap.identity:
                 parts.append(rule.operands(module, c.activation, c.grad))
                 dims.append(c.dims)
@@ -283,7 +274,7 @@ class BackwardPipeline:
             for ready, n in parts:
                 g = ready.state.rule.per_sample_grads(ready.state.module, ready.ops, {n})[n]
                 per_sample = g if per_sample is None else per_sample + g
-            sq_norm = _float32(per_sample).flatten(1).square().sum(1)
+            sq_norm = float32_at_least(per_sample).flatten(1).square().sum(1)
         self._works[p] = _ParamWork(
             group=self.group_of[p],
             batch_size=first.batch_size,
@@ -325,7 +316,16 @@ class BackwardPipeline:
         return distinct.pop() if distinct else 0
 
     # ------------------------------------------------------------------ stages 3-4: factors, clipped sum
-    def finish(self, expected_batch: int | None, scale: float, overflow_is_skippable: bool) -> list[torch.Tensor]:
+    def _non_finite(self) -> Exception:
+        """Inf or NaN in a backward: an ``Overflow`` a GradScaler acts on, or an error."""
+        if self.overflow_skippable:
+            return Overflow()
+        return FloatingPointError(
+            "a per-sample gradient norm is inf or NaN (overflow or a NaN in the model): nothing was "
+            "accumulated for this batch; check the inputs, the learning rate, or use float32"
+        )
+
+    def finish(self, expected_batch: int | None, scale: float) -> list[torch.Tensor]:
         """Clipping factors per group; the single-backward modes then add the clipped sum to the step's sums.
 
         Non-finite norms raise ``Overflow`` where a GradScaler can act on it, else ``FloatingPointError``.
@@ -339,12 +339,7 @@ class BackwardPipeline:
             factors, finite = clipping_factors_by_group(group_sq, batch, scale, self.threshold, self.clipping_fn,
                                                         self.clipping_gamma)
             if not finite:
-                if overflow_is_skippable:
-                    raise Overflow
-                raise FloatingPointError(
-                    "a per-sample gradient norm is inf or NaN (overflow or a NaN in the model): nothing was "
-                    "accumulated for this batch; check the inputs, the learning rate, or use float32"
-                )
+                raise self._non_finite()
             self.last_decisions = [self._decisions[id(s)] for s in self.layers if id(s) in self._decisions]
             if not self.recipe.two_pass:
                 self.sums.begin()
@@ -360,7 +355,7 @@ class BackwardPipeline:
     def _gradient_stage(self, p: nn.Parameter, work: _ParamWork, factor: torch.Tensor) -> None:
         """Module 5 (weighted sum of kept per-sample gradients) or 2b(C) (book-keeping) for one parameter."""
         if work.per_sample is not None:  # factors stay float32: rounding them to bf16 would exceed R by 2^-8
-            per_sample = _float32(work.per_sample)
+            per_sample = float32_at_least(work.per_sample)
             self.sums.add(p, torch.tensordot(factor.to(per_sample.dtype), per_sample, dims=1))
         for state, name, ops in work.book:
             self.sums.add(p, state.rule.clipped_grads(state.module, ops, {name: factor})[name])
@@ -420,7 +415,3 @@ class BackwardPipeline:
         self._decisions.clear()
         self.reweighted = []
         self.forwards = set()
-
-
-def _float32(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t

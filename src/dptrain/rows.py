@@ -54,23 +54,32 @@ class Layout:
     axes: int
     kind: str
 
+    def fits(self, shape: tuple[int, ...], batch: int) -> bool:
+        """Whether a call of this shape can have this layout for ``batch`` samples (no tensor is built)."""
+        if len(shape) < self.axes or batch <= 0:
+            return False
+        rows = shape[0] if self.axes == 1 else shape[0] * shape[1]
+        if self.kind == "identity":
+            return rows == batch
+        if self.kind == "transposed":
+            return shape[1] == batch
+        return rows % batch == 0
+
     def samples(self, shape: tuple[int, ...], batch: int) -> torch.Tensor | None:
         """The sample of each row for a call of this shape, or None where the shape does not fit."""
-        rows = shape[0] if self.axes == 1 else shape[0] * shape[1]
-        if self.kind == "identity" and self.axes == 1:
-            return torch.arange(batch) if rows == batch else None
-        if self.kind == "transposed":
-            if shape[1] != batch:
-                return None
-            return torch.arange(batch).repeat(shape[0])
-        if rows % batch:
+        if not self.fits(shape, batch):
             return None
-        k = rows // batch
+        rows = shape[0] if self.axes == 1 else shape[0] * shape[1]
+        if self.kind == "identity":
+            return torch.arange(batch)
+        if self.kind == "transposed":
+            return torch.arange(batch).repeat(shape[0])
         if self.kind == "blocks":
-            return torch.arange(batch).repeat_interleave(k)
-        if self.kind == "interleaved":
-            return torch.arange(batch).repeat(k)
-        return None
+            return torch.arange(batch).repeat_interleave(rows // batch)
+        return torch.arange(batch).repeat(rows // batch)  # interleaved
+
+
+IDENTITY = Layout(1, "identity")
 
 
 def pattern_key(shape: tuple[int, ...], batch: int) -> tuple:
@@ -111,7 +120,7 @@ class RowMap:
     """The sample of every row of one call (``samples[r]``; -1: a row with no gradient this step)."""
 
     axes: int
-    samples: torch.Tensor  # long, on the CPU
+    samples: torch.Tensor | None  # long, on the CPU (None for the identity taken from a cached layout)
     batch: int
     identity: bool
     layout: Layout | None  # the structural layout these samples follow, if any
@@ -227,22 +236,24 @@ def _classify(samples: torch.Tensor, shape, batch: int, axes: int) -> RowMap:
         expected = layout.samples(tuple(shape), batch)
         if expected is not None and expected.numel() == samples.numel() and bool((expected[known] == samples[known]).all()):
             # rows without a gradient this step follow the structure of those with one
-            identity = layout.kind == "identity" and axes == 1
+            identity = layout == IDENTITY
             return RowMap(axes, expected, batch, identity, layout)
     return RowMap(axes, samples, batch, False, None)
 
 
 def _candidates(axes: int):
     if axes == 1:
-        return (Layout(1, "identity"), Layout(1, "blocks"), Layout(1, "interleaved"))
+        return (IDENTITY, Layout(1, "blocks"), Layout(1, "interleaved"))
     return (Layout(2, "transposed"), Layout(2, "blocks"), Layout(2, "interleaved"))
 
 
 def map_from_layout(layout: Layout, shape: tuple[int, ...], batch: int) -> RowMap | None:
+    if layout == IDENTITY:  # the usual case, on every layer call: no index tensor to build
+        return RowMap(1, None, batch, True, layout) if layout.fits(shape, batch) else None
     samples = layout.samples(tuple(shape), batch)
     if samples is None:
         return None
-    return RowMap(layout.axes, samples, batch, layout.kind == "identity" and layout.axes == 1, layout)
+    return RowMap(layout.axes, samples, batch, layout == IDENTITY, layout)
 
 
 # ---------------------------------------------------------------------- reordering ops in a forward
@@ -332,7 +343,7 @@ class RowReader:
         if call.rowmap is not None:
             return False
         layout = self.cached(state, call)
-        return layout is None or call.batch_size is None or layout.samples(call.shape, call.batch_size) is None
+        return layout is None or call.batch_size is None or not layout.fits(call.shape, call.batch_size)
 
     def new_tags(self, batch: int, passes: int | None = None) -> list[torch.Tensor]:
         """The tags of the tag passes of a backward of ``batch`` samples (one pass per base-4 digit, or

@@ -147,7 +147,7 @@ def test_recomputed_calls_are_not_kept(float64, mode, how):
     engine = _engine(model, mode).attach(torch.optim.SGD(model.parameters(), lr=0.0))
     for seed in range(3):  # micro-batches: nothing of a recomputation waits for a gradient that never comes
         engine.backward(_losses(model, *_data(2, seed=seed)))
-        assert sum(len(s.calls) for s in engine._layers) == 0
+        assert sum(len(s.calls) for s in engine._trainable.layers) == 0
 
 
 @pytest.mark.parametrize("reentrant", [True, False])
@@ -714,7 +714,7 @@ def test_a_fallback_replay_records_nothing_of_its_covered_children(float64, mode
         warnings.simplefilter("ignore")
         engine, opt = _attached(model, mode, loss_reduction="sum")
     _backward(engine, model, *batch, path)
-    assert sum(len(s.calls) for s in engine._layers) == 0  # the replay left no call behind
+    assert sum(len(s.calls) for s in engine._trainable.layers) == 0  # the replay left no call behind
     opt.step()
     assert_matches({n: p.grad for n, p in model.named_parameters()}, reference, what="fallback with a child")
 
@@ -991,7 +991,7 @@ def test_a_forward_whose_loss_failed_leaves_nothing_once_its_outputs_are_dropped
     out = model(_data(64)[0])
     del out  # the loss raised; the user's handler dropped its references
     gc.collect()
-    assert sum(len(s.calls) for s in engine._layers) == 0
+    assert sum(len(s.calls) for s in engine._trainable.layers) == 0
     batch = _data(3, seed=2)
     _backward(engine, model, *batch, path)
     opt.step()

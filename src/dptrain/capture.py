@@ -115,6 +115,11 @@ class LayerState:
     _calls: CallList = field(default_factory=CallList, repr=False)
 
     @property
+    def path(self) -> str:
+        """The module's path in the model, as ``named_modules()`` gives it (``<root>``: the model itself)."""
+        return self.name or "<root>"
+
+    @property
     def calls(self) -> CallList:
         return self._calls
 
@@ -393,7 +398,7 @@ class Capture:
                      "a forward pre-hook registered after engine.attach()" if after else
                      "a forward hook registered with prepend=True after engine.attach()")
             raise RuntimeError(
-                f"{state.name or '<root>'} ({type(module).__name__}) has {where}, which runs between the engine's "
+                f"{state.path} ({type(module).__name__}) has {where}, which runs between the engine's "
                 "hooks and the layer's forward: it could change the output or use the weight where the engine "
                 "cannot see it, so the per-sample gradients could be silently wrong. Register your hooks on this "
                 "layer before engine.attach() (without prepend=True), or on another module"
@@ -445,7 +450,7 @@ class Capture:
             if not isinstance(output, torch.Tensor):
                 state.rule.capture_call(module, args, kwargs, output)  # a rule may refuse with its own reason
                 raise ValueError(
-                    f"{state.name or '<root>'} ({type(module).__name__}) returned {type(output).__name__}, not a "
+                    f"{state.path} ({type(module).__name__}) returned {type(output).__name__}, not a "
                     "tensor: the engine differentiates a layer with trainable parameters through its output tensor, "
                     "so these parameters would get no gradient. Register a rule for it with dptrain.register_layer, "
                     "or freeze its parameters"
@@ -519,7 +524,7 @@ class Capture:
         if seen.dim() and seen.shape[0] == 1 and forward_batch is not None and forward_batch != 1:
             if not self.batch_first:
                 raise ValueError(
-                    f"{state.name or '<root>'} ({type(module).__name__}) got an input broadcast over the batch "
+                    f"{state.path} ({type(module).__name__}) got an input broadcast over the batch "
                     "(batch size 1); expand it to the batch first"
                 )
             expanded = state.rule.expand_batch(module, activation, tensor, forward_batch)
@@ -559,7 +564,7 @@ class Capture:
 def outside_model_call(state: LayerState) -> ValueError:
     """The refusal of a layer call whose samples cannot be counted: made outside a call of the model."""
     return ValueError(
-        f"{state.name or '<root>'} ({type(state.module).__name__}) was called outside a call of the model given "
+        f"{state.path} ({type(state.module).__name__}) was called outside a call of the model given "
         "to the engine, or the model's input held no tensor to read the batch size from: through a plain "
         "loss.backward() the engine cannot tell which sample each row belongs to. Call the model itself "
         "(model(x)), or use engine.backward(per_sample_losses)"
@@ -576,7 +581,7 @@ def _batch_to_front(inputs, batch: int | None, state: LayerState):
         first, second = inputs.shape[0] == batch, inputs.shape[1] == batch
         if first and second:
             raise ValueError(
-                f"{state.name or '<root>'} ({type(state.module).__name__}) got a tensor of shape "
+                f"{state.path} ({type(state.module).__name__}) got a tensor of shape "
                 f"{tuple(inputs.shape)} in a sequence-first model (batch_first=False) whose batch is {batch}: with "
                 "as many positions as samples the engine cannot tell which axis is the batch. Use another batch "
                 "size for this step"

@@ -24,9 +24,7 @@ from torch import nn
 
 from . import checks
 from .algorithms import DEFAULT_CLIPPING_MODE, RECIPES, Grad, GradVia, Norm, NormVia, Recipe
-from .layers import resolve_rule
 from .layers.protocol import LayerDims
-from .layers.registry import layer_params
 
 DECISION_RULES = ("memory", "space", "time")
 DEFAULT_DECISION_RULE = "memory"
@@ -132,44 +130,29 @@ def plan(model: nn.Module, *example_args, clipping_mode: str = DEFAULT_CLIPPING_
     checks.choice("clipping_mode", clipping_mode, tuple(RECIPES))
     checks.choice("decision_rule", decision_rule, DECISION_RULES)
     recipe = RECIPES[clipping_mode]
-    from .capture import Capture, LayerState  # the engine's own capture (it imports this module's neighbours)
+    # the engine's own layer set and capture (they import this module's neighbours)
+    from .capture import Capture
+    from .trainable import layer_states, parameter_users
 
-    covered = layer_params(model)
-    layers: dict[str, tuple[nn.Module, object, dict]] = {}
-    states = []
-    for name, module in model.named_modules():
-        params = covered.get(module, {})
-        rule = resolve_rule(module, allow_fallback, batch_first=batch_first, name=name) if params else None
-        if rule is not None:
-            layers[name] = (module, rule, params)
-            states.append(LayerState(name, module, rule, params))
+    states = layer_states(model, allow_fallback, batch_first)
     capture = Capture(model, None, on_model_call=lambda: None, on_output_grad=lambda: None,
                       batch_first=batch_first, dry=True)
     capture.install(states)
     try:
         with torch.no_grad():
             model(*example_args, **example_kwargs)
-        calls = {s.name: [c.dims for c in s.calls] for s in capture.called}
+        called = list(capture.called)
+        joined = {id(s): join_dims([c.dims for c in s.calls]) for s in called}
     finally:
         capture.remove()
-    joined = {name: join_dims(dims) for name, dims in calls.items()}
-    users: dict[int, list[tuple[str, str]]] = {}
-    shapes: dict[int, tuple[int, ...]] = {}
-    for name in joined:
-        for pname, p in layers[name][2].items():
-            users.setdefault(id(p), []).append((name, pname))
-            shapes[id(p)] = tuple(p.shape)
-    chosen: dict[str, LayerDecision] = {}
-    for key, uses in users.items():
-        parts = [(pname, joined[name], layers[name][1].factorable(layers[name][0])) for name, pname in uses]
-        _, norm, grad = decide_parameter(recipe, decision_rule, parts, shapes[key])
-        for name, pname in uses:  # a layer is described by its weight's decision (or its first parameter's)
-            if name in chosen and pname != "weight":
+    chosen: dict[int, LayerDecision] = {}
+    for p, uses in parameter_users(called).items():
+        parts = [(name, joined[id(s)], s.rule.factorable(s.module)) for s, name in uses]
+        _, norm, grad = decide_parameter(recipe, decision_rule, parts, tuple(p.shape))
+        for s, name in uses:  # a layer is described by its weight's decision (or its first parameter's)
+            if name != "weight" and ("weight" in s.params or id(s) in chosen):
                 continue
-            module, _, params = layers[name]
-            if pname != "weight" and "weight" in params:
-                continue
-            d = joined[name]
-            chosen[name] = LayerDecision(name, type(module).__name__, d.T, d.p, d.d * d.blocks, d.ghost_cost,
-                                         d.instantiate_cost, norm, grad)
-    return [chosen[name] for name in joined if name in chosen]
+            d = joined[id(s)]
+            chosen[id(s)] = LayerDecision(s.name, type(s.module).__name__, d.T, d.p, d.d * d.blocks, d.ghost_cost,
+                                          d.instantiate_cost, norm, grad)
+    return [chosen[id(s)] for s in called if id(s) in chosen]

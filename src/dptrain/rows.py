@@ -302,7 +302,9 @@ def _reorders(func, args, kwargs, batch: int) -> bool:
 
 # ---------------------------------------------------------------------- the engine's maps
 class RowReader:
-    """Cached layouts per pattern, and the tagged gradients of the backward that verifies new ones."""
+    """What row reading keeps across steps: the layouts verified per pattern, the tags' generator, and
+    whether the next model call is watched for reordering ops. Each backward reads its maps through its
+    own ``BackwardRows``."""
 
     def __init__(self, seed: int | None = None):
         self.layouts: dict[tuple, Layout] = {}
@@ -310,15 +312,6 @@ class RowReader:
         # two samples' gradients) from landing on a third sample's tag.
         self.generator = torch.Generator()
         self.generator.manual_seed(0x5EED if seed is None else seed + 1)
-        #: a tag pass is running: output gradients that arrive are tagged ones
-        self.tagging = False
-        #: the tags of every tag pass of the running backward, and which pass runs
-        self.tags: list[torch.Tensor] | None = None
-        self.tag_pass = 0
-        #: tagged gradients of calls recorded during a tag pass (recomputations), by pattern
-        self.tagged: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        #: maps read in this backward for recomputed calls (a second pass recomputes them again), by pattern
-        self.resolved: dict[tuple, RowMap] = {}
         #: watch the next model call for reordering ops (it may record patterns not verified yet)
         self.watch_next = True
         #: the last model call was watched and picked no rows by the data: recomputations of it may be cached
@@ -348,14 +341,33 @@ class RowReader:
     def new_tags(self, batch: int, passes: int | None = None) -> list[torch.Tensor]:
         """The tags of the tag passes of a backward of ``batch`` samples (one pass per base-4 digit, or
         ``passes``, which all ranks agree on under data parallelism)."""
-        self.tags = make_tags(batch, self.generator, passes)
+        return make_tags(batch, self.generator, passes)
+
+
+class BackwardRows:
+    """The row maps of one backward: the tagged gradients its tag passes deliver, and the maps it reads
+    (owned by the backward, so nothing of one backward's reading reaches the next)."""
+
+    def __init__(self, reader: RowReader):
+        self.reader = reader
+        #: a tag pass is running: output gradients that arrive are tagged ones
+        self.tagging = False
+        #: the tags of every tag pass of this backward, and which pass runs
+        self.tags: list[torch.Tensor] | None = None
+        self.tag_pass = 0
+        #: tagged gradients of calls recorded during a tag pass (recomputations), by pattern
+        self.tagged: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        #: maps read for recomputed calls (a second pass recomputes them again), by pattern
+        self.resolved: dict[tuple, RowMap] = {}
+
+    def begin_tags(self, tags: list[torch.Tensor]) -> None:
+        self.tags = tags
         self.tagged.clear()
-        return self.tags
 
     def record_tagged(self, state, call, grad: torch.Tensor) -> None:
         """An output gradient of tag pass ``self.tag_pass``."""
         if call.recomputed:  # the real pass recomputes it again, as another call: found by its pattern
-            pattern = self.pattern(state, call)
+            pattern = self.reader.pattern(state, call)
             if pattern is None:
                 return
             got = self.tagged.setdefault(pattern, ([], self.tags))[0]
@@ -368,29 +380,24 @@ class RowReader:
         else:
             got.append(grad.detach())
 
-    def end_backward(self) -> None:
-        self.tagged.clear()
-        self.resolved.clear()
-        self.tags = None
-
     def resolve(self, state, call, batch: int) -> RowMap:
         """The row map of a call that received its output gradient, for a step of ``batch`` samples."""
         if call.rowmap is not None:
             return call.rowmap
-        if call.recomputed and self.pattern(state, call) in self.resolved:
-            call.rowmap = self.resolved[self.pattern(state, call)]
+        if call.recomputed and self.reader.pattern(state, call) in self.resolved:
+            call.rowmap = self.resolved[self.reader.pattern(state, call)]
             return call.rowmap
         if batch == 0:  # no sample: no row can belong to one
             rows = call.shape[0] if call.shape else 0
             call.rowmap = RowMap(1, torch.full((rows,), -1, dtype=torch.long), 0, rows == 0, None)
             return call.rowmap
-        name = f"{state.name or '<root>'} ({type(state.module).__name__})"
-        layout = self.cached(state, call)
+        name = f"{state.path} ({type(state.module).__name__})"
+        layout = self.reader.cached(state, call)
         rowmap = map_from_layout(layout, call.shape, batch) if layout is not None else None
         if rowmap is None:
             tagged, tags = call.tagged, call.tags
             if tagged is None and call.recomputed:
-                tagged, tags = self.tagged.get(self.pattern(state, call), (None, None))
+                tagged, tags = self.tagged.get(self.reader.pattern(state, call), (None, None))
             if tagged is None or tags is None or tags[0].numel() != batch or len(tagged) != len(tags):
                 raise RuntimeError(
                     f"{name}: the engine could not read which sample each row of this call belongs to (its output "
@@ -410,7 +417,7 @@ class RowReader:
                     "per-sample rows (ids.expand(B, -1)), or register a rule for the module that mixes the samples"
                 ) from None
             if rowmap.layout is not None and call.cacheable:
-                self.layouts[self.pattern(state, call)] = rowmap.layout
+                self.reader.layouts[self.reader.pattern(state, call)] = rowmap.layout
         if not rowmap.identity and not can_regroup(state.rule, call.activation, call.grad, rowmap.axes):
             raise RowsMixSamples(
                 f"{name}: its rows are samples in another order or layout ({_describe(rowmap)}, output of shape "
@@ -419,9 +426,9 @@ class RowReader:
             )
         call.rowmap = rowmap
         call.tagged = None
-        if call.recomputed and self.pattern(state, call) is not None:
-            self.resolved[self.pattern(state, call)] = rowmap
-            self.recomputed_batches = (self.recomputed_batches or set()) | {batch}
+        if call.recomputed and self.reader.pattern(state, call) is not None:
+            self.resolved[self.reader.pattern(state, call)] = rowmap
+            self.reader.recomputed_batches = (self.reader.recomputed_batches or set()) | {batch}
         return rowmap
 
 

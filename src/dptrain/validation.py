@@ -1,6 +1,7 @@
 """Checks that a model can be trained privately, exactly: every trainable parameter is covered."""
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .layers import fallback_refusal, resolve_rule
@@ -81,3 +82,22 @@ def validate(model: nn.Module, allow_fallback: bool = True) -> None:
     problems = find_problems(model, allow_fallback)
     if problems:
         raise ValueError("this model cannot be trained privately as it is:\n- " + "\n- ".join(problems))
+
+
+def frozen_batchnorm_checks(model: nn.Module):
+    """A frozen BatchNorm is fine in eval mode, but in train mode it mixes samples in the forward."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            where = f"the submodule {name!r}" if name else "the model itself"
+
+            def check(mod, inputs, _where=where):
+                if mod.training and torch.is_grad_enabled():
+                    raise RuntimeError(
+                        f"{_where} ({type(mod).__name__}) is frozen but in training mode: it normalises with "
+                        "statistics of the whole batch, which mixes samples. Call .eval() on it (its running "
+                        "statistics are then used), or train dptrain.fix(model), a copy in which every BatchNorm "
+                        "is a GroupNorm"
+                    )
+            found.append((module, check))
+    return found

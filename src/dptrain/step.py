@@ -1,0 +1,118 @@
+"""The private step: the step's clipped sums, the Gaussian noise and the divisor, into the optimizer's ``p.grad``.
+
+Also what the step refuses: trainable parameters the optimizer does not hold (their private gradient
+would be lost), parameters it holds that carry a gradient the engine did not give (unclipped), and a
+gradient left on a parameter frozen since.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .pipeline import StepSums
+from .trainable import TrainableSet
+
+
+def held_trainable(optimizer: torch.optim.Optimizer, trainable: TrainableSet) -> list[nn.Parameter]:
+    """The covered trainable parameters the optimizer holds; refuses trainable ones it does not hold."""
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    users = trainable.users
+    # (a parameter no longer in the model, without a gradient, is harmless: the optimizer skips it)
+    foreign = [p for p in held if p.requires_grad and p not in users and p.grad is not None]
+    if foreign:
+        for p in foreign:
+            p.grad = None  # never a raw gradient into the optimizer
+        raise RuntimeError(
+            f"the optimizer holds {len(foreign)} parameter(s) with a gradient (shapes "
+            f"{[tuple(p.shape) for p in foreign[:3]]}) that are not part of the model the engine makes private "
+            "(added with add_param_group, e.g. a learnable loss parameter): their gradients are not clipped. "
+            "They were dropped; nothing was applied. Make them parameters of a module inside the model, or "
+            "freeze them"
+        )
+    held_set = set(held)
+    missing = [trainable.param_name(p) for p in users if p.requires_grad and p not in held_set]
+    if missing:
+        raise RuntimeError(
+            f"trainable parameters {missing[:5]}{' ...' if len(missing) > 5 else ''} are not held by the optimizer "
+            "the engine is attached to: their private gradients would be lost (a second optimizer never "
+            "receives any). Put every trainable parameter into this optimizer (parameter groups can set their "
+            "own learning rates), or freeze them"
+        )
+    return [p for p in held if p in users and p.requires_grad]
+
+
+class GivenGradients:
+    """The gradients the engine gave at the last step, held weakly (a strong reference would keep a model's
+    worth of gradients alive after ``zero_grad()``)."""
+
+    def __init__(self):
+        self._given: dict[nn.Parameter, weakref.ref] = {}
+
+    def clear(self) -> None:
+        self._given = {}
+
+    def record(self, p: nn.Parameter) -> None:
+        self._given[p] = weakref.ref(p.grad)
+
+    def gave(self, p: nn.Parameter) -> bool:
+        """Whether ``p.grad`` is the gradient the engine gave."""
+        given = self._given.get(p)
+        return given is not None and given() is p.grad
+
+    def leave_frozen_untouched(self, optimizer: torch.optim.Optimizer, marker: torch.Tensor | None) -> None:
+        """A parameter frozen after the engine gave it gradients keeps none (the optimizer then skips it)."""
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if not p.requires_grad and p.grad is not None and (self.gave(p) or p.grad is marker):
+                    p.grad = None
+
+    def refuse_foreign(self, step_params: list[nn.Parameter], trainable: TrainableSet,
+                       marker: torch.Tensor | None) -> None:
+        """Backstop under data parallelism: a gradient the engine did not give came from a use of the
+        parameter outside its layer's call. (FSDP2 writes autograd's gradients to the sharded ``p.grad``
+        by its reduce-scatter; recent torch then runs the post-accumulate-grad hook, which refuses them
+        during the backward, but nothing guarantees every version does.) Without data parallelism the
+        step replaces every covered parameter's gradient, and ``held_trainable`` refuses the others'."""
+        for p in step_params:
+            if p.grad is not None and not self.gave(p) and p.grad is not marker:
+                p.grad = None
+                raise RuntimeError(
+                    f"parameter {trainable.param_name(p)!r} holds a gradient the engine did not give: autograd's "
+                    "own, unclipped (the parameter was used outside the forward call of its own layer, or the layer "
+                    "was replaced outside a model call). It was dropped; nothing was applied. Use the layer module "
+                    "itself, call the model itself, or freeze the parameter"
+                )
+
+
+def apply_private_gradient(step_params: list[nn.Parameter], sums: StepSums, sample_noise: Callable, std: float,
+                           batch_size: int, parallel, given: GivenGradients) -> None:
+    """``p.grad = (sum_i C_i g_i + N(0, std^2)) / batch_size`` for every parameter of the step.
+
+    In place on the engine's own sums, one parameter at a time: the step needs no more memory than
+    the gradients themselves (plus one parameter's noise). Under data parallelism the ranks' sums are
+    reduced first and the noise is added once (``distributed``).
+    """
+
+    def add_noise(t: torch.Tensor) -> torch.Tensor:
+        return t.add_(sample_noise(t, std)) if std > 0 else t
+
+    def take_sum(p: nn.Parameter) -> torch.Tensor:
+        summed = sums.pop(p)
+        return summed if summed is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+
+    def set_grad(p: nn.Parameter, t: torch.Tensor) -> None:
+        grad = t.div_(batch_size).to(p.dtype)
+        p.grad = parallel.as_grad(p, grad) if parallel is not None else grad
+        given.record(p)
+
+    given.clear()
+    if parallel is None:
+        for p in step_params:
+            set_grad(p, add_noise(take_sum(p)))
+    else:
+        noisy = parallel.noisy_sum(step_params, [take_sum(p) for p in step_params], add_noise)
+        for p, t in zip(step_params, noisy):
+            set_grad(p, t)

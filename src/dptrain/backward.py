@@ -19,7 +19,7 @@ from enum import Enum
 import torch
 from torch import nn
 
-from .algorithms import Grad, Recipe
+from .algorithms import Recipe
 from .capture import Call, Capture, LayerState, outside_model_call
 from .pipeline import (
     Overflow, ParamWork, ReadyLayer, StepSums, add_clipped_gradient, add_second_pass_gradients,

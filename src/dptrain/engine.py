@@ -11,102 +11,33 @@ import math
 import warnings
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import accounting, checks, data, distributed
-from .algorithms import DEFAULT_CLIPPING_MODE, RECIPES
-from .backward import Backward, BackwardSetup, Phase, needs_tags
+from . import accounting, data, distributed
+from .algorithms import DEFAULT_CLIPPING_MODE
+from .backward import BackwardSetup
 from .budget import Budget, PrivacyBudgetExceeded
-from .capture import Call, Capture, graph_task, in_backward
-from .clipping import CLIPPING_FNS
+from .capture import Capture
+from .config import EngineConfig, FromConfig, make_config
 from .layers.fallback import FallbackRule, fallback_warning
-from .losses import LOSS_REDUCTIONS
 from .noise import GaussianNoise
-from .pipeline import Overflow, StepSums
-from .planning import DECISION_RULES, DEFAULT_DECISION_RULE, LayerDecision
+from .pipeline import StepSums
+from .planning import DEFAULT_DECISION_RULE, LayerDecision
 from .precision import LossScaling
-from .rows import RowReader, tag_passes, tag_rows
+from .rows import RowReader
+from .runner import BackwardRunner
 from .step import GivenGradients, apply_private_gradient, held_trainable
 from .trainable import TrainableKey, TrainableSet, build_trainable_set
 from .validation import frozen_batchnorm_checks, validate
 
 __all__ = ["EngineConfig", "PrivacyBudgetExceeded", "PrivacyEngine"]
 
-BUDGETS = ("warn", "strict")
-
 # Engines attached right now, by the model they hook: a second engine on the same model (or on a part
 # of it) would see the first one's ghost-differentiated backward as ordinary gradients.
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """The engine's configuration, validated once; the defaults are those of ``PrivacyEngine``'s signature."""
-
-    batch_size: int
-    sample_size: int
-    max_grad_norm: float
-    noise_multiplier: float
-    target_epsilon: float | None
-    target_delta: float
-    planned_steps: int | None  # the length the noise was calibrated for (None: noise_multiplier was given)
-    max_batch_size: int | None  # K of fixed-shape batches (None: Poisson batches are never truncated)
-    clipping_mode: str
-    clipping_fn: str
-    clipping_style: Any
-    clipping_gamma: float
-    loss_reduction: str
-    decision_rule: str
-    accountant: str
-    secure_rng: bool
-    seed: int | None
-    allow_fallback: bool
-    batch_first: bool
-    budget: str
-
-    @property
-    def sample_rate(self) -> float:
-        return self.batch_size / self.sample_size
-
-    @property
-    def recipe(self):
-        return RECIPES[self.clipping_mode]
-
-
-class _FromConfig:
-    """``engine.<name>``: a read-only view of ``engine.config.<name>`` (configuration is not changed in place)."""
-
-    def __set_name__(self, owner, name):
-        self.name = name
-
-    def __get__(self, engine, owner=None):
-        return self if engine is None else getattr(engine.config, self.name)
-
-    def __set__(self, engine, value):
-        raise AttributeError(f"{self.name} is configuration: build a new PrivacyEngine to change it")
-
-
-def _noise_multiplier(sigma, target_epsilon, target_delta, epochs, steps, sample_rate, accountant,
-                      delta_given: bool, sample_size: int, max_batch_size: int | None) -> tuple[float, int | None]:
-    """(noise multiplier, planned steps): the one given, or the one calibrated for the planned run."""
-    if (sigma is None) == (target_epsilon is None):
-        raise ValueError("give exactly one of noise_multiplier or target_epsilon (with epochs or steps)")
-    if sigma is not None:
-        if epochs is not None or steps is not None or delta_given:
-            warnings.warn("epochs/steps/target_delta only matter with target_epsilon; they are ignored for calibration",
-                          stacklevel=3)
-        return checks.non_negative("noise_multiplier", sigma), None
-    if (epochs is None) == (steps is None):
-        raise ValueError("target_epsilon needs the planned length of training: give exactly one of epochs or steps")
-    # An epoch is round(1/q) Poisson steps, as dptrain.data.poisson_loader runs it.
-    planned = steps if steps is not None else int(math.ceil(epochs * max(1, round(1 / sample_rate))))
-    return accounting.calibrate_noise_multiplier(target_epsilon, target_delta, sample_rate, planned,
-                                                 accountant=accountant, sample_size=sample_size,
-                                                 max_batch_size=max_batch_size), planned
 
 
 class PrivacyEngine:
@@ -118,25 +49,25 @@ class PrivacyEngine:
     ``engine.config`` holds the configuration; its fields read as ``engine.<name>`` too.
     """
 
-    batch_size = _FromConfig()
-    sample_size = _FromConfig()
-    sample_rate = _FromConfig()
-    max_grad_norm = _FromConfig()
-    noise_multiplier = _FromConfig()
-    target_epsilon = _FromConfig()
-    target_delta = _FromConfig()
-    planned_steps = _FromConfig()
-    max_batch_size = _FromConfig()
-    clipping_mode = _FromConfig()
-    clipping_fn = _FromConfig()
-    clipping_style = _FromConfig()
-    clipping_gamma = _FromConfig()
-    loss_reduction = _FromConfig()
-    decision_rule = _FromConfig()
-    allow_fallback = _FromConfig()
-    batch_first = _FromConfig()
-    budget = _FromConfig()
-    recipe = _FromConfig()
+    batch_size = FromConfig()
+    sample_size = FromConfig()
+    sample_rate = FromConfig()
+    max_grad_norm = FromConfig()
+    noise_multiplier = FromConfig()
+    target_epsilon = FromConfig()
+    target_delta = FromConfig()
+    planned_steps = FromConfig()
+    max_batch_size = FromConfig()
+    clipping_mode = FromConfig()
+    clipping_fn = FromConfig()
+    clipping_style = FromConfig()
+    clipping_gamma = FromConfig()
+    loss_reduction = FromConfig()
+    decision_rule = FromConfig()
+    allow_fallback = FromConfig()
+    batch_first = FromConfig()
+    budget = FromConfig()
+    recipe = FromConfig()
 
     def __init__(
         self,
@@ -167,37 +98,13 @@ class PrivacyEngine:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         model, self._parallel = distributed.data_parallel(model)
-        batch_size = checks.positive_int("batch_size", batch_size, "the expected logical batch size")
-        sample_size = checks.positive_int("sample_size", sample_size, "the dataset size")
-        if batch_size > sample_size:
-            raise ValueError(f"batch_size={batch_size} is larger than sample_size={sample_size}")
-        delta_given = target_delta is not None
-        checked = dict(  # everything cheap first: a wrong choice is reported before any calibration
-            batch_size=batch_size,
-            sample_size=sample_size,
-            max_grad_norm=checks.positive("max_grad_norm", max_grad_norm, "the clipping threshold R"),
-            target_epsilon=target_epsilon,
-            target_delta=checks.open_unit("target_delta", target_delta if delta_given
-                                          else accounting.default_delta(sample_size)),
-            clipping_mode=checks.choice("clipping_mode", clipping_mode, tuple(RECIPES)),
-            clipping_fn=checks.choice("clipping_fn", clipping_fn, CLIPPING_FNS),
-            clipping_style=clipping_style,
-            clipping_gamma=checks.positive("clipping_gamma", clipping_gamma),
-            loss_reduction=checks.choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS),
-            decision_rule=checks.choice("decision_rule", decision_rule, DECISION_RULES),
-            accountant=checks.choice("accountant", accountant, accounting.ACCOUNTANTS),
-            secure_rng=bool(secure_rng),
-            seed=seed,
-            allow_fallback=bool(allow_fallback),
-            batch_first=bool(batch_first),
-            budget=checks.choice("budget", budget, BUDGETS),
-            max_batch_size=None if max_batch_size is None else checks.positive_int(
-                "max_batch_size", max_batch_size, "the fixed number of rows of every batch, K"),
-        )
-        sigma, planned = _noise_multiplier(noise_multiplier, target_epsilon, checked["target_delta"], epochs, steps,
-                                           batch_size / sample_size, accountant, delta_given, sample_size,
-                                           checked["max_batch_size"])
-        self.config = EngineConfig(noise_multiplier=sigma, planned_steps=planned, **checked)
+        self.config = make_config(
+            batch_size=batch_size, sample_size=sample_size, max_grad_norm=max_grad_norm,
+            noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, target_delta=target_delta,
+            epochs=epochs, steps=steps, clipping_mode=clipping_mode, clipping_fn=clipping_fn,
+            clipping_style=clipping_style, loss_reduction=loss_reduction, decision_rule=decision_rule,
+            clipping_gamma=clipping_gamma, accountant=accountant, secure_rng=secure_rng, seed=seed,
+            allow_fallback=allow_fallback, batch_first=batch_first, budget=budget, max_batch_size=max_batch_size)
         self.model = model
         self.accountant = accounting.create_accountant(accountant)
         rank = self._parallel.rank if self._parallel is not None else 0
@@ -208,7 +115,7 @@ class PrivacyEngine:
         self._capture: Capture | None = None
         self._scaling: LossScaling | None = None
         self._optimizer: torch.optim.Optimizer | None = None
-        self._setup: BackwardSetup | None = None
+        self._runner: BackwardRunner | None = None  # which backward runs (made at attach, with the hooks)
         self._step_handle = None
         self._grad_handles: dict[nn.Parameter, Any] = {}
         self._given = GivenGradients()
@@ -231,11 +138,6 @@ class PrivacyEngine:
                 f"{groups} extra backward passes; the book-keeping modes clip groups at no extra cost",
                 stacklevel=2,
             )
-
-        # The running backward (engine.backward's, or a plain loss.backward() until its queued callback).
-        self._backward: Backward | None = None
-        self._done_forwards: set[int] = set()  # model calls already back-propagated in this step
-        self._decisions: list[LayerDecision] = []
 
         self.steps_taken = 0
         self._warned_loader = False
@@ -315,22 +217,23 @@ class PrivacyEngine:
         if not any(p in self._trainable.users for p in held):
             raise ValueError("the optimizer holds none of the model's trainable parameters")
         # FSDP2 swaps the unsharded parameters in during each forward: hooks look them up by name.
-        self._capture = Capture(
-            self.model, self._on_output_grad, on_model_call=self._on_model_call,
-            on_output_grad=self._on_model_output_grad,
+        enabled = grad_scaler is not None and grad_scaler.is_enabled()
+        self._scaling = LossScaling(grad_scaler) if enabled else None
+        self._capture = capture = Capture(
+            self.model, None, on_model_call=self._on_model_call, on_output_grad=None,
             params_by_name=isinstance(self._parallel, distributed.FSDP2Gradients), batch_first=self.batch_first,
             rows=self._rows,
         )
-        self._capture.on_tag_outputs = self._tag_outputs
-        self._capture.on_scalar_output_grad = self._refuse_loss_inside_model
-        self._capture.install(list(self._trainable.layers), extra_checks=frozen_batchnorm_checks(self.model))
+        setup = BackwardSetup(self.recipe, self.decision_rule, self.clipping_fn, self.clipping_gamma,
+                              self._sums, self._rows, capture, overflow_skippable=enabled)
+        self._runner = runner = BackwardRunner(self.config, setup, lambda: self._trainable, self._scaling,
+                                               self._parallel, self._after_backward)
+        capture.on_grad, capture.on_output_grad = runner.on_output_grad, runner.on_model_output_grad
+        capture.on_tag_outputs, capture.on_scalar_output_grad = runner.tag_outputs, runner.refuse_loss_inside_model
+        capture.install(list(self._trainable.layers), extra_checks=frozen_batchnorm_checks(self.model))
         self._sync_grad_hooks()
         self._step_handle = optimizer.register_step_pre_hook(self._before_step)
         self._optimizer = optimizer
-        enabled = grad_scaler is not None and grad_scaler.is_enabled()
-        self._scaling = LossScaling(grad_scaler) if enabled else None
-        self._setup = BackwardSetup(self.recipe, self.decision_rule, self.clipping_fn, self.clipping_gamma,
-                                    self._sums, self._rows, self._capture, overflow_skippable=enabled)
         self._given.clear()
         _ATTACHED[self.model] = weakref.ref(self)
         TrainableKey.watch()
@@ -377,7 +280,8 @@ class PrivacyEngine:
 
     def detach(self) -> None:
         """Remove every hook; the model and optimizer behave exactly as before ``attach``."""
-        self._abort_backward()
+        if self._runner is not None:
+            self._runner.abort()
         if self._capture is not None:
             self._capture.remove()
         if self._step_handle is not None:
@@ -390,7 +294,7 @@ class PrivacyEngine:
         if _ATTACHED.get(self.model) is not None and _ATTACHED[self.model]() is self:
             del _ATTACHED[self.model]
             TrainableKey.unwatch()
-        self._capture, self._step_handle, self._optimizer, self._setup = None, None, None, None
+        self._capture, self._step_handle, self._optimizer = None, None, None
         self._discard_step()
 
     @contextlib.contextmanager
@@ -411,39 +315,13 @@ class PrivacyEngine:
         finally:
             self._capture.paused = previous
 
-    # ------------------------------------------------------------------ every exit
-    def _abort_backward(self) -> None:
-        """Drop the running backward whole (a failed or abandoned one); the step's earlier sums stay
-        (or go as a whole, never in part: see ``StepSums``)."""
-        backward, self._backward = self._backward, None
-        if backward is not None:
-            backward.abort()
-        if self._capture is not None:
-            self._capture.restore_switched()
-
-    def _discard_step(self) -> None:
-        """Drop the step's clipped sums and every call still waiting for a backward (the step is over)."""
-        self._sums.clear()
-        for state in self._trainable.layers:
-            state.calls.clear()
-
-    def _settle_failed_backward(self) -> None:
-        """A plain ``loss.backward()`` whose end-of-backward callback never ran has failed: drop it."""
-        if self._backward is not None and self._backward.phase is Phase.PLAIN and not in_backward():
-            self._abort_backward()
-
-    def _on_model_call(self) -> None:
-        self._settle_failed_backward()
-        if torch.is_grad_enabled():
-            self._follow_trainable()
-
-    # ------------------------------------------------------------------ engine.backward
+    # ------------------------------------------------------------------ backwards
     def backward(self, losses: torch.Tensor) -> None:
         """Back-propagate per-sample losses ``[B]`` (or ``[B, ...]``, summed per sample).
 
         Valid in every clipping mode; micro-batches accumulate until ``optimizer.step()``.
         """
-        if self._capture is None:
+        if self._runner is None:
             raise RuntimeError("call engine.attach(optimizer) before engine.backward(losses)")
         if not isinstance(losses, torch.Tensor) or losses.dim() == 0:
             raise ValueError(
@@ -451,187 +329,18 @@ class PrivacyEngine:
                 "F.cross_entropy(logits, y, reduction='none'); got a scalar. For a scalar loss use loss.backward() "
                 "in a single-backward mode"
             )
-        self._settle_failed_backward()
-        self._capture.settle_open_forward()
-        if losses.dim() > 1:
-            losses = losses.flatten(1).sum(1)
-        passes = None  # tag passes (rows.py) agreed by every rank: one more backward each, in which FSDP2 gathers
-        if self._parallel is not None:
-            needs = losses.shape[0] > 0 and losses.requires_grad and self._needs_tags()
-            flag, most = self._parallel.maximum([float(needs), float(losses.shape[0])], losses.device)
-            passes = tag_passes(int(most)) if flag else 0
-        # Without a scaler, non-finite losses show as non-finite norms (checked once, with them): no extra
-        # host-device synchronisation on the hot path.
-        if self._scaling is not None and not torch.isfinite(losses).all():
-            self._forget_calls()  # fp16 overflow already in the forward: the step is skipped
-            self._after_backward(overflow=True)
-            return
-        B = losses.shape[0]
-        forward_batch = self._capture.forward_batch
-        if B and forward_batch is not None and B != forward_batch and losses.requires_grad:
-            self._forget_calls()
-            raise ValueError(
-                f"engine.backward got {B} per-sample losses but the model was last called with a batch of "
-                f"{forward_batch}: give one loss per sample of that call (reduction='none'). A model that takes "
-                "the batch in the second dimension of its input (sequence first) needs batch_first=False"
-            )
-        if B == 0 or not losses.requires_grad:
-            if B == 0 and losses.requires_grad and isinstance(self._parallel, distributed.FSDP2Gradients):
-                self._discarded_backwards(losses, passes)
-            self._forget_calls()
-            if B > 0:
-                raise ValueError("the losses do not depend on any trainable parameter (did the forward run under no_grad?)")
-            self._after_backward(overflow=False)
-            return  # an empty batch contributes nothing; the step still adds noise and counts
-        backward = self._backward = Backward(self._setup, self._trainable, Phase.SINGLE, samples=B)
-        scaling = self._scaling
-        can_retry = scaling is not None and scaling.can_retry(scaling.scale(), self.recipe.two_pass,
-                                                              self._parallel is not None)
-        try:
-            overflow = backward.run(losses, scaling, can_retry, passes)
-            backward.commit()
-            self._backward_done(backward)
-        except FloatingPointError as err:
-            self._abort_backward()
-            bad = (~torch.isfinite(losses.detach())).nonzero().flatten().tolist()
-            if bad:
-                raise ValueError(
-                    f"non-finite per-sample losses at batch positions {bad[:10]}: nothing was accumulated"
-                ) from err
-            raise
-        except BaseException:
-            self._abort_backward()
-            raise
-        finally:
-            self._backward = None
-        self._after_backward(overflow)
+        self._runner.run(losses.flatten(1).sum(1) if losses.dim() > 1 else losses)
 
-    def _discarded_backwards(self, losses: torch.Tensor, passes: int) -> None:
-        """FSDP2 gathers parameters inside each backward: a rank with an empty batch runs as many as the others."""
-        self._backward = Backward(self._setup, self._trainable, Phase.DISCARD)
-        passes += 1 + self._trainable.num_groups if self.recipe.two_pass else 1
-        try:
-            for k in range(passes):
-                torch.autograd.backward(losses.sum(), retain_graph=k < passes - 1)
-        finally:
-            self._backward.commit()  # (nothing was added)
-            self._backward = None
+    def _on_model_call(self) -> None:
+        self._runner.settle()
+        if torch.is_grad_enabled():
+            self._follow_trainable()
 
-    def _forget_calls(self) -> None:
+    def _discard_step(self) -> None:
+        """Drop the step's clipped sums and every call still waiting for a backward (the step is over)."""
+        self._sums.clear()
         for state in self._trainable.layers:
             state.calls.clear()
-
-    def _needs_tags(self) -> bool:
-        return needs_tags(self._trainable, self._rows, self._capture.forward_batch)
-
-    def _backward_done(self, backward: Backward) -> None:
-        """A backward completed: its model calls may not be back-propagated again in this step."""
-        self._done_forwards |= backward.forwards
-        self._decisions = backward.decisions
-
-    # ------------------------------------------------------------------ what the hooks report
-    def _on_output_grad(self, state, call: Call, grad: torch.Tensor) -> None:
-        """A covered layer call received its output gradient: the running backward takes it (a plain
-        ``loss.backward()`` starts here if its gradient reaches a layer before the model's output)."""
-        if self._capture.paused:
-            return
-        backward = self._backward
-        if backward is None:
-            if self.recipe.two_pass:
-                raise RuntimeError(
-                    f"clipping_mode={self.clipping_mode!r} needs two backward passes: call "
-                    "engine.backward(per_sample_losses) instead of loss.backward()"
-                )
-            backward = self._begin_plain_backward(from_layer=call)
-        backward.on_output_grad(state, call, grad, self._done_forwards)
-
-    def _plain_or_none(self) -> bool:
-        """No backward runs, or a plain one outside its tag passes."""
-        backward = self._backward
-        return backward is None or backward.phase is Phase.PLAIN and not backward.rows.tagging
-
-    def _on_model_output_grad(self) -> None:
-        """The gradient reached the model's output: a plain backward starts (on the outermost graph task)."""
-        if self._plain_or_none() and not self.recipe.two_pass:
-            self._begin_plain_backward(from_layer=None)
-
-    def _refuse_loss_inside_model(self) -> None:
-        """A plain backward from a loss the model computed itself (Hugging Face's ``labels=``)."""
-        if self._plain_or_none() and not self._capture.paused:
-            raise ValueError(
-                "loss.backward() from a loss computed inside the model (e.g. Hugging Face's labels=...): the engine "
-                "cannot see which sample each part of it comes from, and Hugging Face's loss is a mean over every "
-                "token of the batch, so each sample's weight depends on the other samples' lengths. Compute "
-                "per-sample losses from the logits (dptrain.losses.sequence_losses or token_losses) and call "
-                "engine.backward(losses)"
-            )
-
-    def _tag_outputs(self, output, needs: bool):
-        """A model call with patterns not read yet: its per-sample outputs tag a plain backward (``tag_rows``).
-
-        Under data parallelism every rank agrees (an empty rank too): the tagged pass is one more backward,
-        in which FSDP2 gathers the parameters.
-        """
-        batch = self._capture.forward_batch
-        passes = tag_passes(batch or 0)
-        if self._parallel is not None:
-            flag, most = self._parallel.maximum([float(needs), float(batch or 0)],
-                                                next(iter(self._trainable.users)).device)
-            needs, passes = bool(flag), tag_passes(int(most))
-        if not needs or self.recipe.two_pass or batch is None:
-            return None  # (two-pass modes refuse a plain backward at its first output gradient)
-        all_tags = self._rows.new_tags(batch, passes)
-        engine = weakref.ref(self)
-
-        def tagged_pass(raw: torch.Tensor, grad: torch.Tensor, axis: int) -> None:
-            alive = engine()
-            backward = alive._backward if alive is not None else None
-            if backward is None or backward.phase is not Phase.PLAIN or backward.rows.tagging:
-                return  # engine.backward tags its losses instead
-            backward.tag_plain(raw, grad, axis, all_tags)
-
-        return tag_rows(output, batch, 0 if self.batch_first else 1, tagged_pass)
-
-    def _begin_plain_backward(self, from_layer: Call | None) -> Backward:
-        """The running plain ``loss.backward()``, made with its end-of-backward callback on the outermost task."""
-        task = graph_task()
-        backward = self._backward
-        if backward is not None and backward.phase is Phase.PLAIN:
-            if from_layer is not None or task == backward.task:
-                return backward
-            self._abort_backward()  # a new backward reached the model's output: the queued one died
-        elif from_layer is not None and from_layer.recomputed:
-            # Reentrant checkpointing runs a recomputation's backward as a nested backward, which ends before
-            # the outer one: the end of this backward is unknown. (It is known when the gradient reaches the
-            # model's output first, or with engine.backward.)
-            raise RuntimeError(
-                "a plain loss.backward() reached a layer recomputed by reentrant activation checkpointing before "
-                "the model's output: the engine cannot tell where this backward ends. Return the model's outputs as "
-                "tensors (or tuples, dicts, dataclasses of tensors) from model(...), use "
-                "engine.backward(per_sample_losses), or checkpoint with use_reentrant=False"
-            )
-        backward = self._backward = Backward(self._setup, self._trainable, Phase.PLAIN)
-        backward.task = task
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish_plain_backward(backward))
-        return backward
-
-    def _finish_plain_backward(self, backward: Backward) -> None:
-        if self._backward is not backward:
-            return  # dropped meanwhile
-        try:
-            backward.finish_plain(self.loss_reduction, self._loss_scale())
-        except Overflow:
-            backward.commit()  # (nothing was added: the factors were not finite)
-            self._backward = None
-            self._after_backward(overflow=True)
-        except BaseException:
-            self._abort_backward()
-            raise
-        else:
-            backward.commit()
-            self._backward = None
-            self._backward_done(backward)
-            self._after_backward(overflow=False)
 
     def _on_accumulated_grad(self, p: nn.Parameter) -> None:
         """Autograd reached a covered parameter: it was used outside its own layer's forward call."""
@@ -676,10 +385,10 @@ class PrivacyEngine:
                 "skipping", stacklevel=3)
 
     def _before_step(self, optimizer, args, kwargs) -> None:
-        self._settle_failed_backward()
+        self._runner.settle()
         self._capture.settle_open_forward()
         self._follow_trainable()
-        self._done_forwards.clear()
+        self._runner.done_forwards.clear()
         if self._scaling is not None and self._scaling.overflowed:
             # optimizer.step() without scaler.step(): the counted, overflowed step applies nothing
             for p in held_trainable(self._optimizer, self._trainable):
@@ -711,7 +420,7 @@ class PrivacyEngine:
     # ------------------------------------------------------------------ reports
     def last_decisions(self) -> list[LayerDecision]:
         """What each layer did in the last backward: T, p, d, costs, and the chosen primitives."""
-        return list(self._decisions)
+        return list(self._runner.decisions) if self._runner is not None else []
 
     def get_epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent by the steps taken so far, at ``delta`` (default: ``target_delta``)."""

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode

@@ -1,0 +1,119 @@
+"""The engine's configuration: every argument of ``PrivacyEngine`` checked once, and the noise calibrated."""
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from . import accounting, checks
+from .algorithms import RECIPES
+from .clipping import CLIPPING_FNS
+from .losses import LOSS_REDUCTIONS
+from .planning import DECISION_RULES
+
+BUDGETS = ("warn", "strict")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's configuration, validated once; the defaults are those of ``PrivacyEngine``'s signature."""
+
+    batch_size: int
+    sample_size: int
+    max_grad_norm: float
+    noise_multiplier: float
+    target_epsilon: float | None
+    target_delta: float
+    planned_steps: int | None  # the length the noise was calibrated for (None: noise_multiplier was given)
+    max_batch_size: int | None  # K of fixed-shape batches (None: Poisson batches are never truncated)
+    clipping_mode: str
+    clipping_fn: str
+    clipping_style: Any
+    clipping_gamma: float
+    loss_reduction: str
+    decision_rule: str
+    accountant: str
+    secure_rng: bool
+    seed: int | None
+    allow_fallback: bool
+    batch_first: bool
+    budget: str
+
+    @property
+    def sample_rate(self) -> float:
+        return self.batch_size / self.sample_size
+
+    @property
+    def recipe(self):
+        return RECIPES[self.clipping_mode]
+
+
+class FromConfig:
+    """``engine.<name>``: a read-only view of ``engine.config.<name>`` (configuration is not changed in place)."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, engine, owner=None):
+        return self if engine is None else getattr(engine.config, self.name)
+
+    def __set__(self, engine, value):
+        raise AttributeError(f"{self.name} is configuration: build a new PrivacyEngine to change it")
+
+
+def _noise_multiplier(sigma, target_epsilon, target_delta, epochs, steps, sample_rate, accountant,
+                      delta_given: bool, sample_size: int, max_batch_size: int | None) -> tuple[float, int | None]:
+    """(noise multiplier, planned steps): the one given, or the one calibrated for the planned run."""
+    if (sigma is None) == (target_epsilon is None):
+        raise ValueError("give exactly one of noise_multiplier or target_epsilon (with epochs or steps)")
+    if sigma is not None:
+        if epochs is not None or steps is not None or delta_given:
+            warnings.warn("epochs/steps/target_delta only matter with target_epsilon; they are ignored for calibration",
+                          stacklevel=4)
+        return checks.non_negative("noise_multiplier", sigma), None
+    if (epochs is None) == (steps is None):
+        raise ValueError("target_epsilon needs the planned length of training: give exactly one of epochs or steps")
+    # An epoch is round(1/q) Poisson steps, as dptrain.data.poisson_loader runs it.
+    planned = steps if steps is not None else int(math.ceil(epochs * max(1, round(1 / sample_rate))))
+    return accounting.calibrate_noise_multiplier(target_epsilon, target_delta, sample_rate, planned,
+                                                 accountant=accountant, sample_size=sample_size,
+                                                 max_batch_size=max_batch_size), planned
+
+
+def make_config(*, batch_size, sample_size, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs,
+                steps, clipping_mode, clipping_fn, clipping_style, loss_reduction, decision_rule, clipping_gamma,
+                accountant, secure_rng, seed, allow_fallback, batch_first, budget, max_batch_size) -> EngineConfig:
+    """Check every argument (cheap ones first: a wrong choice is reported before any calibration), then
+    calibrate the noise multiplier if a target epsilon was given."""
+    batch_size = checks.positive_int("batch_size", batch_size, "the expected logical batch size")
+    sample_size = checks.positive_int("sample_size", sample_size, "the dataset size")
+    if batch_size > sample_size:
+        raise ValueError(f"batch_size={batch_size} is larger than sample_size={sample_size}")
+    delta_given = target_delta is not None
+    checked = dict(
+        batch_size=batch_size,
+        sample_size=sample_size,
+        max_grad_norm=checks.positive("max_grad_norm", max_grad_norm, "the clipping threshold R"),
+        target_epsilon=target_epsilon,
+        target_delta=checks.open_unit("target_delta", target_delta if delta_given
+                                      else accounting.default_delta(sample_size)),
+        clipping_mode=checks.choice("clipping_mode", clipping_mode, tuple(RECIPES)),
+        clipping_fn=checks.choice("clipping_fn", clipping_fn, CLIPPING_FNS),
+        clipping_style=clipping_style,
+        clipping_gamma=checks.positive("clipping_gamma", clipping_gamma),
+        loss_reduction=checks.choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS),
+        decision_rule=checks.choice("decision_rule", decision_rule, DECISION_RULES),
+        accountant=checks.choice("accountant", accountant, accounting.ACCOUNTANTS),
+        secure_rng=bool(secure_rng),
+        seed=seed,
+        allow_fallback=bool(allow_fallback),
+        batch_first=bool(batch_first),
+        budget=checks.choice("budget", budget, BUDGETS),
+        max_batch_size=None if max_batch_size is None else checks.positive_int(
+            "max_batch_size", max_batch_size, "the fixed number of rows of every batch, K"),
+    )
+    sigma, planned = _noise_multiplier(noise_multiplier, target_epsilon, checked["target_delta"], epochs, steps,
+                                       batch_size / sample_size, accountant, delta_given, sample_size,
+                                       checked["max_batch_size"])
+    return EngineConfig(noise_multiplier=sigma, planned_steps=planned, **checked)

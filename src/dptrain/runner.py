@@ -1,0 +1,247 @@
+"""Which backward runs, and how each one starts and ends.
+
+Two kinds of backward reach the engine. ``engine.backward(losses)`` makes its ``Backward`` itself and
+runs it to the end. A plain ``loss.backward()`` is only seen through hooks: its ``Backward`` is made
+when its gradient first reaches the model's output (or a covered layer), and it ends in a callback
+queued on the autograd engine's outermost task; a backward that raised never runs that callback,
+and is found (and dropped) at the next model call, backward or step. One backward runs at a time;
+``BackwardRunner.current`` is it.
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from . import distributed
+from .backward import Backward, BackwardSetup, Phase, needs_tags
+from .capture import Call, graph_task, in_backward
+from .config import EngineConfig
+from .pipeline import Overflow
+from .planning import LayerDecision
+from .precision import LossScaling
+from .rows import tag_passes, tag_rows
+from .trainable import TrainableSet
+
+
+class BackwardRunner:
+    """Runs the engine's backwards (see the module docstring); ``after_backward(overflow)`` is the engine's
+    step bookkeeping, called once a backward has ended without an error."""
+
+    def __init__(self, config: EngineConfig, setup: BackwardSetup, trainable: Callable[[], TrainableSet],
+                 scaling: LossScaling | None, parallel, after_backward: Callable[[bool], None]):
+        self.config = config
+        self.recipe = config.recipe
+        self.setup = setup
+        self.capture = setup.capture
+        self.trainable = trainable
+        self.scaling = scaling
+        self.parallel = parallel
+        self.after_backward = after_backward
+        #: the running backward (engine.backward's, or a plain loss.backward() until its queued callback)
+        self.current: Backward | None = None
+        #: model calls already back-propagated in this step
+        self.done_forwards: set[int] = set()
+        #: what each layer did in the last backward
+        self.decisions: list[LayerDecision] = []
+
+    # ------------------------------------------------------------------ every exit
+    def abort(self) -> None:
+        """Drop the running backward whole (a failed or abandoned one); the step's earlier sums stay
+        (or go as a whole, never in part: see ``StepSums``)."""
+        backward, self.current = self.current, None
+        if backward is not None:
+            backward.abort()
+        self.capture.restore_switched()
+
+    def settle(self) -> None:
+        """A plain ``loss.backward()`` whose end-of-backward callback never ran has failed: drop it."""
+        if self.current is not None and self.current.phase is Phase.PLAIN and not in_backward():
+            self.abort()
+
+    def forget_calls(self) -> None:
+        for state in self.trainable().layers:
+            state.calls.clear()
+
+    def _done(self, backward: Backward) -> None:
+        """A backward completed: its model calls may not be back-propagated again in this step."""
+        self.done_forwards |= backward.forwards
+        self.decisions = backward.decisions
+
+    # ------------------------------------------------------------------ engine.backward
+    def run(self, losses: torch.Tensor) -> None:
+        """``engine.backward(losses)``, the losses checked and ``[B]``."""
+        self.settle()
+        self.capture.settle_open_forward()
+        parallel = self.parallel
+        passes = None  # tag passes (rows.py) agreed by every rank: one more backward each, in which FSDP2 gathers
+        if parallel is not None:
+            needs = losses.shape[0] > 0 and losses.requires_grad and self._needs_tags()
+            flag, most = parallel.maximum([float(needs), float(losses.shape[0])], losses.device)
+            passes = tag_passes(int(most)) if flag else 0
+        # Without a scaler, non-finite losses show as non-finite norms (checked once, with them): no extra
+        # host-device synchronisation on the hot path.
+        scaling = self.scaling
+        if scaling is not None and not torch.isfinite(losses).all():
+            self.forget_calls()  # fp16 overflow already in the forward: the step is skipped
+            self.after_backward(True)
+            return
+        B = losses.shape[0]
+        forward_batch = self.capture.forward_batch
+        if B and forward_batch is not None and B != forward_batch and losses.requires_grad:
+            self.forget_calls()
+            raise ValueError(
+                f"engine.backward got {B} per-sample losses but the model was last called with a batch of "
+                f"{forward_batch}: give one loss per sample of that call (reduction='none'). A model that takes "
+                "the batch in the second dimension of its input (sequence first) needs batch_first=False"
+            )
+        if B == 0 or not losses.requires_grad:
+            if B == 0 and losses.requires_grad and isinstance(parallel, distributed.FSDP2Gradients):
+                self._discarded_backwards(losses, passes)
+            self.forget_calls()
+            if B > 0:
+                raise ValueError("the losses do not depend on any trainable parameter (did the forward run under no_grad?)")
+            self.after_backward(False)
+            return  # an empty batch contributes nothing; the step still adds noise and counts
+        backward = self.current = Backward(self.setup, self.trainable(), Phase.SINGLE, samples=B)
+        can_retry = scaling is not None and scaling.can_retry(scaling.scale(), self.recipe.two_pass,
+                                                              parallel is not None)
+        try:
+            overflow = backward.run(losses, scaling, can_retry, passes)
+            backward.commit()
+            self._done(backward)
+        except FloatingPointError as err:
+            self.abort()
+            bad = (~torch.isfinite(losses.detach())).nonzero().flatten().tolist()
+            if bad:
+                raise ValueError(
+                    f"non-finite per-sample losses at batch positions {bad[:10]}: nothing was accumulated"
+                ) from err
+            raise
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self.current = None
+        self.after_backward(overflow)
+
+    def _discarded_backwards(self, losses: torch.Tensor, passes: int) -> None:
+        """FSDP2 gathers parameters inside each backward: a rank with an empty batch runs as many as the others."""
+        self.current = Backward(self.setup, self.trainable(), Phase.DISCARD)
+        passes += 1 + self.trainable().num_groups if self.recipe.two_pass else 1
+        try:
+            for k in range(passes):
+                torch.autograd.backward(losses.sum(), retain_graph=k < passes - 1)
+        finally:
+            self.current.commit()  # (nothing was added)
+            self.current = None
+
+    def _needs_tags(self) -> bool:
+        return needs_tags(self.trainable(), self.setup.rows, self.capture.forward_batch)
+
+    # ------------------------------------------------------------------ what the hooks report
+    def on_output_grad(self, state, call: Call, grad: torch.Tensor) -> None:
+        """A covered layer call received its output gradient: the running backward takes it (a plain
+        ``loss.backward()`` starts here if its gradient reaches a layer before the model's output)."""
+        if self.capture.paused:
+            return
+        backward = self.current
+        if backward is None:
+            if self.recipe.two_pass:
+                raise RuntimeError(
+                    f"clipping_mode={self.config.clipping_mode!r} needs two backward passes: call "
+                    "engine.backward(per_sample_losses) instead of loss.backward()"
+                )
+            backward = self._begin_plain(from_layer=call)
+        backward.on_output_grad(state, call, grad, self.done_forwards)
+
+    def _plain_or_none(self) -> bool:
+        """No backward runs, or a plain one outside its tag passes."""
+        backward = self.current
+        return backward is None or backward.phase is Phase.PLAIN and not backward.rows.tagging
+
+    def on_model_output_grad(self) -> None:
+        """The gradient reached the model's output: a plain backward starts (on the outermost graph task)."""
+        if self._plain_or_none() and not self.recipe.two_pass:
+            self._begin_plain(from_layer=None)
+
+    def refuse_loss_inside_model(self) -> None:
+        """A plain backward from a loss the model computed itself (Hugging Face's ``labels=``)."""
+        if self._plain_or_none() and not self.capture.paused:
+            raise ValueError(
+                "loss.backward() from a loss computed inside the model (e.g. Hugging Face's labels=...): the engine "
+                "cannot see which sample each part of it comes from, and Hugging Face's loss is a mean over every "
+                "token of the batch, so each sample's weight depends on the other samples' lengths. Compute "
+                "per-sample losses from the logits (dptrain.losses.sequence_losses or token_losses) and call "
+                "engine.backward(losses)"
+            )
+
+    def tag_outputs(self, output, needs: bool):
+        """A model call with patterns not read yet: its per-sample outputs tag a plain backward (``tag_rows``).
+
+        Under data parallelism every rank agrees (an empty rank too): the tagged pass is one more backward,
+        in which FSDP2 gathers the parameters.
+        """
+        batch = self.capture.forward_batch
+        passes = tag_passes(batch or 0)
+        if self.parallel is not None:
+            flag, most = self.parallel.maximum([float(needs), float(batch or 0)],
+                                               next(iter(self.trainable().users)).device)
+            needs, passes = bool(flag), tag_passes(int(most))
+        if not needs or self.recipe.two_pass or batch is None:
+            return None  # (two-pass modes refuse a plain backward at its first output gradient)
+        all_tags = self.setup.rows.new_tags(batch, passes)
+        runner = weakref.ref(self)
+
+        def tagged_pass(raw: torch.Tensor, grad: torch.Tensor, axis: int) -> None:
+            alive = runner()
+            backward = alive.current if alive is not None else None
+            if backward is None or backward.phase is not Phase.PLAIN or backward.rows.tagging:
+                return  # engine.backward tags its losses instead
+            backward.tag_plain(raw, grad, axis, all_tags)
+
+        return tag_rows(output, batch, 0 if self.config.batch_first else 1, tagged_pass)
+
+    # ------------------------------------------------------------------ a plain loss.backward()
+    def _begin_plain(self, from_layer: Call | None) -> Backward:
+        """The running plain ``loss.backward()``, made with its end-of-backward callback on the outermost task."""
+        task = graph_task()
+        backward = self.current
+        if backward is not None and backward.phase is Phase.PLAIN:
+            if from_layer is not None or task == backward.task:
+                return backward
+            self.abort()  # a new backward reached the model's output: the queued one died
+        elif from_layer is not None and from_layer.recomputed:
+            # Reentrant checkpointing runs a recomputation's backward as a nested backward, which ends before
+            # the outer one: the end of this backward is unknown. (It is known when the gradient reaches the
+            # model's output first, or with engine.backward.)
+            raise RuntimeError(
+                "a plain loss.backward() reached a layer recomputed by reentrant activation checkpointing before "
+                "the model's output: the engine cannot tell where this backward ends. Return the model's outputs as "
+                "tensors (or tuples, dicts, dataclasses of tensors) from model(...), use "
+                "engine.backward(per_sample_losses), or checkpoint with use_reentrant=False"
+            )
+        backward = self.current = Backward(self.setup, self.trainable(), Phase.PLAIN)
+        backward.task = task
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish_plain(backward))
+        return backward
+
+    def _finish_plain(self, backward: Backward) -> None:
+        if self.current is not backward:
+            return  # dropped meanwhile
+        loss_scale = self.scaling.scale() if self.scaling is not None else 1.0
+        try:
+            backward.finish_plain(self.config.loss_reduction, loss_scale)
+        except Overflow:
+            backward.commit()  # (nothing was added: the factors were not finite)
+            self.current = None
+            self.after_backward(True)
+        except BaseException:
+            self.abort()
+            raise
+        else:
+            backward.commit()
+            self.current = None
+            self._done(backward)
+            self.after_backward(False)

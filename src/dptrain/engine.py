@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import accounting, data, distributed
 from .algorithms import DEFAULT_CLIPPING_MODE
@@ -29,7 +30,7 @@ from .planning import DEFAULT_DECISION_RULE, LayerDecision
 from .precision import LossScaling
 from .rows import RowReader
 from .runner import BackwardRunner
-from .step import GivenGradients, apply_private_gradient, held_trainable
+from .step import GivenGradients, PendingMarker, apply_private_gradient, held_trainable
 from .trainable import TrainableKey, TrainableSet, build_trainable_set
 from .validation import frozen_batchnorm_checks, validate
 
@@ -38,6 +39,24 @@ __all__ = ["EngineConfig", "PrivacyBudgetExceeded", "PrivacyEngine"]
 # Engines attached right now, by the model they hook: a second engine on the same model (or on a part
 # of it) would see the first one's ghost-differentiated backward as ordinary gradients.
 _ATTACHED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+_OPTIMIZER_GUARD: list = []  # torch's global optimizer step pre-hook, while an engine is attached
+
+
+def _guard_optimizers() -> None:
+    """Every optimizer's step passes the attached engines' check (``_refuse_foreign_optimizer``) while any
+    engine is attached: an optimizer built after attach, or a second one, is seen before it applies anything."""
+    attached = any(ref() is not None for ref in _ATTACHED.values())
+    if attached and not _OPTIMIZER_GUARD:
+        _OPTIMIZER_GUARD.append(register_optimizer_step_pre_hook(_refuse_foreign_optimizers))
+    elif not attached and _OPTIMIZER_GUARD:
+        _OPTIMIZER_GUARD.pop().remove()
+
+
+def _refuse_foreign_optimizers(optimizer, args, kwargs) -> None:
+    for ref in list(_ATTACHED.values()):
+        engine = ref()
+        if engine is not None:
+            engine._refuse_foreign_optimizer(optimizer)
 
 
 class PrivacyEngine:
@@ -119,6 +138,8 @@ class PrivacyEngine:
         self._step_handle = None
         self._grad_handles: dict[nn.Parameter, Any] = {}
         self._given = GivenGradients()
+        self._marker = PendingMarker()
+        self._marker_key, self._marker_on = None, None
 
         # Long-lived parts: the step's clipped sums, the row layouts read so far, the budget, the trainable set.
         self._sums = StepSums()
@@ -227,7 +248,7 @@ class PrivacyEngine:
         setup = BackwardSetup(self.recipe, self.decision_rule, self.clipping_fn, self.clipping_gamma,
                               self._sums, self._rows, capture, overflow_skippable=enabled)
         self._runner = runner = BackwardRunner(self.config, setup, lambda: self._trainable, self._scaling,
-                                               self._parallel, self._after_backward)
+                                               self._parallel, self._before_backward, self._after_backward)
         capture.on_grad, capture.on_output_grad = runner.on_output_grad, runner.on_model_output_grad
         capture.on_tag_outputs, capture.on_scalar_output_grad = runner.tag_outputs, runner.refuse_loss_inside_model
         capture.install(list(self._trainable.layers), extra_checks=frozen_batchnorm_checks(self.model))
@@ -236,6 +257,7 @@ class PrivacyEngine:
         self._optimizer = optimizer
         self._given.clear()
         _ATTACHED[self.model] = weakref.ref(self)
+        _guard_optimizers()
         TrainableKey.watch()
         if self._parallel is not None:
             self._parallel.attach()
@@ -293,8 +315,10 @@ class PrivacyEngine:
             self._parallel.detach()
         if _ATTACHED.get(self.model) is not None and _ATTACHED[self.model]() is self:
             del _ATTACHED[self.model]
+            _guard_optimizers()
             TrainableKey.unwatch()
         self._capture, self._step_handle, self._optimizer = None, None, None
+        self._marker.forget()
         self._discard_step()
 
     @contextlib.contextmanager
@@ -357,23 +381,41 @@ class PrivacyEngine:
         """The GradScaler's current scale (the factor on this step's loss), or 1."""
         return self._scaling.scale() if self._scaling is not None else 1.0
 
+    def _marker_param(self) -> nn.Parameter:
+        """The smallest covered trainable parameter the optimizer holds: the one that shows ``PendingMarker``."""
+        key = (self._trainable, sum(len(g["params"]) for g in self._optimizer.param_groups))
+        if self._marker_key != key:
+            users = self._trainable.users
+            held = [p for group in self._optimizer.param_groups for p in group["params"]
+                    if p in users and p.requires_grad]
+            self._marker_key, self._marker_on = key, (min(held, key=lambda q: q.numel()) if held
+                                                      else next(iter(users)))
+        return self._marker_on
+
+    def _before_backward(self) -> None:
+        """A backward is about to add to the step: a ``zero_grad()`` since the last one discarded the batches
+        back-propagated before it (``PendingMarker``)."""
+        if self._marker.cleared():
+            self._sums.clear()
+            self._marker.forget()
+
     def _after_backward(self, overflow: bool) -> None:
-        """With a GradScaler: show it the marker gradient it checks (inf makes it skip the step).
+        """Show the marker (``PendingMarker``): zero_grad() is seen, and with a GradScaler the scaler checks it
+        (inf makes it skip the step).
 
         A skipped step (the plain ``loss.backward()`` path, or data parallelism, where the engine
         cannot run the backward again) counts in the accountant right away: skipping is a decision
         that looked at the data, and ``optimizer.step()`` (where steps are counted otherwise) will
         not run.
         """
+        marker_param = self._marker_param()
         if self._scaling is None:
+            self._marker.place(marker_param)
             return
-        users = self._trainable.users
         if self._parallel is not None:  # every rank skips, or none
-            overflow = self._parallel.any(overflow, next(iter(users)).device)
-        held = [p for group in self._optimizer.param_groups for p in group["params"]
-                if p in users and p.requires_grad]
-        marker_param = min(held, key=lambda q: q.numel()) if held else next(iter(users))
-        first, skipped = self._scaling.show(overflow, marker_param)
+            overflow = self._parallel.any(overflow, marker_param.device)
+        first, skipped = self._scaling.show(overflow, self._marker.skips)
+        self._marker.place(marker_param, skip=skipped)
         if skipped:
             self._sums.clear()  # nothing of a skipped step is ever applied
         if first:
@@ -384,20 +426,53 @@ class PrivacyEngine:
                 "engine.backward(scaler.scale(losses)) in one process the engine finds a working scale without "
                 "skipping", stacklevel=3)
 
-    def _before_step(self, optimizer, args, kwargs) -> None:
+    def _before_step(self, optimizer, args, kwargs):
+        """The attached optimizer's step pre-hook: the private gradient into ``p.grad``. With a closure
+        (``optimizer.step(closure)``) that happens after the closure's backward, once per step."""
+        # (args: the optimizer itself, then step's own arguments)
+        closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
+        if closure is None:
+            self._private_step()
+            return None
+        evaluated = False
+
+        def private_closure():
+            nonlocal evaluated
+            if evaluated:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} evaluated its closure a second time in one step: a private step "
+                    "releases one noisy gradient per batch, and each further evaluation would be another release "
+                    "on the same batch. The first evaluation's private update was applied and counted. Use an "
+                    "optimizer that evaluates the closure once per step (torch.optim.LBFGS with max_iter=1, or a "
+                    "first-order optimizer)"
+                )
+            evaluated = True
+            with torch.enable_grad():
+                loss = closure()
+            self._private_step()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": private_closure}
+        return (args[0], private_closure, *args[2:]), kwargs
+
+    def _private_step(self) -> None:
         self._runner.settle()
         self._capture.settle_open_forward()
         self._follow_trainable()
         self._runner.done_forwards.clear()
+        marker = self._marker.tensor
         if self._scaling is not None and self._scaling.overflowed:
             # optimizer.step() without scaler.step(): the counted, overflowed step applies nothing
             for p in held_trainable(self._optimizer, self._trainable):
                 p.grad = None
             self._scaling.overflowed = False
+            self._marker.forget()
             self._discard_step()
             return
+        if self._marker.cleared():  # zero_grad() after the last backward: its batches are discarded
+            self._sums.clear()
         step_params = held_trainable(self._optimizer, self._trainable)  # refuses raw gradients it does not cover
-        marker = self._scaling.marker if self._scaling is not None else None
         self._given.leave_frozen_untouched(self._optimizer, marker)
         if self._parallel is not None:
             self._given.refuse_foreign(step_params, self._trainable, marker)
@@ -406,12 +481,32 @@ class PrivacyEngine:
         except PrivacyBudgetExceeded:
             for p in step_params:
                 p.grad = None
+            self._marker.forget()
             self._discard_step()
             raise
+        self._marker.forget()
         apply_private_gradient(step_params, self._sums, self._noise.sample, self.noise_multiplier * self.max_grad_norm,
                                self.batch_size, self._parallel, self._given)
         self._discard_step()
         self._count_step()
+
+    def _refuse_foreign_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Any optimizer's step (torch's global step pre-hook): one other than the attached optimizer (or a
+        wrapper of it) that holds covered trainable parameters would apply gradients the engine never gave."""
+        mine = self._optimizer
+        if (optimizer is mine or mine is None or optimizer.param_groups is mine.param_groups
+                or getattr(optimizer, "optimizer", None) is mine):
+            return
+        held = {p for group in optimizer.param_groups for p in group["params"]}
+        private = [self._trainable.param_name(p) for p in self._trainable.users if p.requires_grad and p in held]
+        if private:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} is not the optimizer this PrivacyEngine is attached to, but it holds "
+                f"trainable parameters of the private model ({private[:3]}{' ...' if len(private) > 3 else ''}): "
+                "the engine gives private gradients only to the optimizer it is attached to, so this one would "
+                "apply nothing, or gradients that are not private. Nothing was applied. Attach the engine to this "
+                "optimizer (engine.detach(); engine.attach(optimizer)), or build the optimizer before attach"
+            )
 
     def _count_step(self) -> None:
         self.accountant.step(self.noise_multiplier, self.sample_rate)

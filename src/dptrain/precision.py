@@ -2,16 +2,11 @@
 
 The engine's gradients exist only from ``optimizer.step()`` on, so the scaler, which decides in
 ``scaler.step`` whether to skip by looking for inf/NaN in the gradients it unscales, is shown one
-small *marker* gradient: zeros normally, inf for a backward that overflowed. Through
+small *marker* gradient (``step.PendingMarker``): finite normally, inf for a backward that overflowed. Through
 ``engine.backward`` in one process an overflow is not a skip: the engine runs the backward again
 at the scaler's back-off (``can_retry``) and installs the scale that worked (``worked``).
 """
 from __future__ import annotations
-
-import math
-
-import torch
-from torch import nn
 
 
 class LossScaling:
@@ -19,7 +14,6 @@ class LossScaling:
         self.scaler = scaler
         self.good_scale = 0.0   # the largest scale known not to overflow
         self.overflowed = False  # this logical step overflowed and is being skipped
-        self.marker: torch.Tensor | None = None
 
     def scale(self) -> float:
         """The current scale (the factor on this step's losses)."""
@@ -39,17 +33,14 @@ class LossScaling:
         if attempt != 1.0:
             self.scaler.update(scale * attempt)  # the scale that worked, for the next steps
 
-    def show(self, overflow: bool, p: nn.Parameter) -> tuple[bool, bool]:
-        """Show the scaler the marker on ``p``; (first overflow of this step, step skipped)."""
-        if self.overflowed and not (p.grad is self.marker and bool(torch.isinf(p.grad).any())):
-            self.overflowed = False  # zero_grad() cleared the marker: the skipped step is over
+    def show(self, overflow: bool, still_skipping: bool) -> tuple[bool, bool]:
+        """(first overflow of this step, step skipped) after a backward; ``still_skipping``: the inf marker of a
+        skipped step is still shown (``zero_grad()`` clears it: the skipped step is over). The engine shows the
+        scaler its marker (``step.PendingMarker``): inf when the step is skipped."""
+        if self.overflowed and not still_skipping:
+            self.overflowed = False
         first = False
         if overflow or self.overflowed:
             first = not self.overflowed
             self.overflowed = True
-            self.marker = torch.full_like(p, math.inf)
-            p.grad = self.marker
-        elif p.grad is None:
-            self.marker = torch.zeros_like(p)
-            p.grad = self.marker
         return first, self.overflowed

@@ -26,11 +26,13 @@ from .trainable import TrainableSet
 
 
 class BackwardRunner:
-    """Runs the engine's backwards (see the module docstring); ``after_backward(overflow)`` is the engine's
-    step bookkeeping, called once a backward has ended without an error."""
+    """Runs the engine's backwards (see the module docstring). The engine's step bookkeeping:
+    ``before_backward()`` before a backward adds to the step, ``after_backward(overflow)`` once one has ended
+    without an error."""
 
     def __init__(self, config: EngineConfig, setup: BackwardSetup, trainable: Callable[[], TrainableSet],
-                 scaling: LossScaling | None, parallel, after_backward: Callable[[bool], None]):
+                 scaling: LossScaling | None, parallel, before_backward: Callable[[], None],
+                 after_backward: Callable[[bool], None]):
         self.config = config
         self.recipe = config.recipe
         self.setup = setup
@@ -38,6 +40,7 @@ class BackwardRunner:
         self.trainable = trainable
         self.scaling = scaling
         self.parallel = parallel
+        self.before_backward = before_backward
         self.after_backward = after_backward
         #: the running backward (engine.backward's, or a plain loss.backward() until its queued callback)
         self.current: Backward | None = None
@@ -104,6 +107,7 @@ class BackwardRunner:
                 raise ValueError("the losses do not depend on any trainable parameter (did the forward run under no_grad?)")
             self.after_backward(False)
             return  # an empty batch contributes nothing; the step still adds noise and counts
+        self.before_backward()
         backward = self.current = Backward(self.setup, self.trainable(), Phase.SINGLE, samples=B)
         can_retry = scaling is not None and scaling.can_retry(scaling.scale(), self.recipe.two_pass,
                                                               parallel is not None)
@@ -222,6 +226,7 @@ class BackwardRunner:
                 "tensors (or tuples, dicts, dataclasses of tensors) from model(...), use "
                 "engine.backward(per_sample_losses), or checkpoint with use_reentrant=False"
             )
+        self.before_backward()
         backward = self.current = Backward(self.setup, self.trainable(), Phase.PLAIN)
         backward.task = task
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish_plain(backward))

@@ -6,6 +6,7 @@ gradient left on a parameter frozen since.
 """
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 
@@ -116,3 +117,53 @@ def apply_private_gradient(step_params: list[nn.Parameter], sums: StepSums, samp
         noisy = parallel.noisy_sum(step_params, [take_sum(p) for p in step_params], add_noise)
         for p, t in zip(step_params, noisy):
             set_grad(p, t)
+
+
+class PendingMarker:
+    """The gradient the engine shows on one parameter between a backward and the step.
+
+    The private gradient exists only from ``optimizer.step()`` on, so ``optimizer.zero_grad()`` between a
+    backward and the step would change nothing the engine could see. The marker makes it visible: ones on
+    the smallest held parameter, which ``zero_grad()`` clears (``set_to_none``, the default) or zeroes in
+    place (a version-counter change, then a look at the values: scaling it, as ``GradScaler.unscale_`` or
+    gradient clipping do, keeps it non-zero). A cleared marker means the batches back-propagated before it
+    are discarded, as ``zero_grad`` means in PyTorch. With a GradScaler it is also the gradient the scaler
+    checks: inf makes ``scaler.step`` skip the step.
+    """
+
+    def __init__(self):
+        self.param: nn.Parameter | None = None
+        self.tensor: torch.Tensor | None = None
+        self._version = -1
+        self._skip = False
+
+    def place(self, p: nn.Parameter, skip: bool = False) -> None:
+        """Show the marker on ``p`` (inf: the scaler is to skip this step)."""
+        if (self.param is p and p.grad is self.tensor is not None and skip == self._skip
+                and self.tensor._version == self._version):
+            return  # already shown, untouched
+        self.forget()
+        self.param, self.tensor, self._skip = p, torch.full_like(p, math.inf if skip else 1.0), skip
+        p.grad = self.tensor
+        self._version = self.tensor._version
+
+    @property
+    def skips(self) -> bool:
+        """The inf marker of a skipped step is still shown (``zero_grad()`` clears it: the skipped step is over)."""
+        return self._skip and self.tensor is not None and self.param.grad is self.tensor
+
+    def cleared(self) -> bool:
+        """Whether ``zero_grad()`` (or anything setting ``p.grad``) removed or zeroed the marker since it was shown."""
+        if self.tensor is None:
+            return False
+        if self.param.grad is not self.tensor:
+            return True
+        if self.tensor._version == self._version:
+            return False
+        return bool((self.tensor == 0).all())  # touched in place: zeroed, or only scaled
+
+    def forget(self) -> None:
+        """The step took its gradient (or the engine detaches): the marker goes, from ``p.grad`` too."""
+        if self.tensor is not None and self.param.grad is self.tensor:
+            self.param.grad = None
+        self.param, self.tensor, self._version, self._skip = None, None, -1, False

@@ -128,7 +128,7 @@ MODELS = {
     "deberta-v2": (_deberta_v2, _classify, _text, dict(target_modules=["query_proj", "value_proj"],
                                                         task_type="SEQ_CLS")),
     "swin": (_swin, _classify_images,
-             lambda B, g: (torch.randn(B, 3, 8, 8, generator=g), torch.randint(0, 3, (B,), generator=g)),
+             lambda B, g: (torch.randn(B, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (B,), generator=g)),
              dict(target_modules=["q_proj", "v_proj", "fc1"], modules_to_save=["classifier"])),
     "opt": (_opt, _lm, _lm_batch, dict(target_modules=["q_proj", "v_proj"])),
     "mixtral": (_mixtral, _lm, _lm_batch, dict(target_modules=["q_proj", "v_proj"])),

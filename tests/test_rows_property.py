@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 
 import pytest
 import torch
@@ -27,7 +28,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from helpers import MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, engine_clipped_sum, reference, with_oracle
+from helpers import (
+    MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, engine_clipped_sum, reference, split_batch, with_oracle,
+)
 
 D = 4  # features
 PATHS = [(m, "engine") for m in MODES] + [(m, p) for m in SINGLE_BACKWARD_MODES for p in ("sum", "mean")]
@@ -189,31 +192,40 @@ class Chain(nn.Module):
 
 @st.composite
 def models(draw):
-    """(case, whether some trainable layer's rows are shared by several samples, a description)."""
-    T, C = draw(st.integers(2, 4)), draw(st.integers(2, 4))
-    names = draw(st.lists(st.sampled_from(list(ONE_SAMPLE_PER_ROW)), min_size=1, max_size=3))
-    # at most one piece whose rows several samples share, in about half of the models
-    shared = draw(st.sampled_from([None, "positions-[T]", None, "batch-mean", None, "per-class-head"]))
+    """(case, micro-batches, whether some trainable layer's rows are shared by several samples, a description).
+
+    The structure comes from one drawn seed: hypothesis's own choices lean to the first pieces and the smallest
+    sizes, where these odds are what the test is about.
+    """
+    seed = draw(st.integers(0, 2 ** 32 - 1))
+    rng = random.Random(seed)
+    T, C = rng.randint(2, 4), rng.randint(2, 4)
+    names = [rng.choice(list(ONE_SAMPLE_PER_ROW)) for _ in range(rng.randint(1, 3))]
+    # a piece or head whose rows several samples share in half of the models (refused where it is trainable)
+    shared = rng.choice([None, None, None, "positions-[T]", "batch-mean", "per-class-head"])
     if shared in SHARED_ROWS:
-        names.insert(draw(st.integers(0, len(names))), shared)
-    # B equal to T, C or T's folded rows as often as not
-    B = draw(st.one_of(st.sampled_from([T, C, 2 * T]), st.integers(1, 5)))
-    seed = draw(st.integers(0, 2 ** 16))
+        names.insert(rng.randint(0, len(names)), shared)
+    # B equal to T, C or T's folded rows in most models; several micro-batches (one model call each, in one
+    # step) split it, so that one call's layout is read, and maybe cached, at another batch size than the next's
+    micro = rng.randint(1, 3)
+    B = max(micro, rng.choice([micro * T, micro * T, micro * C, 2 * T, 2 * T - 1, T + C, rng.randint(1, 8)]))
     torch.manual_seed(seed)
     pieces = [(ONE_SAMPLE_PER_ROW | SHARED_ROWS)[n]() for n in names]
     model = Chain(pieces, (PerClassHead if shared == "per-class-head" else MeanHead)(C)).double()
     for part in [*model.pieces, model.head]:
         # a mean over the batch stays trainable: with nothing trainable before it, it is the out-of-scope case
-        part.requires_grad_(isinstance(part, BatchMean) or draw(st.booleans()))
+        part.requires_grad_(isinstance(part, BatchMean) or rng.random() < 0.7)
     if not any(p.requires_grad for p in model.parameters()):
         model.head.requires_grad_(True)
-    mixes = B > 1 and any(part.mixes_when_trainable and any(p.requires_grad for p in part.parameters())
-                          for part in [*model.pieces, model.head])
     g = torch.Generator().manual_seed(seed)
     batch = (2 * torch.randn(B, T, D, generator=g, dtype=torch.float64), torch.randint(0, C, (B,), generator=g))
+    sizes = [chunk[0].shape[0] for chunk in split_batch(batch, micro)]
+    mixes = max(sizes) > 1 and any(part.mixes_when_trainable and any(p.requires_grad for p in part.parameters())
+                                   for part in [*model.pieces, model.head])
     trainable = [n for n, part in zip([*names, "head"], [*model.pieces, model.head])
                  if any(p.requires_grad for p in part.parameters())]
-    return Case(model, _losses, batch), mixes, f"{names} -> {shared or 'head'}, trainable {trainable}, B={B}, T={T}, C={C}"
+    what = f"seed {seed}: {names} -> {shared or 'head'}, trainable {trainable}, B={sizes}, T={T}, C={C}"
+    return Case(model, _losses, batch), micro, mixes, what
 
 
 def _losses(model, x, y):
@@ -253,18 +265,18 @@ def _assert_refused_naming_a_layer(case: Case, run) -> None:
     assert any(f"{name} (" in message for name in _layer_names(case.model)), f"names no layer: {message}"
 
 
-FAST = settings(max_examples=40, deadline=None, derandomize=True, database=None,
+FAST = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
 
 @FAST
 @given(drawn=models())
 def test_random_layouts_are_exact_or_refused_in_every_mode_and_path(drawn):
-    case, mixes, what = drawn
+    case, micro, mixes, what = drawn
     R, ref = (None, None) if mixes else _oracle(case)
     with _float64():
         for mode, path in PATHS:
-            run = lambda: engine_clipped_sum(case, quiet=True, mode=mode, path=path,  # noqa: E731
+            run = lambda: engine_clipped_sum(case, quiet=True, mode=mode, path=path, micro_batches=micro,  # noqa: E731
                                              max_grad_norm=R if R is not None else 1.0)
             if mixes:
                 _assert_refused_naming_a_layer(case, run)
@@ -287,7 +299,8 @@ def _one_sample_contributes(losses_fn):
 def test_one_sample_moves_the_model_by_at_most_R(drawn, mode_path):
     """Noise 0, batch_size 1: p.grad is what an lr-1 SGD step subtracts. With one sample contributing, its norm is
     at most R whatever the layout of the rows (or the step is refused)."""
-    case, _, what = drawn
+    case, _, _, what = drawn
+    what += " (in one call)"  # the first sample of the call is the one that contributes
     case = Case(case.model, _one_sample_contributes(case.losses_fn), case.batch)
     mode, path = mode_path
     R = 1e-3  # far below the sample's gradient norm

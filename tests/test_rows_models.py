@@ -105,18 +105,18 @@ def _classify_images(model, x, y):
     return F.cross_entropy(model(pixel_values=x).logits, y, reduction="none")
 
 
-def _text(B, g, per_token=False):
-    ids = torch.randint(2, V, (B, SEQ), generator=g)
-    mask = torch.ones(B, SEQ, dtype=torch.long)
-    y = torch.randint(0, 3, (B, SEQ) if per_token else (B,), generator=g)
+def _text(B, g, per_token=False, seq=SEQ):
+    ids = torch.randint(2, V, (B, seq), generator=g)
+    mask = torch.ones(B, seq, dtype=torch.long)
+    y = torch.randint(0, 3, (B, seq) if per_token else (B,), generator=g)
     return ids, mask, y
 
 
-def _lm_batch(B, g):
-    ids = torch.randint(2, V, (B, SEQ), generator=g)
+def _lm_batch(B, g, seq=SEQ):
+    ids = torch.randint(2, V, (B, seq), generator=g)
     labels = ids.clone()
     labels[0, :1] = -100  # a prompt token that is not trained on
-    return ids, torch.ones(B, SEQ, dtype=torch.long), labels
+    return ids, torch.ones(B, seq, dtype=torch.long), labels
 
 
 # name: (builder, per-sample losses, batch of B samples, LoRA config)
@@ -176,9 +176,9 @@ def build_model(name: str, variant: str):
     return model.double().train()
 
 
-def build_case(name: str, variant: str, B: int) -> Case:
+def build_case(name: str, variant: str, B: int, **seq) -> Case:
     _, losses, batch, _ = MODELS[name]
-    return Case(build_model(name, variant), losses, batch(B, torch.Generator().manual_seed(B)))
+    return Case(build_model(name, variant), losses, batch(B, torch.Generator().manual_seed(B), **seq))
 
 
 @functools.cache
@@ -262,3 +262,12 @@ def test_one_sample_moves_the_model_by_at_most_R_at_B_equals_T(name, variant, mo
     # a second backward through float32 ops rounds the clipped gradient to float32 (FLOAT32_INSIDE above)
     slack = 1e-6 if name in FLOAT32_INSIDE and mode in TWO_PASS_MODES else 1e-9
     assert 0.5 * R < norm <= R * (1 + slack), f"{name} {variant} {mode} {path}: one sample moved the model {norm / R:.4g} R"
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_xlnet_lora_at_B_equals_T_equals_8(mode, path):
+    """The probe's case (0.66-2.3 relative error before the rows were read): XLNet's layers run sequence-first,
+    [T, B, d], and at B = T = 8 two tag passes tell the samples apart."""
+    case, R, ref = with_oracle(lambda: build_case("xlnet", "lora", 8, seq=8))
+    got = engine_clipped_sum(case, quiet=True, mode=mode, max_grad_norm=R, path=path if path == "engine" else "mean")
+    assert_matches(got, ref, what=f"xlnet lora B=T=8 {mode} {path}")

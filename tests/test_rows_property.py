@@ -3,9 +3,10 @@
 Each model is a random chain of pieces on ``h: [B, T, d]``, some trainable, some frozen, then a head:
 
 - one sample per row, in another layout: tokens folded into the batch (``[B*T, d]``, in blocks or interleaved),
-  windows folded into the batch (``[B*T/w, w, d]``), a layer run sequence-first (``[T, B, d]``), the batch sorted
-  by its data and un-sorted after, the batch concatenated with an augmented copy (``[2B, T, d]``), a position
-  table looked up on ``[1, T]`` or ``[B, T]`` ids;
+  windows folded into the batch (``[B*T/w, w, d]``), layers run sequence-first (``[T, B, d]``: a Linear, dptrain's
+  multi-head attention and LSTM), the batch sorted by its data and un-sorted after, the batch concatenated with an
+  augmented copy (``[2B, T, d]``), a position table looked up on ``[1, T]`` or ``[B, T]`` ids; in half of the
+  models the input is token ids through an embedding (``wte(ids)``);
 - rows shared by every sample: a position table looked up on ``[T]`` ids (``wpe(arange(T))``), per-class vectors
   ``[C, d]`` in the head, a mean over the batch.
 
@@ -13,7 +14,7 @@ B is drawn to equal T, C or the number of folded rows per sample about as often 
 clipping mode and on both backward paths the engine must give the oracle's clipped gradient exactly (float64,
 noise 0), or refuse, naming a layer of the model, exactly where a trainable layer's rows are shared by several
 samples. Rows mixed by a frozen piece (a mean over the batch with nothing trainable before it) are out of scope
-here: see ``test_a_mean_over_the_batch_before_the_trainable_layers_is_refused``.
+here: see ``test_a_mean_over_the_batch_before_the_trainable_layers_is_refused`` in tests/test_rows.py.
 """
 from __future__ import annotations
 
@@ -28,11 +29,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from dptrain.nn import DPLSTM, DPMultiheadAttention
+
 from helpers import (
     MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, engine_clipped_sum, reference, split_batch, with_oracle,
 )
 
 D = 4  # features
+VOCABULARY = 6  # token ids, where the model starts with an embedding
 PATHS = [(m, "engine") for m in MODES] + [(m, p) for m in SINGLE_BACKWARD_MODES for p in ("sum", "mean")]
 
 
@@ -88,6 +92,29 @@ class Windows(Piece):
         w = T // 2 if T % 2 == 0 else 1
         windows = self.norm(h.reshape(B * T // w, w, D))
         return torch.tanh(self.conv(windows.transpose(1, 2))).transpose(1, 2).reshape(B, T, D)
+
+
+class SequenceFirstAttention(Piece):
+    """dptrain's multi-head attention, sequence-first by default, as torch's: run on [T, B, d]."""
+
+    def __init__(self):
+        super().__init__()
+        self.attention = DPMultiheadAttention(D, 2)
+
+    def forward(self, h):
+        tokens = h.transpose(0, 1)
+        return h + self.attention(tokens, tokens, tokens, need_weights=False)[0].transpose(0, 1)
+
+
+class SequenceFirstLSTM(Piece):
+    """dptrain's LSTM, sequence-first by default: [T, B, d] in, one step [B, d] at a time inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.lstm = DPLSTM(D, D)
+
+    def forward(self, h):
+        return self.lstm(h.transpose(0, 1))[0].transpose(0, 1)
 
 
 class SortedBatch(Piece):
@@ -173,6 +200,7 @@ class PerClassHead(nn.Module):
 ONE_SAMPLE_PER_ROW = {
     "token-linear": TokenLinear, "folded-blocks": lambda: FoldedTokens(False),
     "folded-interleaved": lambda: FoldedTokens(True), "sequence-first": SequenceFirst, "windows": Windows,
+    "sequence-first-attention": SequenceFirstAttention, "sequence-first-lstm": SequenceFirstLSTM,
     "sorted": SortedBatch, "with-augmented": WithAugmented, "positions-[1,T]": lambda: Positions("[1, T]"),
     "positions-[B,T]": lambda: Positions("[B, T]"),
 }
@@ -180,11 +208,16 @@ SHARED_ROWS = {"positions-[T]": lambda: Positions("[T]"), "batch-mean": BatchMea
 
 
 class Chain(nn.Module):
-    def __init__(self, pieces, head):
+    """pieces then a head, on features [B, T, d] or on token ids [B, T] through an embedding (``wte``)."""
+
+    def __init__(self, pieces, head, vocabulary: int | None):
         super().__init__()
+        self.wte = nn.Embedding(vocabulary, D) if vocabulary else None
         self.pieces, self.head = nn.ModuleList(pieces), head
 
     def forward(self, x):
+        if self.wte is not None:
+            x = self.wte(x)
         for piece in self.pieces:
             x = piece(x)
         return self.head(x)
@@ -211,20 +244,24 @@ def models(draw):
     B = max(micro, rng.choice([micro * T, micro * T, micro * C, 2 * T, 2 * T - 1, T + C, rng.randint(1, 8)]))
     torch.manual_seed(seed)
     pieces = [(ONE_SAMPLE_PER_ROW | SHARED_ROWS)[n]() for n in names]
-    model = Chain(pieces, (PerClassHead if shared == "per-class-head" else MeanHead)(C)).double()
-    for part in [*model.pieces, model.head]:
+    ids = rng.random() < 0.5
+    model = Chain(pieces, (PerClassHead if shared == "per-class-head" else MeanHead)(C), VOCABULARY if ids else None)
+    model = model.double()
+    for part in [*model.pieces, model.head, *([model.wte] if ids else [])]:
         # a mean over the batch stays trainable: with nothing trainable before it, it is the out-of-scope case
         part.requires_grad_(isinstance(part, BatchMean) or rng.random() < 0.7)
     if not any(p.requires_grad for p in model.parameters()):
         model.head.requires_grad_(True)
     g = torch.Generator().manual_seed(seed)
-    batch = (2 * torch.randn(B, T, D, generator=g, dtype=torch.float64), torch.randint(0, C, (B,), generator=g))
+    x = torch.randint(0, VOCABULARY, (B, T), generator=g) if ids else 2 * torch.randn(B, T, D, generator=g,
+                                                                                        dtype=torch.float64)
+    batch = (x, torch.randint(0, C, (B,), generator=g))
     sizes = [chunk[0].shape[0] for chunk in split_batch(batch, micro)]
     mixes = max(sizes) > 1 and any(part.mixes_when_trainable and any(p.requires_grad for p in part.parameters())
                                    for part in [*model.pieces, model.head])
-    trainable = [n for n, part in zip([*names, "head"], [*model.pieces, model.head])
-                 if any(p.requires_grad for p in part.parameters())]
-    what = f"seed {seed}: {names} -> {shared or 'head'}, trainable {trainable}, B={sizes}, T={T}, C={C}"
+    trainable = [n for n, part in zip(["wte", *names, "head"], [model.wte, *model.pieces, model.head])
+                 if part is not None and any(p.requires_grad for p in part.parameters())]
+    what = f"seed {seed}: {'ids -> wte -> ' if ids else ''}{names} -> {shared or 'head'}, trainable {trainable}, B={sizes}, T={T}, C={C}"
     return Case(model, _losses, batch), micro, mixes, what
 
 

@@ -4,13 +4,16 @@ Each model is a random chain of pieces on ``h: [B, T, d]``, some trainable, some
 
 - one sample per row, in another layout: tokens folded into the batch (``[B*T, d]``, in blocks or interleaved),
   windows folded into the batch (``[B*T/w, w, d]``), layers run sequence-first (``[T, B, d]``: a Linear, dptrain's
-  multi-head attention and LSTM), the batch sorted by its data and un-sorted after, the batch concatenated with an
-  augmented copy (``[2B, T, d]``), a position table looked up on ``[1, T]`` or ``[B, T]`` ids; in half of the
-  models the input is token ids through an embedding (``wte(ids)``);
+  multi-head attention and LSTM), the batch sorted by its data and un-sorted after, the batch permuted by a reshape
+  (which no indexing op shows) and back, the batch concatenated with an augmented copy (``[2B, T, d]``), a position
+  table looked up on ``[1, T]`` or ``[B, T]`` ids; in half of the models the input is token ids through an
+  embedding (``wte(ids)``);
 - rows shared by every sample: a position table looked up on ``[T]`` ids (``wpe(arange(T))``), per-class vectors
   ``[C, d]`` in the head, a mean over the batch.
 
-B is drawn to equal T, C or the number of folded rows per sample about as often as it differs from them. In every
+B is drawn to equal T, C or the number of folded rows per sample about as often as it differs from them, and split
+into micro-batches (model calls of one step: a layout read in one call may serve the next); in a third of the models
+some samples are padding (loss weight 0, no gradient: what a layout is read from is then partial). In every
 clipping mode and on both backward paths the engine must give the oracle's clipped gradient exactly (float64,
 noise 0), or refuse, naming a layer of the model, exactly where a trainable layer's rows are shared by several
 samples. Rows mixed by a frozen piece (a mean over the batch with nothing trainable before it) are out of scope
@@ -19,13 +22,14 @@ here: see ``test_a_mean_over_the_batch_before_the_trainable_layers_is_refused`` 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import random
 
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -117,6 +121,22 @@ class SequenceFirstLSTM(Piece):
         return self.lstm(h.transpose(0, 1))[0].transpose(0, 1)
 
 
+class InterleavedHalves(Piece):
+    """The batch permuted by a reshape, which no indexing op shows (row 2i is sample i, row 2i + 1 sample B/2 + i),
+    un-permuted after its layer; sample 0 stays at row 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+
+    def forward(self, h):
+        B = h.shape[0]
+        if B % 2:
+            return torch.tanh(self.lin(h))
+        out = torch.tanh(self.lin(h.reshape(2, B // 2, *h.shape[1:]).transpose(0, 1).reshape(h.shape)))
+        return out.reshape(B // 2, 2, *h.shape[1:]).transpose(0, 1).reshape(h.shape)
+
+
 class SortedBatch(Piece):
     """The batch sorted by a feature of its data (a layout that changes every step), un-sorted after."""
 
@@ -201,6 +221,7 @@ ONE_SAMPLE_PER_ROW = {
     "token-linear": TokenLinear, "folded-blocks": lambda: FoldedTokens(False),
     "folded-interleaved": lambda: FoldedTokens(True), "sequence-first": SequenceFirst, "windows": Windows,
     "sequence-first-attention": SequenceFirstAttention, "sequence-first-lstm": SequenceFirstLSTM,
+    "interleaved-halves": InterleavedHalves,
     "sorted": SortedBatch, "with-augmented": WithAugmented, "positions-[1,T]": lambda: Positions("[1, T]"),
     "positions-[B,T]": lambda: Positions("[B, T]"),
 }
@@ -223,14 +244,12 @@ class Chain(nn.Module):
         return self.head(x)
 
 
-@st.composite
-def models(draw):
+def random_model(seed: int):
     """(case, micro-batches, whether some trainable layer's rows are shared by several samples, a description).
 
-    The structure comes from one drawn seed: hypothesis's own choices lean to the first pieces and the smallest
-    sizes, where these odds are what the test is about.
+    Hypothesis draws the seed only: its own choices lean to the first pieces and the smallest sizes, where the odds
+    below are what the test is about.
     """
-    seed = draw(st.integers(0, 2 ** 32 - 1))
     rng = random.Random(seed)
     T, C = rng.randint(2, 4), rng.randint(2, 4)
     names = [rng.choice(list(ONE_SAMPLE_PER_ROW)) for _ in range(rng.randint(1, 3))]
@@ -255,18 +274,32 @@ def models(draw):
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, VOCABULARY, (B, T), generator=g) if ids else 2 * torch.randn(B, T, D, generator=g,
                                                                                         dtype=torch.float64)
-    batch = (x, torch.randint(0, C, (B,), generator=g))
-    sizes = [chunk[0].shape[0] for chunk in split_batch(batch, micro)]
-    mixes = max(sizes) > 1 and any(part.mixes_when_trainable and any(p.requires_grad for p in part.parameters())
+    # padding in a third of the models: samples whose loss is weighted 0 (their rows carry no gradient). Not with a
+    # mean over the batch: with one sample left, its rows show no mixture, and its activations hold the padding's
+    # As in a fixed-shape batch, the real samples of a call come first; the first call has one, whose rows alone
+    # are the worst case to read a layout from (and the next calls, of the same shape, may reuse it).
+    weights = torch.ones(B, dtype=torch.float64)
+    if rng.random() < 1 / 3 and shared != "batch-mean":
+        bounds = [0, *itertools.accumulate(chunk[0].shape[0] for chunk in split_batch((x,), micro))]
+        for k, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            weights[start + (1 if k == 0 else rng.randint(1, end - start)):end] = 0.0
+    batch = (x, torch.randint(0, C, (B,), generator=g), weights)
+    chunks = split_batch(batch, micro)
+    sizes = [chunk[0].shape[0] for chunk in chunks]
+    # rows shared by several samples show as such where at least two samples of a call have a gradient
+    contributing = max(int((chunk[2] != 0).sum()) for chunk in chunks)
+    mixes = contributing > 1 and any(part.mixes_when_trainable and any(p.requires_grad for p in part.parameters())
                                    for part in [*model.pieces, model.head])
     trainable = [n for n, part in zip(["wte", *names, "head"], [model.wte, *model.pieces, model.head])
                  if part is not None and any(p.requires_grad for p in part.parameters())]
-    what = f"seed {seed}: {'ids -> wte -> ' if ids else ''}{names} -> {shared or 'head'}, trainable {trainable}, B={sizes}, T={T}, C={C}"
+    padded = f", padding {torch.nonzero(weights == 0).flatten().tolist()}" if bool((weights == 0).any()) else ""
+    what = (f"seed {seed}: {'ids -> wte -> ' if ids else ''}{names} -> {shared or 'head'}, trainable {trainable}, "
+            f"B={sizes}, T={T}, C={C}{padded}")
     return Case(model, _losses, batch), micro, mixes, what
 
 
-def _losses(model, x, y):
-    return F.cross_entropy(model(x), y, reduction="none")
+def _losses(model, x, y, weights):
+    return F.cross_entropy(model(x), y, reduction="none") * weights
 
 
 @contextlib.contextmanager
@@ -280,14 +313,14 @@ def _float64():
 
 
 def _oracle(case: Case) -> tuple[float, dict]:
-    """A max_grad_norm that clips some samples and not others (half the only sample's norm for B = 1), and the
-    oracle's clipped sum."""
-    if case.batch_size > 1:
+    """A max_grad_norm that clips some samples and not others, and the oracle's clipped sum. With fewer than two
+    samples of non-zero loss weight: half the norm of the one that has a gradient (1 where none has)."""
+    if int((case.batch[2] != 0).sum()) > 1:
         _, R, ref = with_oracle(lambda: case)
         return R, ref
     with _float64():
         grads = reference(case, max_grad_norm=math.inf)
-        R = 0.5 * math.sqrt(sum(float(g.square().sum()) for g in grads.values()))
+        R = 0.5 * math.sqrt(sum(float(g.square().sum()) for g in grads.values())) or 1.0
         return R, reference(case, max_grad_norm=R)
 
 
@@ -306,10 +339,14 @@ FAST = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
 
+SEEDS = st.integers(0, 2 ** 32 - 1)
+
+
 @FAST
-@given(drawn=models())
-def test_random_layouts_are_exact_or_refused_in_every_mode_and_path(drawn):
-    case, micro, mixes, what = drawn
+@given(seed=SEEDS)
+@example(seed=292851)  # a layout read from one padded call's single real sample was reused at the next (fixed)
+def test_random_layouts_are_exact_or_refused_in_every_mode_and_path(seed):
+    case, micro, mixes, what = random_model(seed)
     R, ref = (None, None) if mixes else _oracle(case)
     with _float64():
         for mode, path in PATHS:
@@ -332,11 +369,11 @@ def _one_sample_contributes(losses_fn):
 
 
 @FAST
-@given(drawn=models(), mode_path=st.sampled_from(PATHS))
-def test_one_sample_moves_the_model_by_at_most_R(drawn, mode_path):
+@given(seed=SEEDS, mode_path=st.sampled_from(PATHS))
+def test_one_sample_moves_the_model_by_at_most_R(seed, mode_path):
     """Noise 0, batch_size 1: p.grad is what an lr-1 SGD step subtracts. With one sample contributing, its norm is
     at most R whatever the layout of the rows (or the step is refused)."""
-    case, _, _, what = drawn
+    case, _, _, what = random_model(seed)
     what += " (in one call)"  # the first sample of the call is the one that contributes
     case = Case(case.model, _one_sample_contributes(case.losses_fn), case.batch)
     mode, path = mode_path

@@ -14,7 +14,6 @@ would draw other masks).
 from __future__ import annotations
 
 import functools
-import re
 import warnings
 
 import pytest
@@ -112,6 +111,10 @@ def _text(B, g, per_token=False, seq=SEQ):
     return ids, mask, y
 
 
+def _images(B, g):
+    return torch.randn(B, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (B,), generator=g)
+
+
 def _lm_batch(B, g, seq=SEQ):
     ids = torch.randint(2, V, (B, seq), generator=g)
     labels = ids.clone()
@@ -127,8 +130,7 @@ MODELS = {
     "mpnet": (_mpnet, _classify, _text, dict(target_modules=["q", "v"], task_type="SEQ_CLS")),
     "deberta-v2": (_deberta_v2, _classify, _text, dict(target_modules=["query_proj", "value_proj"],
                                                         task_type="SEQ_CLS")),
-    "swin": (_swin, _classify_images,
-             lambda B, g: (torch.randn(B, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 3, (B,), generator=g)),
+    "swin": (_swin, _classify_images, _images,
              dict(target_modules=["q_proj", "v_proj", "fc1"], modules_to_save=["classifier"])),
     "opt": (_opt, _lm, _lm_batch, dict(target_modules=["q_proj", "v_proj"])),
     "mixtral": (_mixtral, _lm, _lm_batch, dict(target_modules=["q_proj", "v_proj"])),
@@ -261,7 +263,8 @@ def test_one_sample_moves_the_model_by_at_most_R_at_B_equals_T(name, variant, mo
     norm = torch.sqrt(sum(g.square().sum() for g in got.values())).item()
     # a second backward through float32 ops rounds the clipped gradient to float32 (FLOAT32_INSIDE above)
     slack = 1e-6 if name in FLOAT32_INSIDE and mode in TWO_PASS_MODES else 1e-9
-    assert 0.5 * R < norm <= R * (1 + slack), f"{name} {variant} {mode} {path}: one sample moved the model {norm / R:.4g} R"
+    what = f"{name} {variant} {mode} {path}"
+    assert 0.5 * R < norm <= R * (1 + slack), f"{what}: one sample moved the model by {norm / R:.4g} R"
 
 
 @pytest.mark.parametrize("mode,path", PATHS)

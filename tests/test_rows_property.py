@@ -335,7 +335,7 @@ def _assert_refused_naming_a_layer(case: Case, run) -> None:
     assert any(f"{name} (" in message for name in _layer_names(case.model)), f"names no layer: {message}"
 
 
-FAST = settings(max_examples=60, deadline=None, derandomize=True, database=None,
+FAST = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -625,7 +625,9 @@ def reweighted_reference(case: Case, R: float) -> dict[str, torch.Tensor]:
     factors = torch.clamp(R / norms, max=1.0)
     named = trainable_named_parameters(case.model)
     total = (per_sample(case.losses()) * factors).sum()
-    return dict(zip(named, torch.autograd.grad(total, [p for _, p in named.values()])))
+    params = [p for _, p in named.values()]
+    grads = torch.autograd.grad(total, params, allow_unused=True)  # unused: Longformer's global-attention weights
+    return {n: torch.zeros_like(p) if g is None else g for n, p, g in zip(named, params, grads)}
 
 
 def reference(case: Case, *, max_grad_norm, clipping_fn="abadi", clipping_style="all-layer", clipping_gamma=0.01):

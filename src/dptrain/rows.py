@@ -20,8 +20,12 @@ What the engine does with a map (``RowMap``):
 
 A verified layout is cached per pattern (``PatternKey``: the layer, which of its calls in the model
 call, and the call's leading sizes written relative to the batch size) when it is structural
-(identity, sequence-first, folded in blocks or interleaved) and no reordering op on the batch
-(``ReorderWatch``) ran before the call; anything else is read again at every step.
+(identity, sequence-first, folded in blocks or interleaved), no reordering op on the batch
+(``ReorderWatch``) ran before the call, and every sample had a row with a gradient in the call that
+was read (``RowMap.complete``); anything else is read again at every step. The rows of a sample
+whose loss is zero (a padded row of a fixed-shape batch) carry no gradient, so they show nothing
+of where that sample sits: a batch permuted by a reshape (which no watch sees) can agree with the
+identity on the rows that do, and would be taken for it at the next step.
 """
 from __future__ import annotations
 
@@ -123,6 +127,8 @@ class RowMap:
     batch: int
     identity: bool
     layout: Layout | None  # the structural layout these samples follow, if any
+    #: every sample had a row with a gradient: the layout was seen for all of them (only such a map is cached)
+    complete: bool = True
 
     def regroup(self, rule, module, activation, grad: torch.Tensor) -> tuple[tuple, list]:
         """(operands, dims of each part) of this call with its rows regrouped by sample.
@@ -231,13 +237,15 @@ def _read(grad, tagged, tags, batch, axes) -> RowMap:
 
 def _classify(samples: torch.Tensor, shape, batch: int, axes: int) -> RowMap:
     known = samples >= 0
+    complete = bool((torch.bincount(samples[known], minlength=batch)[:batch] > 0).all())
     for layout in _candidates(axes):
         expected = layout.samples(tuple(shape), batch)
         if expected is not None and expected.numel() == samples.numel() and bool((expected[known] == samples[known]).all()):
-            # rows without a gradient this step follow the structure of those with one
+            # rows without a gradient this step follow the structure of those with one: exact for this step,
+            # where they add nothing, but a layout for the next steps only where every sample showed its rows
             identity = layout == IDENTITY
-            return RowMap(axes, expected, batch, identity, layout)
-    return RowMap(axes, samples, batch, False, None)
+            return RowMap(axes, expected, batch, identity, layout, complete)
+    return RowMap(axes, samples, batch, False, None, complete)
 
 
 def _candidates(axes: int):
@@ -415,7 +423,7 @@ class BackwardRows:
                     "or pooled vectors, an input of the model concatenated with itself. Freeze this layer, feed it "
                     "per-sample rows (ids.expand(B, -1)), or register a rule for the module that mixes the samples"
                 ) from None
-            if rowmap.layout is not None and call.cacheable:
+            if rowmap.layout is not None and call.cacheable and rowmap.complete:
                 self.reader.layouts[self.reader.pattern(state, call)] = rowmap.layout
         if not rowmap.identity and not can_regroup(state.rule, call.activation, call.grad, rowmap.axes):
             raise RowsMixSamples(

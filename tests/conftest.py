@@ -24,3 +24,16 @@ def float64():
         yield
     finally:
         torch.set_default_dtype(previous)
+
+
+@pytest.fixture(autouse=True)
+def no_torch_function_mode_outlives_a_test():
+    """The engine watches verifying forwards with a TorchFunctionMode (rows.ReorderWatch): one left active
+    after a forward (an interrupted one, a detach) would see every later torch call of the process."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    yield
+    left = _get_current_function_mode_stack()
+    while _get_current_function_mode_stack():  # leave the next test a clean process
+        torch._C._pop_torch_function_stack()
+    assert not left, f"a torch function mode was left active: {left}"

@@ -206,6 +206,13 @@ class Backward:
         """A covered layer call received its output gradient."""
         if self.phase is Phase.DISCARD:
             return
+        if call.forward_id is not None and call.forward_id in done_forwards:  # (a tag pass too: it comes first)
+            raise RuntimeError(
+                f"{state.path}: this model call was already back-propagated in this step (one forward, "
+                "two backward passes, e.g. two heads' losses back-propagated one after the other): each would be "
+                "clipped on its own, so a sample could contribute more than max_grad_norm. Add the losses and "
+                "back-propagate them once"
+            )
         if self.rows.tagging:
             self.rows.record_tagged(state, call, grad)
             return
@@ -215,13 +222,6 @@ class Backward:
             return
         if self.phase is Phase.PLAIN and call.batch_size is None and not call.recomputed:
             raise outside_model_call(state)
-        if call.forward_id is not None and call.forward_id in done_forwards:
-            raise RuntimeError(
-                f"{state.path}: this model call was already back-propagated in this step (one forward, "
-                "two backward passes, e.g. two heads' losses back-propagated one after the other): each would be "
-                "clipped on its own, so a sample could contribute more than max_grad_norm. Add the losses and "
-                "back-propagate them once"
-            )
         if not any(c is call for c in state.calls):
             raise RuntimeError(
                 f"{state.path}: a layer call received a second output gradient (the same forward was "
@@ -357,6 +357,8 @@ class Backward:
         """
         try:
             batch = self.reduce_all(expected_batch)
+            self.rows.check_inputs(", ".join(f"{s.path} ({type(s.module).__name__})" for s in self.trainable.layers[:3])
+                                   + (", ..." if len(self.trainable.layers) > 3 else ""))
             group_sq: list[torch.Tensor | None] = [None] * self.trainable.num_groups
             for work in self._works.values():
                 k = work.group

@@ -16,7 +16,6 @@ while a backward pass runs is a recomputation (activation checkpointing) and is 
 """
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,7 +28,7 @@ from .distributed import is_dtensor
 from .layers.numerics import swap01
 from .layers.protocol import LayerDims, LayerRule
 from .layers.fallback import in_replay
-from .rows import ReorderWatch, RowReader, pattern_key
+from .rows import ReorderWatch, RowReader, pattern_key, tensors_in
 
 
 def in_backward() -> bool:
@@ -143,24 +142,6 @@ class _Origin(torch.autograd.Function):
         return None, None
 
 
-def _tensors(obj, depth: int = 0):
-    """The tensors in a model's input or output (a tensor, tuple/list, dict, Hugging Face ModelOutput or
-    dataclass), in order."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif depth >= 4:
-        return
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from _tensors(item, depth + 1)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors(item, depth + 1)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name), depth + 1)
-
-
 class Capture:
     """Installs and removes the hooks; the engine reacts to what they record.
 
@@ -180,10 +161,13 @@ class Capture:
         self._recomputed_ordinals: dict[int, int] = {}
         self._watch: ReorderWatch | None = None
         self._forward_needs_tags = False
-        #: set by the engine: replaces a model call's outputs by tagging ones (plain backward of new patterns)
-        self.on_tag_outputs: Callable[[Any, bool], Any] | None = None
+        #: set by the engine: replaces a model call's outputs by tagging ones (plain backward of new patterns);
+        #: (outputs, patterns not read yet, the input's rows can be followed through the graph)
+        self.on_tag_outputs: Callable[[Any, bool, bool], Any] | None = None
         #: set by the engine: a gradient reached a scalar output of the model (a loss computed inside it)
         self.on_scalar_output_grad: Callable[[], None] | None = None
+        #: set by the engine: the gradient of a tensor carrying the model input's rows (``rows.InputRows``)
+        self.on_input_grad: Callable[[Any, torch.Tensor], None] | None = None
         #: ``plan()``'s dry forward: every call recorded (sizes only, gradients on or off), nothing switched or hooked
         self.dry = dry
         self.called: list[LayerState] = []  # dry: the layers in the order of their first call
@@ -255,6 +239,7 @@ class Capture:
                         self._make_input_hook(module, k, site.source is not None)))
 
     def remove(self) -> None:
+        self._end_watch()
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -290,13 +275,16 @@ class Capture:
         self._open_forward = self._forward_count
         self._finished_forward = False
         dim = 0 if self.batch_first else 1
-        first = next((t for t in _tensors((args, kwargs)) if t.dim() > dim), None)
+        first = next((t for t in tensors_in((args, kwargs)) if t.dim() > dim), None)
         self.forward_batch = first.shape[dim] if first is not None else None
         self._ordinals.clear()
         self._forward_needs_tags = False
         self._end_watch()
         if self.rows.watch_next and not self.dry and self.forward_batch:
-            self._watch = ReorderWatch(self.forward_batch)
+            inputs = [t for t in tensors_in((args, kwargs)) if t.dim() > dim and t.shape[dim] == self.forward_batch]
+            record = self.on_input_grad
+            self._watch = ReorderWatch(self.forward_batch, inputs, dim, self._anchor,
+                                       None if record is None else lambda reading, grad: record(reading, grad))
             self._watch.__enter__()
         return None
 
@@ -319,6 +307,7 @@ class Capture:
         self._open_forward = None
         # Recomputations of this call (checkpointing) may cache their layouts if it picked no rows by the data:
         # known from its watch, or, unwatched with nothing new, as for the model call that was watched last.
+        carried = self._watch is not None and bool(self._watch.readings)  # the input's rows can be followed
         if self._watch is not None:
             self.rows.forward_clean = not self._watch.seen
         elif self._forward_needs_tags:
@@ -330,8 +319,8 @@ class Capture:
         replaced = None
         if torch.is_grad_enabled() and not self.dry:
             if self.on_tag_outputs is not None:  # a plain backward reads new patterns' rows from tagged outputs
-                replaced = self.on_tag_outputs(output, self._forward_needs_tags)
-            for t in _tensors(replaced if replaced is not None else output):
+                replaced = self.on_tag_outputs(output, self._forward_needs_tags, carried)
+            for t in tensors_in(replaced if replaced is not None else output):
                 if t.requires_grad:
                     t.register_hook(self._scalar_output_hook if t.dim() == 0 else self._output_grad_hook)
         return replaced
@@ -361,6 +350,7 @@ class Capture:
     def settle_open_forward(self) -> None:
         """Outside any model call: a model call still open never returned (Ctrl-C in its forward)."""
         if self._open_forward is not None:
+            self._end_watch()  # (its watch too: a mode left active would see every later torch call)
             self.drop_forward(self._open_forward)
             self._open_forward = None
 

@@ -251,6 +251,7 @@ class PrivacyEngine:
                                                self._parallel, self._before_backward, self._after_backward)
         capture.on_grad, capture.on_output_grad = runner.on_output_grad, runner.on_model_output_grad
         capture.on_tag_outputs, capture.on_scalar_output_grad = runner.tag_outputs, runner.refuse_loss_inside_model
+        capture.on_input_grad = runner.on_input_grad
         capture.install(list(self._trainable.layers), extra_checks=frozen_batchnorm_checks(self.model))
         self._sync_grad_hooks()
         self._step_handle = optimizer.register_step_pre_hook(self._before_step)

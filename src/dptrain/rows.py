@@ -274,24 +274,99 @@ _INDEXING = {
 }
 
 
-class ReorderWatch(TorchFunctionMode):
-    """Notes, during a model call, whether rows of a batched tensor were picked by a tensor of indices
-    (``x[order]``, ``index_select``, ``gather``, ``scatter``, ...): a layout that depends on the data
-    (a sort inside ``forward``, rows routed to experts) cannot be cached from one batch.
+class InputRows:
+    """The gradient of one tensor that carries the model input's rows (the input itself, or the embedding of
+    its ids), in the real backward and in each tag pass of a verifying step.
 
-    Only active on forwards that verify new patterns.
+    Row i of a model input is sample i by definition, so its gradient must come from sample i's loss alone:
+    a row whose gradient mixes samples shows a forward that mixes samples (a statistic over the batch, rows
+    of one sample fed to another) before any trainable layer, where no layer's output gradient can see it.
     """
 
-    def __init__(self, batch: int):
+    def __init__(self, batch: int, axis: int):
+        self.batch, self.axis = batch, axis
+        self.real: torch.Tensor | None = None
+        self.tagged: list[torch.Tensor] = []
+        self.tags: list[torch.Tensor] | None = None  # the tags of the passes that made ``tagged``
+
+
+class _InputRowsNode(torch.autograd.Function):
+    """Identity (a copy) on a tensor that carries the model input's rows; its backward hands the gradient to
+    ``record`` (the running backward's ``BackwardRows.record_input``). ``anchor`` makes the copy require grad."""
+
+    @staticmethod
+    def forward(ctx, anchor, x, reading, record):
+        ctx.reading, ctx.record = reading, record
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.record(ctx.reading, grad)
+        return None, grad if ctx.needs_input_grad[1] else None, None, None
+
+
+_EMBEDDINGS = {torch.nn.functional.embedding, torch.embedding}
+
+
+class ReorderWatch(TorchFunctionMode):
+    """Watches a model call that may record patterns not verified yet (a verifying forward).
+
+    It notes whether rows of a batched tensor were picked by a tensor of indices (``x[order]``,
+    ``index_select``, ``gather``, ``scatter``, ...): a layout that depends on the data (a sort inside
+    ``forward``, rows routed to experts) cannot be cached from one batch. And it passes the tensors that
+    carry the model input's rows through ``_InputRowsNode`` (a floating-point input at its first use; the
+    embedding of integer ids derived from an input), so the tag passes also read whether the forward mixes
+    samples before the trainable layers (``InputRows``).
+    """
+
+    def __init__(self, batch: int, inputs=(), axis: int = 0, anchor=None, record=None):
         super().__init__()
         self.batch = batch
         self.seen = False
+        self.axis = axis
+        self.anchor, self.record = anchor, record
+        self._floats = {id(t): t for t in inputs if t.is_floating_point()}
+        self._ids = {id(t): t for t in inputs if not t.is_floating_point() and not t.is_complex()}
+        self._copies: dict[int, torch.Tensor] = {}  # each floating-point input's copy, used by all its uses
+        self.readings: list[InputRows] = []
+
+    def _carry(self, t: torch.Tensor) -> torch.Tensor:
+        reading = InputRows(self.batch, self.axis)
+        self.readings.append(reading)
+        return _InputRowsNode.apply(self.anchor(t.device), t, reading, self.record)
+
+    def _substitute(self, obj):
+        if isinstance(obj, torch.Tensor) and id(obj) in self._floats and self._floats[id(obj)] is obj:
+            copy = self._copies.get(id(obj))
+            if copy is None:
+                copy = self._copies[id(obj)] = self._carry(obj)
+            return copy
+        if isinstance(obj, (list, tuple)) and any(isinstance(o, torch.Tensor) for o in obj):
+            return type(obj)(self._substitute(o) for o in obj)
+        return obj
+
+    def _from_ids(self, args, kwargs) -> bool:
+        return any(isinstance(a, torch.Tensor) and self._ids.get(id(a)) is a
+                   for a in (*args, *kwargs.values()))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.seen and func in _INDEXING and args:
             self.seen = _reorders(func, args, kwargs, self.batch)
-        return func(*args, **kwargs)
+        if self.record is None:
+            return func(*args, **kwargs)
+        if self._floats:
+            args = tuple(self._substitute(a) for a in args)
+            kwargs = {k: self._substitute(v) for k, v in kwargs.items()}
+        from_ids = bool(self._ids) and self._from_ids(args, kwargs)
+        out = func(*args, **kwargs)
+        if from_ids and isinstance(out, torch.Tensor) and out.dim() > self.axis and out.shape[self.axis] == self.batch:
+            if out.is_floating_point():
+                if func in _EMBEDDINGS:
+                    out = self._carry(out)
+            elif not out.is_complex():
+                self._ids[id(out)] = out  # ids derived from the input's (a view, a shift): their embedding too
+        return out
 
 
 def _reorders(func, args, kwargs, batch: int) -> bool:
@@ -367,9 +442,51 @@ class BackwardRows:
         #: maps read for recomputed calls (a second pass recomputes them again), by pattern
         self.resolved: dict[tuple, RowMap] = {}
 
+        #: the model input's rows seen in this backward (``InputRows``), by identity
+        self.inputs: dict[int, InputRows] = {}
+
     def begin_tags(self, tags: list[torch.Tensor]) -> None:
         self.tags = tags
         self.tagged.clear()
+
+    def record_input(self, reading: InputRows, grad: torch.Tensor) -> None:
+        """The gradient of a tensor carrying the model input's rows (``_InputRowsNode``)."""
+        self.inputs[id(reading)] = reading
+        grad = grad.detach()
+        if self.tagging:
+            if reading.tags is not self.tags:  # (each model call of a plain backward tags with its own tags)
+                reading.tagged, reading.tags = [], self.tags
+            if len(reading.tagged) > self.tag_pass:
+                reading.tagged[self.tag_pass] = reading.tagged[self.tag_pass] + grad
+            else:
+                reading.tagged.append(grad)
+        else:
+            reading.real = grad if reading.real is None else reading.real + grad
+
+    def check_inputs(self, layers: str) -> None:
+        """Refuse a forward that mixes samples before the trainable layers (``InputRows``); ``layers`` names
+        the trainable layers for the message."""
+        for reading in self.inputs.values():
+            tags = reading.tags
+            if reading.real is None or tags is None or len(reading.tagged) != len(tags) or tags[0].numel() != reading.batch:
+                continue
+            real = reading.real.movedim(reading.axis, 0)
+            tagged = [t.movedim(reading.axis, 0) for t in reading.tagged]
+            try:
+                rowmap = read_rows(real, tagged, tags, reading.batch, two_axes=False)
+                mixed = not rowmap.identity
+            except RowsMixSamples:
+                mixed = True
+            if mixed:
+                raise RowsMixSamples(
+                    "the forward mixes samples before its trainable layers: a row of the model's input reaches "
+                    "other samples' losses (a statistic over the batch such as a mean or a BatchNorm in training "
+                    "mode, or rows of one sample fed to another, in a frozen part of the model), so every "
+                    f"trainable layer after it ({layers}) sees the other samples' data. Per-sample clipping "
+                    "cannot bound such a sample's influence: compute the statistic per sample, or freeze those "
+                    "layers"
+                )
+        self.inputs.clear()
 
     def record_tagged(self, state, call, grad: torch.Tensor) -> None:
         """An output gradient of tag pass ``self.tag_pass``."""
@@ -462,15 +579,57 @@ class _TagRows(torch.autograd.Function):
         return grad, None, None
 
 
-def tag_rows(output, batch: int | None, axis: int, run):
+def tensors_in(obj, depth: int = 0):
+    """The tensors in a model's input or output (a tensor, tuple/list, dict, Hugging Face ModelOutput or
+    dataclass), in order."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth >= 4:
+        return
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from tensors_in(item, depth + 1)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from tensors_in(item, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from tensors_in(getattr(obj, f.name), depth + 1)
+
+
+def carries_input_rows(t: torch.Tensor) -> bool:
+    """Whether ``t`` is computed from the model's input: its autograd graph reaches a tensor that carries the
+    input's rows (``_InputRowsNode``, made on verifying forwards)."""
+    seen, stack = set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if isinstance(node, _InputRowsNode._backward_cls):
+            return True
+        seen.add(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+def tag_rows(output, batch: int | None, axis: int, run, from_input: bool = False):
     """The model's output with every per-sample tensor (``batch`` rows along ``axis``) passed through
-    ``_TagRows``; containers are rebuilt (tuples) or updated (dicts, dataclasses)."""
+    ``_TagRows``; containers are rebuilt (tuples) or updated (dicts, dataclasses).
+
+    ``from_input``: only tensors computed from the model's input are per-sample (``carries_input_rows``): a
+    table returned next to the features, whatever its number of rows, is not. Where no output can be followed
+    to the input (a compiled model's graph hides the copy), every output of ``batch`` rows is tagged."""
     if batch is None:
         return None
+    if from_input:
+        outputs = [t for t in tensors_in(output) if t.requires_grad and t.is_floating_point()]
+        from_input = any(carries_input_rows(t) for t in outputs)
 
     def wrap(obj, depth=0):
         if isinstance(obj, torch.Tensor):
             if not (obj.requires_grad and obj.is_floating_point()):
+                return obj
+            if from_input and not carries_input_rows(obj):
                 return obj
             # a sequence-first model's output may lead with its batch after pooling; both axes the batch: unclear
             found = [a for a in dict.fromkeys((axis, 0)) if obj.dim() > a and obj.shape[a] == batch]

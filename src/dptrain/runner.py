@@ -160,6 +160,12 @@ class BackwardRunner:
             backward = self._begin_plain(from_layer=call)
         backward.on_output_grad(state, call, grad, self.done_forwards)
 
+    def on_input_grad(self, reading, grad: torch.Tensor) -> None:
+        """The gradient of a tensor carrying the model input's rows (a verifying forward, ``rows.InputRows``)."""
+        backward = self.current
+        if backward is not None and backward.phase not in (Phase.SECOND_PASS, Phase.DISCARD):
+            backward.rows.record_input(reading, grad)
+
     def _plain_or_none(self) -> bool:
         """No backward runs, or a plain one outside its tag passes."""
         backward = self.current
@@ -181,8 +187,9 @@ class BackwardRunner:
                 "engine.backward(losses)"
             )
 
-    def tag_outputs(self, output, needs: bool):
-        """A model call with patterns not read yet: its per-sample outputs tag a plain backward (``tag_rows``).
+    def tag_outputs(self, output, needs: bool, from_input: bool = False):
+        """A model call with patterns not read yet: its per-sample outputs tag a plain backward (``tag_rows``);
+        ``from_input``: only the outputs computed from the model's input are per-sample.
 
         Under data parallelism every rank agrees (an empty rank too): the tagged pass is one more backward,
         in which FSDP2 gathers the parameters.
@@ -205,7 +212,7 @@ class BackwardRunner:
                 return  # engine.backward tags its losses instead
             backward.tag_plain(raw, grad, axis, all_tags)
 
-        return tag_rows(output, batch, 0 if self.config.batch_first else 1, tagged_pass)
+        return tag_rows(output, batch, 0 if self.config.batch_first else 1, tagged_pass, from_input)
 
     # ------------------------------------------------------------------ a plain loss.backward()
     def _begin_plain(self, from_layer: Call | None) -> Backward:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .pipeline import StepSums
+from .pipeline import StepSums, sum_dtype
 from .trainable import TrainableSet
 
 
@@ -91,6 +91,9 @@ def apply_private_gradient(step_params: list[nn.Parameter], sums: StepSums, samp
                            batch_size: int, parallel, given: GivenGradients) -> None:
     """``p.grad = (sum_i C_i g_i + N(0, std^2)) / batch_size`` for every parameter of the step.
 
+    The sum, the noise and the division are in float32 (or the parameter's dtype if wider,
+    ``pipeline.sum_dtype``); a bf16/fp16 parameter's gradient is rounded once, at the end.
+
     In place on the engine's own sums, one parameter at a time: the step needs no more memory than
     the gradients themselves (plus one parameter's noise). Under data parallelism the ranks' sums are
     reduced first and the noise is added once (``distributed``).
@@ -101,9 +104,10 @@ def apply_private_gradient(step_params: list[nn.Parameter], sums: StepSums, samp
 
     def take_sum(p: nn.Parameter) -> torch.Tensor:
         summed = sums.pop(p)
-        return summed if summed is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+        return summed if summed is not None else torch.zeros(p.shape, dtype=sum_dtype(p), device=p.device)
 
     def set_grad(p: nn.Parameter, t: torch.Tensor) -> None:
+        # the one rounding to a low-precision parameter's dtype, after the noise and the division
         grad = t.div_(batch_size).to(p.dtype)
         p.grad = parallel.as_grad(p, grad) if parallel is not None else grad
         given.record(p)

@@ -1,0 +1,156 @@
+"""The step's own state: the clipped sums' precision, the noise generator across a checkpoint, and the
+number of samples that reach each step.
+
+Low precision: with bf16 parameters or under bf16 autocast the clipped sums are float32 until the noise is
+added; one sample's contribution (every other sample's loss weighted 0, noise 0) has norm <= R up to float32
+rounding in every mode and on both backward paths.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dptrain
+from helpers import MODES, SINGLE_BACKWARD_MODES
+
+BF16 = torch.bfloat16
+R = 0.5
+# float32 rounding of a norm formed from float32 products of a few hundred terms: 16 unit roundoffs
+FLOAT32_MARGIN = 2.0 ** -20
+# bf16 keeps 8 significant bits: rounding to nearest moves each entry by at most 2^-8 of itself, so the
+# rounded gradient's norm is at most (1 + 2^-8) times the float32 one
+BF16_ROUNDING = 2.0 ** -8
+
+
+class TokenMLP(nn.Module):
+    """Linear -> tanh -> Linear on [B, 3, 12] (T = 3: the ghost norm is a Gram product)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 24), nn.Linear(24, 5)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class SmallConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.head = nn.Linear(6 * 4 * 4, 5)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).flatten(1))
+
+
+def one_sample_case(kind: str, seed: int, autocast: bool):
+    """(model, inputs, per-sample losses fn): losses scaled up so that the chosen sample is clipped."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    B = 4
+    if kind == "tokens":
+        model, x = TokenMLP(), torch.randn(B, 3, 12, generator=g)
+        y = torch.randint(0, 5, (B, 3), generator=g)
+    else:
+        model, x = SmallConv(), torch.randn(B, 3, 4, 4, generator=g)
+        y = torch.randint(0, 5, (B,), generator=g)
+    if not autocast:
+        model, x = model.to(BF16), x.to(BF16)
+
+    def losses(m):
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            out = m(x)
+        per_token = F.cross_entropy(out.reshape(-1, 5).float(), y.reshape(-1), reduction="none")
+        return 10.0 * per_token.reshape(B, -1).sum(1)
+
+    return model, losses
+
+
+def contribution_of_one_sample(kind, seed, autocast, mode, path):
+    """(the step's float32 sums after one sample's backward, their dtypes) with every other loss weighted 0."""
+    model, losses_fn = one_sample_case(kind, seed, autocast)
+    engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R, noise_multiplier=0.0,
+                                   clipping_mode=mode, loss_reduction="sum")
+    engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    try:
+        losses = losses_fn(model)
+        only = torch.zeros(losses.shape[0], dtype=losses.dtype)
+        only[seed % losses.shape[0]] = 1.0
+        if path == "engine.backward":
+            engine.backward(losses * only)
+        else:
+            (losses * only).sum().backward()
+        sums = list(engine._sums.sums.values())  # before the step: what the noise is added to
+        return torch.sqrt(sum(t.double().square().sum() for t in sums)).item(), {t.dtype for t in sums}
+    finally:
+        engine.detach()
+
+
+PATHS = [(m, "engine.backward") for m in MODES] + [(m, "loss.backward") for m in SINGLE_BACKWARD_MODES]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16-parameters", "bf16-autocast"])
+@pytest.mark.parametrize("mode,path", PATHS)
+@pytest.mark.parametrize("kind", ["tokens", "conv"])
+def test_one_sample_contributes_at_most_R_in_float32_before_the_cast(kind, mode, path, autocast):
+    """Before: bf16 sums, bf16 2b(C) products and the second pass's bf16 re-derivation let one sample
+    contribute up to 1.003 R (measured on these models); now <= R up to float32 rounding."""
+    for seed in range(4):
+        norm, dtypes = contribution_of_one_sample(kind, seed, autocast, mode, path)
+        assert dtypes == {torch.float32}, dtypes
+        assert norm <= R * (1 + FLOAT32_MARGIN), f"seed {seed}: ||contribution|| / R - 1 = {norm / R - 1:.3g}"
+        assert norm >= R * (1 - 2.0 ** -6), f"seed {seed}: the sample was not clipped (norm {norm:.4g})"
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16-parameters", "bf16-autocast"])
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_of_one_update_is_bounded_by_R_times_lr(mode, autocast):
+    """One Linear layer initialised at zero, SGD with lr 1, batch_size 1: the update is exactly -p.grad, so its
+    norm is that of the float32 sum rounded once to the parameter's dtype: <= R (1 + 2^-8) for bf16 parameters
+    (each entry rounded to nearest moves by at most 2^-8 of itself), <= R for float32 ones (autocast)."""
+    lr = 1.0
+    bound = R * lr * (1 + (BF16_ROUNDING if not autocast else 0.0)) * (1 + FLOAT32_MARGIN)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        model = nn.Linear(12, 5)
+        nn.init.zeros_(model.weight)
+        nn.init.zeros_(model.bias)
+        x = torch.randn(1, 12, generator=torch.Generator().manual_seed(seed)) * 10
+        if not autocast:
+            model, x = model.to(BF16), x.to(BF16)
+        engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R, noise_multiplier=0.0,
+                                       clipping_mode=mode)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        engine.attach(optimizer)
+        try:
+            with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+                out = model(x)
+            engine.backward(F.cross_entropy(out.float(), torch.tensor([seed % 5]), reduction="none"))
+            optimizer.step()
+        finally:
+            engine.detach()
+        update = math.sqrt(sum(p.detach().double().square().sum().item() for p in model.parameters()))
+        assert update <= bound, f"seed {seed}: ||update|| / (R lr) - 1 = {update / (R * lr) - 1:.3g}"
+        assert update >= R * lr * (1 - BF16_ROUNDING), "the sample was not clipped"
+
+
+def test_noise_is_drawn_and_added_in_float32_for_bf16_parameters():
+    model = TokenMLP().to(BF16)
+    engine = dptrain.PrivacyEngine(model, batch_size=4, sample_size=100, max_grad_norm=R, noise_multiplier=1.0,
+                                   seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(optimizer)
+    drawn = []
+    sample = engine._noise.sample
+    engine._noise.sample = lambda like, std: drawn.append(like.dtype) or sample(like, std)
+    try:
+        engine.backward(model(torch.randn(4, 3, 12).to(BF16)).float().square().flatten(1).sum(1))
+        optimizer.step()
+    finally:
+        engine.detach()
+    assert drawn and set(drawn) == {torch.float32}
+    assert all(p.grad.dtype == BF16 for p in model.parameters())

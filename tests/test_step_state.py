@@ -154,3 +154,70 @@ def test_noise_is_drawn_and_added_in_float32_for_bf16_parameters():
         engine.detach()
     assert drawn and set(drawn) == {torch.float32}
     assert all(p.grad.dtype == BF16 for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- the noise across a checkpoint
+def noise_engine(**kwargs):
+    model = nn.Linear(6, 3)
+    engine = dptrain.PrivacyEngine(model, batch_size=4, sample_size=100, noise_multiplier=1.0, **kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(optimizer)
+    return engine, model, optimizer
+
+
+def noise_of_steps(engine, model, optimizer, steps: int) -> list[torch.Tensor]:
+    """The noise of empty steps (no backward: p.grad is the noise alone)."""
+    drawn = []
+    for _ in range(steps):
+        optimizer.step()
+        drawn.append(torch.cat([p.grad.flatten().clone() for p in model.parameters()]))
+        optimizer.zero_grad()
+    return drawn
+
+
+def test_noise_after_load_is_fresh_never_the_saved_stream():
+    engine, model, optimizer = noise_engine(seed=3)
+    noise_of_steps(engine, model, optimizer, 2)
+    checkpoint = engine.state_dict()
+    assert "generators" in checkpoint["noise"]  # kept for the reproducible mode only
+    saved_stream = noise_of_steps(engine, model, optimizer, 3)  # what steps 3..5 drew in the first run
+    resumes = []
+    for _ in range(2):  # the same checkpoint resumed twice: each resume draws its own noise
+        engine, model, optimizer = noise_engine(seed=3)
+        engine.load_state_dict(checkpoint)
+        assert engine.steps_taken == 2
+        resumes.append(noise_of_steps(engine, model, optimizer, 3))
+    for resumed in resumes:
+        assert not any(torch.equal(a, b) for a in saved_stream for b in resumed)
+    assert not any(torch.equal(a, b) for a in resumes[0] for b in resumes[1])
+    # and not the stream a fresh engine with the same seed starts with either
+    engine, model, optimizer = noise_engine(seed=3)
+    from_seed = noise_of_steps(engine, model, optimizer, 5)
+    assert not any(torch.equal(a, b) for a in from_seed for b in resumes[0])
+
+
+def test_reproducible_noise_continues_the_saved_stream_and_says_so():
+    engine, model, optimizer = noise_engine(seed=3)
+    noise_of_steps(engine, model, optimizer, 2)
+    checkpoint = engine.state_dict()
+    saved_stream = noise_of_steps(engine, model, optimizer, 3)
+    engine, model, optimizer = noise_engine(seed=3)
+    with pytest.warns(UserWarning, match="same noise to different data"):
+        engine.load_state_dict(checkpoint, reproducible_noise=True)
+    for a, b in zip(saved_stream, noise_of_steps(engine, model, optimizer, 3)):
+        assert torch.equal(a, b)
+
+
+def test_secure_noise_is_never_saved_nor_continued():
+    engine, model, optimizer = noise_engine(secure_rng=True)
+    noise_of_steps(engine, model, optimizer, 1)
+    checkpoint = engine.state_dict()
+    assert checkpoint["noise"] == {"secure": True}
+    engine, model, optimizer = noise_engine(secure_rng=True)
+    with pytest.raises(ValueError, match="cannot be continued"):
+        engine.load_state_dict(checkpoint, reproducible_noise=True)
+    assert engine.steps_taken == 0  # refused before anything was restored
+    engine.load_state_dict(checkpoint)
+    assert engine.steps_taken == 1
+    a, b = noise_of_steps(engine, model, optimizer, 1)[0], noise_of_steps(*noise_engine(secure_rng=True), 1)[0]
+    assert not torch.equal(a, b)

@@ -75,6 +75,8 @@ class Backward:
         self.phase = phase
         #: engine.backward's number of samples; None on a plain backward (each call's model call says)
         self.samples = samples
+        #: the samples this backward brought to the step, on either path (set by ``finish``)
+        self.batch = 0
         self.rows = BackwardRows(setup.rows)
         self._ready: dict[int, ReadyLayer] = {}
         self._works: dict[nn.Parameter, ParamWork] = {}
@@ -358,7 +360,7 @@ class Backward:
         Non-finite norms raise ``Overflow`` where a GradScaler can act on it, else ``FloatingPointError``.
         """
         try:
-            batch = self.reduce_all(expected_batch)
+            batch = self.batch = self.reduce_all(expected_batch)
             group_sq: list[torch.Tensor | None] = [None] * self.trainable.num_groups
             for work in self._works.values():
                 k = work.group

@@ -108,11 +108,25 @@ def factor_weighted_sum(u, v, factor: torch.Tensor) -> torch.Tensor:
         return factor_weighted_sum(v, u, factor).t()
     # Formed in float32 or wider from the very (bf16) operands whose ghost norm was taken: a product rounded
     # to bf16, or a factor-scaled operand rounded to bf16, lets one sample's contribution exceed R by ~2^-9.
+    # The widened copies are made a chunk of tokens at a time (an LM head's 50k-wide gradient in float32
+    # would double the largest tensor of the step).
     acc = accumulation_dtype(u.dtype, v.dtype, factor.dtype)
-    u, v = u.to(acc), v.to(acc)
-    scale = factor.to(acc).reshape(-1, 1, 1)
-    if v.shape[-1] < u.shape[-1]:  # scale the smaller factor: an LM head's input, not its 50k-wide gradient
-        v = v * scale
-    else:
-        u = u * scale
-    return u.reshape(-1, u.shape[-1]).t() @ v.reshape(-1, v.shape[-1])
+    T = u.shape[1]
+    u, v = u.reshape(-1, u.shape[-1]), v.reshape(-1, v.shape[-1])
+    per_token = factor.to(acc).repeat_interleave(T).unsqueeze(1)
+    element = torch.empty((), dtype=acc).element_size()
+    chunk = max(1, _WIDENED_CHUNK_BYTES // (element * (u.shape[1] + v.shape[1])))
+    out = None
+    for start in range(0, max(u.shape[0], 1), chunk):
+        rows = slice(start, start + chunk)
+        a, b = u[rows].to(acc), v[rows].to(acc)
+        if b.shape[1] < a.shape[1]:  # scale the smaller factor: an LM head's input, not its 50k-wide gradient
+            b = b * per_token[rows]
+        else:
+            a = a * per_token[rows]
+        term = a.t() @ b
+        out = term if out is None else out.add_(term)
+    return out
+
+
+_WIDENED_CHUNK_BYTES = 256 * 2**20

@@ -227,44 +227,50 @@ def add_second_pass_gradients(sums: StepSums, reweighted: list[tuple[LayerState,
     for state, call in reweighted:
         by_layer.setdefault(id(state), (state, []))[1].append(call)
     layers = []
-    for state, calls in by_layer.values():  # operands once per layer, every parameter of the group at once
+    for state, calls in by_layer.values():
         names = {name: p for name, p in state.params.items() if p in params}
         if names:
-            low = any(c.grad is not None and c.grad.dtype in (torch.float16, torch.bfloat16) for c in calls)
-            ops, dims = operands(state, calls)
-            layers.append((ReadyLayer(state, ops, dims, ones.shape[0]), names, low))
+            layers.append((state, calls, names))
     factor = ones
-    if threshold is not None and any(low for _, _, low in layers):
-        factor = ones * second_pass_caps([(ready, names) for ready, names, _ in layers], ones, threshold)
-    for ready, names, _ in layers:
-        state = ready.state
-        grads = state.rule.clipped_grads(state.module, ready.ops, {name: factor for name in names})
+    low = any(c.grad is not None and c.grad.dtype in (torch.float16, torch.bfloat16) for _, calls, _ in layers
+              for c in calls)
+    if threshold is not None and low:
+        factor = ones * second_pass_caps(layers, ones, threshold, operands)
+    for state, calls, names in layers:  # operands once per layer, every parameter of the group at once
+        grads = state.rule.clipped_grads(state.module, operands(state, calls)[0], {name: factor for name in names})
         for name, p in names.items():
             sums.add(p, grads[name])
 
 
-def second_pass_caps(layers: list[tuple[ReadyLayer, dict[str, nn.Parameter]]], ones: torch.Tensor,
-                     threshold: float) -> torch.Tensor:
+def second_pass_caps(layers: list[tuple[LayerState, list[Call], dict[str, nn.Parameter]]], ones: torch.Tensor,
+                     threshold: float, operands: Callable[[LayerState, list[Call]], tuple[tuple, LayerDims]]
+                     ) -> torch.Tensor:
     """Per sample, ``min(1, threshold / ||h_i||)`` for ``h_i`` the sample's re-weighted gradient in this group.
 
     The second backward re-derives each output gradient from ``C_i L_i``: in bf16/fp16 it is not exactly
     ``C_i`` times the first pass's, and one sample's contribution came out up to ~2^-8 above the threshold.
     Its norm, taken from the very operands the gradient is formed from (the ghost norm where the rule has one:
     both are float32 products of the same low-precision operands), bounds it again; a sample within the
-    threshold keeps factor 1 exactly. The cost, only in low precision: a second norm stage per group.
+    threshold keeps factor 1 exactly. The cost, only in low precision: a second norm stage per group, one
+    layer's operands at a time (a tied weight's layers together), formed again for the gradient stage.
     """
-    parts: dict[nn.Parameter, list[tuple[ReadyLayer, str]]] = {}
-    for ready, names in layers:
+    users: dict[nn.Parameter, int] = {}
+    for _, _, names in layers:
+        for p in names.values():
+            users[p] = users.get(p, 0) + 1
+    shared: dict[nn.Parameter, list[tuple[ReadyLayer, str]]] = {}
+    sq = torch.zeros_like(ones, dtype=accumulation_dtype(ones.dtype))
+    for state, calls, names in layers:
+        ops, dims = operands(state, calls)
+        ready = ReadyLayer(state, ops, dims, ones.shape[0])
         for name, p in names.items():
-            parts.setdefault(p, []).append((ready, name))
-    sq = None
-    for p, p_parts in parts.items():  # a weight tied between layers: one norm with its cross terms
-        work, _, _ = parameter_norm(p, p_parts, _CONSISTENT_NORM, "space", 0)
-        sq = work.sq_norm if sq is None else sq + work.sq_norm
-    if sq is None:
-        return torch.ones_like(ones)
-    norms = torch.sqrt(sq) * ones.to(sq.dtype)
-    return clipping_factors(norms, threshold, "abadi", 0.0)
+            if users[p] > 1:  # a weight tied between layers: one norm with its cross terms, below
+                shared.setdefault(p, []).append((ready, name))
+            else:
+                sq = sq + parameter_norm(p, [(ready, name)], _CONSISTENT_NORM, "space", 0)[0].sq_norm
+    for p, parts in shared.items():
+        sq = sq + parameter_norm(p, parts, _CONSISTENT_NORM, "space", 0)[0].sq_norm
+    return clipping_factors(torch.sqrt(sq) * ones.to(sq.dtype), threshold, "abadi", 0.0)
 
 
 # The norm of the second-pass recheck: the ghost norm wherever the rule has one (see second_pass_caps).

@@ -106,16 +106,19 @@ def test_default_clipped_grads_from_one_hot_factors_adds_repeated_tokens():
     torch.testing.assert_close(factor_weighted_sum(v, OneHot(ids, 5), c), expected.t(), rtol=1e-12, atol=0)
 
 
-def test_default_clipped_grads_keeps_the_low_precision_rounding_of_the_linear_rule():
-    """bf16: the factor is applied to the output gradient in float32 and rounded once, as before."""
+def test_default_clipped_grads_forms_the_bf16_linear_weight_in_float32():
+    """bf16 operands: the factor-scaled gradient and the product stay float32 (never rounded to bf16, which
+    could lift one sample's contribution above R); the operands themselves are the bf16 ones the norm saw."""
     g = torch.Generator().manual_seed(2)
     module = nn.Linear(8, 6, dtype=torch.bfloat16)
     a = torch.randn(4, 3, 8, generator=g).bfloat16()
     grad = torch.randn(4, 3, 6, generator=g).bfloat16()
     c = torch.rand(4, generator=g)
     out = dptrain.find_rule(module).clipped_grads(module, (a, grad), {"weight": c})
-    expected = scale_samples(grad, c).reshape(-1, 6).t() @ a.reshape(-1, 8)
-    assert torch.equal(out["weight"], expected)
+    expected = (grad.float() * c[:, None, None]).reshape(-1, 6).t() @ a.float().reshape(-1, 8)
+    assert out["weight"].dtype == torch.float32
+    torch.testing.assert_close(out["weight"], expected, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(out["weight"], (scale_samples(grad, c).reshape(-1, 6).t() @ a.reshape(-1, 8)).float())
 
 
 def test_a_rule_without_clipped_grads_gets_the_weighted_sum_of_its_per_sample_grads():

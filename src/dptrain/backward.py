@@ -21,6 +21,7 @@ from torch import nn
 
 from .algorithms import Recipe
 from .capture import Call, Capture, LayerState, outside_model_call
+from .layers.protocol import LayerDims
 from .pipeline import (
     Overflow, ParamWork, ReadyLayer, StepSums, add_clipped_gradient, add_second_pass_gradients,
     clipping_factors_by_group, layer_decision, layer_operands, parameter_norm,
@@ -74,6 +75,8 @@ class Backward:
         self.phase = phase
         #: engine.backward's number of samples; None on a plain backward (each call's model call says)
         self.samples = samples
+        #: the samples this backward brought to the step, on either path (set by ``finish``)
+        self.batch = 0
         self.rows = BackwardRows(setup.rows)
         self._ready: dict[int, ReadyLayer] = {}
         self._works: dict[nn.Parameter, ParamWork] = {}
@@ -164,7 +167,8 @@ class Backward:
             reweighted = (losses * weights.to(losses.dtype)).sum()
             self.reweighted = []
             torch.autograd.backward(reweighted, retain_graph=k < len(groups) - 1)
-            add_second_pass_gradients(self.setup.sums, self.reweighted, set(params), ones, self._operands)
+            add_second_pass_gradients(self.setup.sums, self.reweighted, set(params), ones, self._operands,
+                                      self.trainable.threshold)
             for _, call in self.reweighted:
                 call.grad = None
             self.reweighted = []
@@ -265,8 +269,8 @@ class Backward:
             raise outside_model_call(state)
         return batch
 
-    def _operands(self, state: LayerState, calls: list[Call]) -> tuple:
-        return layer_operands(state, calls, self._batch_of(state, calls), self._row_map)[0]
+    def _operands(self, state: LayerState, calls: list[Call]) -> tuple[tuple, LayerDims]:
+        return layer_operands(state, calls, self._batch_of(state, calls), self._row_map)
 
     def _prepare_layer(self, state: LayerState) -> None:
         """Operands of all of a layer's calls that received an output gradient, as one call.
@@ -356,7 +360,7 @@ class Backward:
         Non-finite norms raise ``Overflow`` where a GradScaler can act on it, else ``FloatingPointError``.
         """
         try:
-            batch = self.reduce_all(expected_batch)
+            batch = self.batch = self.reduce_all(expected_batch)
             self.rows.check_inputs(", ".join(f"{s.path} ({type(s.module).__name__})" for s in self.trainable.layers[:3])
                                    + (", ..." if len(self.trainable.layers) > 3 else ""))
             group_sq: list[torch.Tensor | None] = [None] * self.trainable.num_groups

@@ -512,6 +512,7 @@ class PrivacyEngine:
     def _count_step(self) -> None:
         self.accountant.step(self.noise_multiplier, self.sample_rate)
         self.steps_taken += 1
+        self._runner.samples_per_step.end_step()
 
     # ------------------------------------------------------------------ reports
     def last_decisions(self) -> list[LayerDecision]:
@@ -544,7 +545,8 @@ class PrivacyEngine:
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """Everything needed to resume: step counter, accountant history and noise generator state."""
+        """Everything needed to resume: step counter, accountant history and, unless ``secure_rng``, the noise
+        generator's state (used only by ``load_state_dict(..., reproducible_noise=True)``)."""
         return {
             "steps_taken": self.steps_taken,
             "noise_multiplier": self.noise_multiplier,
@@ -553,8 +555,14 @@ class PrivacyEngine:
             "noise": self._noise.state_dict(),
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, reproducible_noise: bool = False) -> None:
         """Restore a checkpoint written by ``state_dict()``; epsilon continues from its history.
+
+        The noise after loading is fresh (reseeded from the operating system), never the saved stream: a
+        checkpoint resumed twice, or on other batches, would otherwise add the noise of its steps k..n again
+        to different data. ``reproducible_noise=True`` continues the saved stream instead, to reproduce an
+        uninterrupted run number for number; it is private only if this checkpoint is resumed once, on the
+        batches the stopped run would have drawn (it warns). ``secure_rng=True`` never saves the stream.
 
         The noise multiplier is configuration, not state: build the engine with the same
         ``noise_multiplier`` (the checkpoint holds it) before loading.
@@ -562,6 +570,11 @@ class PrivacyEngine:
         missing = {"steps_taken", "accountant", "noise"} - set(state)
         if missing:
             raise ValueError(f"not a dptrain engine state: missing {sorted(missing)}")
+        self._noise.load_state_dict(state["noise"], keep_stream=reproducible_noise)
         self.accountant.load_state_dict(state["accountant"])
-        self._noise.load_state_dict(state["noise"])
         self.steps_taken = int(state["steps_taken"])
+        if reproducible_noise:
+            warnings.warn(
+                "reproducible_noise=True: the noise continues the checkpoint's stream. Resuming this checkpoint "
+                "again, or on other batches than the stopped run's, adds the same noise to different data and "
+                "breaks the privacy guarantee", stacklevel=2)

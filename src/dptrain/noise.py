@@ -63,6 +63,7 @@ class GaussianNoise:
         return out.mul_(std)
 
     def state_dict(self) -> dict:
+        """The generators' state, for ``load_state_dict(..., keep_stream=True)`` only; nothing of a secure one."""
         if self.secure:
             return {"secure": True}
         return {
@@ -71,11 +72,29 @@ class GaussianNoise:
             "generators": {str(d): g.get_state() for d, g in self._generators.items()},
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def reseed(self) -> None:
+        """Fresh noise from the operating system's entropy: no earlier stream continues."""
+        self._seed = int.from_bytes(os.urandom(8), "little") >> 1
+        self._generators = {}
+        self._secure_streams = {}
+
+    def load_state_dict(self, state: dict, keep_stream: bool = False) -> None:
+        """Fresh noise by default: a checkpoint can be resumed more than once, or on other batches, and its
+        saved stream would then add the same noise to different data (steps k..n of a run reused).
+        ``keep_stream=True`` continues the saved stream (reproducible, and safe only for a single resume on
+        the same batches); a secure generator never keeps one."""
         if state.get("secure") or self.secure:
             if state.get("secure") != self.secure:
                 raise ValueError("cannot load a seeded noise state into a secure_rng engine or vice versa")
-            return  # a secure generator is never restored: fresh OS entropy is the point
+            if keep_stream:
+                raise ValueError("secure_rng=True never saves its noise stream: it cannot be continued reproducibly")
+            self.reseed()
+            return
+        if not keep_stream:
+            self.reseed()
+            return
+        if "generators" not in state:
+            raise ValueError("this noise state holds no stream to continue")
         self._seed = state["seed"]
         self._generators = {}
         for dev, gen_state in state["generators"].items():

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .algorithms import Grad, Norm, Recipe
+from .algorithms import Grad, GradVia, Norm, NormVia, Recipe
 from .capture import Call, LayerState
 from .clipping import clipping_factors
-from .layers.numerics import float32_at_least, shared_sq_norm
+from .layers.numerics import accumulation_dtype, float32_at_least, shared_sq_norm
 from .layers.protocol import LayerDims
 from .planning import LayerDecision, decide_parameter, join_dims
 from .rows import RowMap
@@ -53,8 +53,13 @@ def clipping_factors_by_group(sq_norms: list[torch.Tensor | None], batch: int, s
     return factors, finite
 
 
+def sum_dtype(p: nn.Parameter) -> torch.dtype:
+    """The dtype of a parameter's clipped sum and its noise: float32, or the parameter's if wider."""
+    return accumulation_dtype(p.dtype)
+
+
 class StepSums:
-    """The clipped sums of the logical step so far, one tensor per parameter.
+    """The clipped sums of the logical step so far, one tensor per parameter, in ``sum_dtype(p)``.
 
     A backward adds into them between ``begin`` and ``commit``; ``rollback`` undoes a backward that
     failed on the way: the tensors it created are dropped, and if it had already added into sums of
@@ -74,7 +79,10 @@ class StepSums:
         self._created, self._added = [], False
 
     def add(self, p: nn.Parameter, g: torch.Tensor) -> None:
-        g = g.to(p.dtype)
+        # Kept in float32 or wider whatever the parameter's dtype: a bf16 sum would round one sample's
+        # clipped contribution (norm <= R in float32) to up to 2^-8 above R before the noise is added.
+        # The price: a bf16 model's sums take twice the memory of its gradients.
+        g = g.to(sum_dtype(p))
         summed = self.sums.get(p)
         if summed is None:
             self.sums[p] = g  # always a fresh tensor from the rules or autograd.grad
@@ -176,6 +184,11 @@ def parameter_norm(p: nn.Parameter, parts: list[tuple[ReadyLayer, str]], recipe:
             g = ready.state.rule.per_sample_grads(ready.state.module, ready.ops, {n})[n]
             per_sample = g if per_sample is None else per_sample + g
         sq_norm = float32_at_least(per_sample).flatten(1).square().sum(1)
+        if grad_via is Grad.BOOK_KEEPING and per_sample.dtype in (torch.float16, torch.bfloat16):
+            # The norm is that of the rounded bf16/fp16 per-sample gradients; 2b(C) would form the sum in
+            # float32 from the operands, whose exact product may be 2^-8 larger: the kept gradients are the
+            # ones the norm measured (as bk-mixopt keeps them, and only where instantiation won on space).
+            grad_via = Grad.WEIGHTED_SUM
     work = ParamWork(
         group=group,
         batch_size=first.batch_size,
@@ -203,14 +216,62 @@ def add_clipped_gradient(sums: StepSums, p: nn.Parameter, work: ParamWork, facto
 
 
 def add_second_pass_gradients(sums: StepSums, reweighted: list[tuple[LayerState, Call]], params: set[nn.Parameter],
-                              ones: torch.Tensor, operands: Callable[[LayerState, list[Call]], tuple]) -> None:
-    """Module 2b of the re-weighted pass: ``a^T g`` of the calls that received its output gradients."""
+                              ones: torch.Tensor, operands: Callable[[LayerState, list[Call]], tuple[tuple, LayerDims]],
+                              threshold: float | None = None) -> None:
+    """Module 2b of the re-weighted pass: ``a^T g`` of the calls that received its output gradients.
+
+    ``ones`` (1 / the objective's loss scale, per sample) weights each sample. With ``threshold`` (the group's),
+    a low-precision second pass is clipped once more (``second_pass_caps``).
+    """
     by_layer: dict[int, tuple[LayerState, list[Call]]] = {}
     for state, call in reweighted:
         by_layer.setdefault(id(state), (state, []))[1].append(call)
-    for state, calls in by_layer.values():  # operands once per layer, every parameter of the group at once
+    layers = []
+    for state, calls in by_layer.values():
         names = {name: p for name, p in state.params.items() if p in params}
         if names:
-            grads = state.rule.clipped_grads(state.module, operands(state, calls), {name: ones for name in names})
-            for name, p in names.items():
-                sums.add(p, grads[name])
+            layers.append((state, calls, names))
+    factor = ones
+    low = any(c.grad is not None and c.grad.dtype in (torch.float16, torch.bfloat16) for _, calls, _ in layers
+              for c in calls)
+    if threshold is not None and low:
+        factor = ones * second_pass_caps(layers, ones, threshold, operands)
+    for state, calls, names in layers:  # operands once per layer, every parameter of the group at once
+        grads = state.rule.clipped_grads(state.module, operands(state, calls)[0], {name: factor for name in names})
+        for name, p in names.items():
+            sums.add(p, grads[name])
+
+
+def second_pass_caps(layers: list[tuple[LayerState, list[Call], dict[str, nn.Parameter]]], ones: torch.Tensor,
+                     threshold: float, operands: Callable[[LayerState, list[Call]], tuple[tuple, LayerDims]]
+                     ) -> torch.Tensor:
+    """Per sample, ``min(1, threshold / ||h_i||)`` for ``h_i`` the sample's re-weighted gradient in this group.
+
+    The second backward re-derives each output gradient from ``C_i L_i``: in bf16/fp16 it is not exactly
+    ``C_i`` times the first pass's, and one sample's contribution came out up to ~2^-8 above the threshold.
+    Its norm, taken from the very operands the gradient is formed from (the ghost norm where the rule has one:
+    both are float32 products of the same low-precision operands), bounds it again; a sample within the
+    threshold keeps factor 1 exactly. The cost, only in low precision: a second norm stage per group, one
+    layer's operands at a time (a tied weight's layers together), formed again for the gradient stage.
+    """
+    users: dict[nn.Parameter, int] = {}
+    for _, _, names in layers:
+        for p in names.values():
+            users[p] = users.get(p, 0) + 1
+    shared: dict[nn.Parameter, list[tuple[ReadyLayer, str]]] = {}
+    sq = torch.zeros_like(ones, dtype=accumulation_dtype(ones.dtype))
+    for state, calls, names in layers:
+        ops, dims = operands(state, calls)
+        ready = ReadyLayer(state, ops, dims, ones.shape[0])
+        for name, p in names.items():
+            if users[p] > 1:  # a weight tied between layers: one norm with its cross terms, below
+                shared.setdefault(p, []).append((ready, name))
+            else:
+                sq = sq + parameter_norm(p, [(ready, name)], _CONSISTENT_NORM, "space", 0)[0].sq_norm
+    for p, parts in shared.items():
+        sq = sq + parameter_norm(p, parts, _CONSISTENT_NORM, "space", 0)[0].sq_norm
+    return clipping_factors(torch.sqrt(sq) * ones.to(sq.dtype), threshold, "abadi", 0.0)
+
+
+# The norm of the second-pass recheck: the ghost norm wherever the rule has one (see second_pass_caps).
+_CONSISTENT_NORM = Recipe(NormVia.GHOST, GradVia.SECOND_PASS)

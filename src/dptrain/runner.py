@@ -22,6 +22,7 @@ from .pipeline import Overflow
 from .planning import LayerDecision
 from .precision import LossScaling
 from .rows import tag_passes, tag_rows
+from .step import SamplesPerStep
 from .trainable import TrainableSet
 
 
@@ -48,6 +49,10 @@ class BackwardRunner:
         self.done_forwards: set[int] = set()
         #: what each layer did in the last backward
         self.decisions: list[LayerDecision] = []
+        #: samples reaching each step, against the batch size the accounting assumes (a warning when far off)
+        self.samples_per_step = SamplesPerStep(
+            config.batch_size, config.sample_rate, max_batch_size=config.max_batch_size,
+            ranks=1 if parallel is None else torch.distributed.get_world_size())
 
     # ------------------------------------------------------------------ every exit
     def abort(self) -> None:
@@ -71,6 +76,7 @@ class BackwardRunner:
         """A backward completed: its model calls may not be back-propagated again in this step."""
         self.done_forwards |= backward.forwards
         self.decisions = backward.decisions
+        self.samples_per_step.add_backward(backward.batch)
 
     # ------------------------------------------------------------------ engine.backward
     def run(self, losses: torch.Tensor) -> None:

@@ -6,14 +6,16 @@ gradient left on a parameter frozen since.
 """
 from __future__ import annotations
 
+import collections
 import math
+import warnings
 import weakref
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from .pipeline import StepSums
+from .pipeline import StepSums, sum_dtype
 from .trainable import TrainableSet
 
 
@@ -92,6 +94,9 @@ def apply_private_gradient(step_params: list[nn.Parameter], sums: StepSums, samp
                            batch_size: int, parallel, given: GivenGradients) -> None:
     """``p.grad = (sum_i C_i g_i + N(0, std^2)) / batch_size`` for every parameter of the step.
 
+    The sum, the noise and the division are in float32 (or the parameter's dtype if wider,
+    ``pipeline.sum_dtype``); a bf16/fp16 parameter's gradient is rounded once, at the end.
+
     In place on the engine's own sums, one parameter at a time: the step needs no more memory than
     the gradients themselves (plus one parameter's noise). Under data parallelism the ranks' sums are
     reduced first and the noise is added once (``distributed``).
@@ -102,9 +107,10 @@ def apply_private_gradient(step_params: list[nn.Parameter], sums: StepSums, samp
 
     def take_sum(p: nn.Parameter) -> torch.Tensor:
         summed = sums.pop(p)
-        return summed if summed is not None else torch.zeros(p.shape, dtype=p.dtype, device=p.device)
+        return summed if summed is not None else torch.zeros(p.shape, dtype=sum_dtype(p), device=p.device)
 
     def set_grad(p: nn.Parameter, t: torch.Tensor) -> None:
+        # the one rounding to a low-precision parameter's dtype, after the noise and the division
         grad = t.div_(batch_size).to(p.dtype)
         p.grad = parallel.as_grad(p, grad) if parallel is not None else grad
         given.record(p)
@@ -167,3 +173,71 @@ class PendingMarker:
         if self.tensor is not None and self.param.grad is self.tensor:
             self.param.grad = None
         self.param, self.tensor, self._version, self._skip = None, None, -1, False
+
+
+class SamplesPerStep:
+    """How many samples reach each step, against the expected batch size the accountant's q assumes.
+
+    Fed by the engine with each completed backward's number of samples (``add_backward``, a Python int:
+    no host-device synchronisation) and with each step (``end_step``). A micro-batch size given as
+    ``batch_size`` while several micro-batches are accumulated per step makes q too small by that factor
+    (epsilon understated): the mean number of samples per step then sits far above ``batch_size``.
+    Once at least ``MIN_STEPS`` steps are seen, and then every ``MIN_STEPS`` steps, the mean over the
+    last ``WINDOW`` steps is compared with the band ``[LOW, HIGH] x expected``, widened by ``Z`` standard
+    errors of that mean under honest Poisson sampling (a batch's size has variance ``b (1 - q)``); outside
+    it, one warning names both numbers and the likely cause. With ``Z = 6`` an honest run's false-warning
+    probability per check is below ``exp(-17)`` even for ``b = 1`` (Chernoff bound on a Poisson sum of
+    mean 10 exceeding twice its mean plus six of its standard deviations).
+
+    ``ranks``: processes among which a step's samples are split, each counting its own. ``max_batch_size``:
+    fixed-shape batches of K rows (the padding rows reach the backward too), so up to K rows per step are
+    honest.
+    """
+
+    MIN_STEPS = 10
+    WINDOW = 20
+    LOW, HIGH = 0.5, 2.0
+    Z = 6.0
+
+    def __init__(self, batch_size: int, sample_rate: float, *, max_batch_size: int | None = None, ranks: int = 1):
+        self.batch_size = batch_size
+        self.expected = batch_size / ranks
+        self.rows_per_batch = max(self.expected, max_batch_size or 0)  # the upper reference
+        self.std = math.sqrt(max(self.expected * (1.0 - sample_rate), 0.0))  # of one step's count
+        self._this_step = 0
+        self._recent: collections.deque[int] = collections.deque(maxlen=self.WINDOW)
+        self._steps = 0
+        self.warned = False
+
+    def add_backward(self, samples: int) -> None:
+        """A backward of ``samples`` samples completed (its clipped sums joined the step's)."""
+        self._this_step += samples
+
+    def end_step(self) -> None:
+        """The step was taken: its count joins the window, which is checked every ``MIN_STEPS`` steps."""
+        self._recent.append(self._this_step)
+        self._this_step = 0
+        self._steps += 1
+        if not self.warned and self._steps >= self.MIN_STEPS and self._steps % self.MIN_STEPS == 0:
+            self._check()
+
+    def _check(self) -> None:
+        k = len(self._recent)
+        mean = sum(self._recent) / k
+        margin = self.Z * self.std / math.sqrt(k)
+        if mean > self.HIGH * self.rows_per_batch + margin:
+            self.warned = True
+            warnings.warn(
+                f"the last {k} steps received {mean:.1f} samples per step on average, but batch_size="
+                f"{self.batch_size} was given: q = batch_size / sample_size is about {mean / self.expected:.1f}x "
+                "too small and epsilon is understated. Likely cause: the micro-batch size given as batch_size "
+                "while several micro-batches are accumulated per optimizer step; give the logical batch size "
+                "(the expected number of samples per optimizer.step())", stacklevel=3)
+        elif mean < self.LOW * self.expected - margin:
+            self.warned = True
+            warnings.warn(
+                f"the last {k} steps received {mean:.1f} samples per step on average, but batch_size="
+                f"{self.batch_size} was given: each step is divided by {self.batch_size} and q is about "
+                f"{self.expected / max(mean, 1e-9):.1f}x larger than the batches drawn. Likely cause: optimizer.step() "
+                "after every micro-batch of a logical batch, or a loader whose batches are smaller than "
+                "batch_size; give the expected number of samples per optimizer.step()", stacklevel=3)

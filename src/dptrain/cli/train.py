@@ -400,7 +400,8 @@ class TrainingRun:
               + (f", fixed-shape batches of {self.max_batch_size} rows" if self.max_batch_size else "")
               + (f", physical batches of at most {c['physical_batch_size']}" if c["physical_batch_size"] else ""))
         if self.checkpoint is not None:
-            print(f"resuming after epoch {self.epoch} (step {self.epoch * self.steps_per_epoch})")
+            print(f"resuming after epoch {self.epoch} (step {self.epoch * self.steps_per_epoch})"
+                  + ("; fresh noise from here on, never the checkpoint's stream" if self.private else ""))
         if not self.private:
             print("privacy: none (--non-private: no clipping, no noise)")
             return

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .numerics import accumulation_dtype, float32_at_least, scale_samples, weighted_sum
+from .numerics import accumulation_dtype, float32_at_least, weighted_sum
 from .protocol import LayerDims, LayerRule
 from .registry import register_layer
 
@@ -246,8 +246,11 @@ class ConvRule(LayerRule):
         if "weight" in factors:
             w = None
             for c in ops:
-                # factors are applied in float32 and rounded once (scale_samples), then the conv's own kernel
-                term = weight_grad(module, c.input.to(c.grad.dtype), scale_samples(c.grad, factors["weight"]))
+                # in float32 or wider, from the input as the norm saw it (rounded to the compute dtype): a bf16
+                # kernel would round one sample's clipped contribution, up to ~2^-9 above R
+                acc = accumulation_dtype(c.grad.dtype, factors["weight"].dtype)
+                scale = factors["weight"].to(acc).reshape(-1, *([1] * (c.grad.dim() - 1)))
+                term = weight_grad(module, c.input.to(c.grad.dtype).to(acc), c.grad.to(acc) * scale)
                 w = term if w is None else _add_widened(w, term)
             out["weight"] = w
         if "bias" in factors:

@@ -94,10 +94,10 @@ def factor_weighted_sum(u, v, factor: torch.Tensor) -> torch.Tensor:
     """``sum_i factor[i] * U_i^T V_i`` as ``[rows, cols]`` from factors ``U [B, T, rows]`` (dense or one-hot)
     and ``V [B, T, cols]``, without forming a per-sample gradient: module 2b(C) of the book-keeping paper.
 
-    Dense factors: the smaller of ``U`` and ``V`` is scaled sample by sample (``scale_samples``, rounded
-    once) and the two multiplied in ``U``'s dtype. One-hot ``U``: the scaled rows of ``V`` are added into the rows their ids name,
-    in float32 or wider (a bf16 running sum over repeated ids would round at every addition); the engine
-    casts the result to the parameter's dtype.
+    Dense factors: the smaller of ``U`` and ``V`` is scaled sample by sample and the two multiplied. One-hot
+    ``U``: the scaled rows of ``V`` are added into the rows their ids name (a bf16 running sum over repeated
+    ids would round at every addition). Either way in float32 or wider: the step keeps its sums in that
+    precision until the noise is added (``pipeline.StepSums``).
     """
     if isinstance(u, OneHot):
         acc = accumulation_dtype(v.dtype, factor.dtype)
@@ -106,8 +106,27 @@ def factor_weighted_sum(u, v, factor: torch.Tensor) -> torch.Tensor:
         return out.index_add_(0, u.ids.reshape(-1), weighted.reshape(-1, v.shape[-1]))
     if isinstance(v, OneHot):
         return factor_weighted_sum(v, u, factor).t()
-    if v.shape[-1] < u.shape[-1]:  # scale the smaller factor: an LM head's input, not its 50k-wide gradient
-        v = scale_samples(v, factor)
-    else:
-        u = scale_samples(u, factor)
-    return u.reshape(-1, u.shape[-1]).t() @ v.reshape(-1, v.shape[-1]).to(u.dtype)
+    # Formed in float32 or wider from the very (bf16) operands whose ghost norm was taken: a product rounded
+    # to bf16, or a factor-scaled operand rounded to bf16, lets one sample's contribution exceed R by ~2^-9.
+    # The widened copies are made a chunk of tokens at a time (an LM head's 50k-wide gradient in float32
+    # would double the largest tensor of the step).
+    acc = accumulation_dtype(u.dtype, v.dtype, factor.dtype)
+    T = u.shape[1]
+    u, v = u.reshape(-1, u.shape[-1]), v.reshape(-1, v.shape[-1])
+    per_token = factor.to(acc).repeat_interleave(T).unsqueeze(1)
+    element = torch.empty((), dtype=acc).element_size()
+    chunk = max(1, _WIDENED_CHUNK_BYTES // (element * (u.shape[1] + v.shape[1])))
+    out = None
+    for start in range(0, max(u.shape[0], 1), chunk):
+        rows = slice(start, start + chunk)
+        a, b = u[rows].to(acc), v[rows].to(acc)
+        if b.shape[1] < a.shape[1]:  # scale the smaller factor: an LM head's input, not its 50k-wide gradient
+            b = b * per_token[rows]
+        else:
+            a = a * per_token[rows]
+        term = a.t() @ b
+        out = term if out is None else out.add_(term)
+    return out
+
+
+_WIDENED_CHUNK_BYTES = 256 * 2**20

@@ -13,6 +13,11 @@ The model's own call is hooked too: its input gives the batch size (read, never 
 from what a layer happens to see), a forward that raises drops what it recorded, and its
 output's gradient marks the start of a plain ``loss.backward()``. A layer call recorded
 while a backward pass runs is a recomputation (activation checkpointing) and is marked so.
+
+A layer's output gradient is read by a pre-hook on the node that made the output, which runs after
+every tensor hook (a user's hook that scales it counts). A training forward that writes a buffer or
+parameter of the model is refused (``StateWrites``: version counters). The hooks the model holds are
+``EngineHook``s: a deep or pickled copy of the model gets inert ones, and no engine.
 """
 from __future__ import annotations
 

@@ -165,17 +165,19 @@ def test_user_hooks_on_a_layer_output_bound_one_sample(float64, mode, path):
 
 
 # ---------------------------------------------------------------------------------------- gradient penalties
-def _penalised(model, engine, x, y):
-    """Cross entropy plus the squared input gradient, that gradient taken with create_graph=True under paused()."""
+def _penalised(model, engine, x, y, forward="training"):
+    """Cross entropy plus the squared input gradient, that gradient taken with create_graph=True under paused()
+    (of the training forward's loss, or of a forward of its own under paused())."""
     x = x.clone().requires_grad_(True)
     ce = _losses(model, x, y)
     with engine.paused():
-        gx, = torch.autograd.grad(ce.sum(), x, create_graph=True)
+        gx, = torch.autograd.grad((ce if forward == "training" else _losses(model, x, y)).sum(), x, create_graph=True)
     return ce + gx.square().sum(1)
 
 
+@pytest.mark.parametrize("forward", ["training", "paused"])
 @pytest.mark.parametrize("mode,path", PATHS)
-def test_a_gradient_penalty_is_refused(float64, mode, path):
+def test_a_gradient_penalty_is_refused(float64, mode, path, forward):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     engine = _engine(model, mode)
@@ -183,7 +185,7 @@ def test_a_gradient_penalty_is_refused(float64, mode, path):
     engine.attach(opt)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="gradient penalties are not supported"):
-        _backward(engine, _penalised(model, engine, *_data(1)), path)
+        _backward(engine, _penalised(model, engine, *_data(1), forward=forward), path)
     opt.step()  # nothing of the refused backward is applied (noise 0)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
     x, y = _data(4)

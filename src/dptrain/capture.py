@@ -584,7 +584,13 @@ class Capture:
 
     def _make_post_hook(self, module: nn.Module):
         def post_hook(module, args, kwargs, output):
-            if in_replay() or self.paused:
+            if in_replay():
+                return None
+            if self.paused:  # not recorded; a gradient penalty through this call is refused all the same
+                state = self._state_of.get(id(module))
+                if state is not None and torch.is_grad_enabled() and isinstance(output, torch.Tensor):
+                    if output.grad_fn is not None:
+                        self._on_gradient(output, state, lambda g: None)
                 return None
             self._restore(module)
             state = self._state_of.get(id(module))

@@ -243,18 +243,22 @@ def test_a_refused_gradient_penalty_bounds_one_sample(float64, mode, path):
 
 # ---------------------------------------------------------------------------------------- state written in a forward
 class RunningMean(nn.Module):
-    """No parameters; in training keeps a running mean of what it sees (in place, or by replacing its buffer)."""
+    """No parameters; in training keeps a running mean of what it sees: in place, by replacing its buffer, or in a
+    buffer it registers at its first call."""
 
-    def __init__(self, d, replace=False):
+    def __init__(self, d, how="in place"):
         super().__init__()
-        self.replace = replace
-        self.register_buffer("mean", torch.zeros(d))
+        self.how = how
+        if how != "registered":
+            self.register_buffer("mean", torch.zeros(d))
 
     def forward(self, h):
         if self.training:
             with torch.no_grad():
-                if self.replace:
+                if self.how == "replaced":
                     self.mean = 0.9 * self.mean + 0.1 * h.mean(0)
+                elif self.how == "registered":
+                    self.register_buffer("mean", h.mean(0))
                 else:
                     self.mean.mul_(0.9).add_(0.1 * h.mean(0))
         return h
@@ -269,7 +273,7 @@ class Writes(nn.Module):
         self.kind = kind
         self.emb = nn.Embedding(10, 6, max_norm=1.0 if kind == "max_norm" else None)
         self.emb.requires_grad_(False)
-        self.run = RunningMean(8, replace=kind == "replaced buffer")
+        self.run = RunningMean(8, {"replaced buffer": "replaced", "registered buffer": "registered"}.get(kind, "in place"))
         self.bn = nn.BatchNorm1d(8)
         self.bn.requires_grad_(False)
         self.a = nn.Linear(6, 8)
@@ -277,7 +281,7 @@ class Writes(nn.Module):
 
     def forward(self, ids):
         h = self.a(self.emb(ids).mean(1) * 3)
-        if self.kind in ("running mean", "replaced buffer"):
+        if self.kind in ("running mean", "replaced buffer", "registered buffer"):
             h = self.run(h)
         if self.kind == "frozen batchnorm":
             h = self.bn(h)
@@ -290,7 +294,7 @@ def _ids(B, seed=2):
 
 
 @pytest.mark.parametrize("kind,written", [("max_norm", "'emb.weight'"), ("running mean", "'run.mean'"),
-                                          ("replaced buffer", "'run.mean'")])
+                                          ("replaced buffer", "'run.mean'"), ("registered buffer", "'run.mean'")])
 @pytest.mark.parametrize("mode,path", PATHS)
 def test_state_written_in_a_training_forward_is_refused(float64, mode, path, kind, written):
     torch.manual_seed(0)

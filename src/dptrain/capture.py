@@ -227,7 +227,8 @@ class StateWrites:
 
         if self._seen != registrations():
             self._seen = registrations()
-            self._holders = [(path, "buffer", m._buffers) for path, m in self.model.named_modules() if m._buffers]
+            # Every module's buffer dict, empty or not: a buffer registered later is seen without a new walk.
+            self._holders = [(path, "buffer", m._buffers) for path, m in self.model.named_modules()]
             if not self.buffers_only:
                 self._holders += [(path, "parameter", m._parameters)
                                   for path, m in self.model.named_modules() if m._parameters]

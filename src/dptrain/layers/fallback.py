@@ -217,7 +217,7 @@ class FallbackRule(LayerRule):
             module.training, autocast,
             tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in kept),
         )
-        bags = _flat_bags(module, args, kwargs) is not None
+        bags = _flat_bag_arguments(module, args, kwargs) is not None
         # A flat input's samples are not a dimension: no argument is "batched" (the offsets only look like it).
         call = FallbackCall(kept, spec, [] if bags else batched, batch, versions, autocast, signature, bags)
         if signature not in self._forward_checked and batch > 1 and not output.is_meta:  # meta: shapes only (plan)
@@ -443,13 +443,11 @@ def _flat_bags(module: nn.Module, args: tuple, kwargs: dict) -> list[tuple[tuple
     ``[0]`` (``[0, n]`` with ``include_last_offset``), its ``per_sample_weights``); ``None`` for any other call.
     Each bag is one sample; the ids of all bags are not a batch dimension, so no per-sample replay can slice them.
     """
-    if not isinstance(module, nn.EmbeddingBag):
+    flat = _flat_bag_arguments(module, args, kwargs)
+    if flat is None:
         return None
-    bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
-    ids, offsets, weights = bound.get("input"), bound.get("offsets"), bound.get("per_sample_weights")
-    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or offsets is None:
-        return None
-    starts = offsets.tolist()  # (host side: the boundaries of the bags)
+    ids, offsets, weights = flat
+    starts = offsets.tolist()  # (in the backward: the boundaries of the bags, read on the host)
     ends = starts[1:] if module.include_last_offset else starts[1:] + [ids.shape[0]]
     starts = starts[:len(ends)]
     bags = []
@@ -460,6 +458,17 @@ def _flat_bags(module: nn.Module, args: tuple, kwargs: dict) -> list[tuple[tuple
             bag["per_sample_weights"] = weights[start:end]
         bags.append(((ids[start:end],), bag))
     return bags
+
+
+def _flat_bag_arguments(module: nn.Module, args: tuple, kwargs: dict):
+    """(ids, offsets, per_sample_weights) of an ``nn.EmbeddingBag`` call with 1-D ids; ``None`` for any other call."""
+    if not isinstance(module, nn.EmbeddingBag):
+        return None
+    bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+    ids, offsets = bound.get("input"), bound.get("offsets")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or offsets is None:
+        return None
+    return ids, offsets, bound.get("per_sample_weights")
 
 
 def _perturb_first(t: torch.Tensor) -> torch.Tensor:

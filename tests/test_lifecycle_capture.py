@@ -228,6 +228,30 @@ def test_a_differentiable_input_gradient_not_used_in_the_loss_is_exact(float64, 
 
 
 @pytest.mark.parametrize("mode,path", PATHS)
+def test_second_input_derivatives_under_paused_are_exact(float64, mode, path):
+    """d/dx of |dL/dx|^2 under paused() (both derivatives), then a training step: both as without the engine."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    plain = copy.deepcopy(model)
+    x, y = _data(5)
+
+    def second(m, pause):
+        xi = x.clone().requires_grad_(True)
+        ce = _losses(m, xi, y)
+        with pause():
+            gx, = torch.autograd.grad(ce.sum(), xi, create_graph=True)
+            return torch.autograd.grad(gx.square().sum(), xi)[0]
+
+    expected = second(plain, contextlib.nullcontext)
+    engine = _engine(model, mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    torch.testing.assert_close(second(model, engine.paused), expected, rtol=1e-10, atol=0)
+    reference = reference_clipped_gradient(plain, _losses, (x, y), max_grad_norm=R)
+    assert_matches(_run(model, engine, opt, x, y, path), reference, what="the step after")
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
 def test_a_refused_gradient_penalty_bounds_one_sample(float64, mode, path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()

@@ -166,7 +166,8 @@ class DroppedHook:
 
 class _GradientPenalty(torch.autograd.Function):
     """Identity on a gradient taken with ``create_graph=True`` under ``engine.paused()`` through a covered layer;
-    refuses to be differentiated (a loss built on that gradient: a gradient penalty).
+    refuses to be differentiated by a training backward (a loss built on that gradient: a gradient penalty).
+    Differentiated under ``paused()`` again (a second input derivative), it is the identity.
 
     Ghost differentiation records no parameter in a layer's forward, so the graph of such a gradient has lost
     its direct dependence on the layer's weights: its backward would silently drop part of the penalty's
@@ -174,12 +175,15 @@ class _GradientPenalty(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, grad, path, kind):
-        ctx.where = f"{path} ({kind})"
+    def forward(ctx, grad, where: str, capture: weakref.ref):
+        ctx.where, ctx.capture = where, capture
         return grad.view_as(grad)
 
     @staticmethod
     def backward(ctx, grad):
+        capture = ctx.capture()
+        if capture is not None and capture.paused:
+            return grad, None, None
         raise RuntimeError(
             f"the loss depends on a gradient taken through {ctx.where} with create_graph=True inside "
             "engine.paused() (a gradient penalty, or a double backward): gradient penalties are not supported with "
@@ -732,7 +736,8 @@ class Capture:
                 # A differentiable gradient (create_graph=True) under paused(): mark it, so that a loss built on
                 # it (a gradient penalty) cannot be back-propagated into the step.
                 marked = list(grad_outputs)
-                marked[index] = _GradientPenalty.apply(grad, state.path, type(state.module).__name__)
+                marked[index] = _GradientPenalty.apply(grad, f"{state.path} ({type(state.module).__name__})",
+                                                       weakref.ref(self))
                 return tuple(marked)
             read(grad)
             return None

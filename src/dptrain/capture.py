@@ -136,7 +136,7 @@ class LayerState:
 
 
 class EngineHook(functools.partial):
-    """One of the engine's hooks as the model (or a parameter) holds it: ``EngineHook(fn)`` calls ``fn``.
+    """One of the engine's hooks as the model holds it: ``EngineHook(fn)`` calls ``fn``.
 
     A copy of the model (``copy.deepcopy``, or ``torch.save`` then ``torch.load``) gets a ``DroppedHook`` in its
     place: a copy is a plain model, attached to no engine, and neither the engine nor its optimizer is copied
@@ -242,9 +242,6 @@ class StateWrites:
         self._before = [(d, name, t, t._version) for _, _, d in self._current_holders()
                         for name, t in d.items() if t is not None]
 
-    def forget(self) -> None:
-        self._before = None
-
     def check(self) -> None:
         before, self._before = self._before, None
         if before is None:
@@ -264,8 +261,8 @@ class StateWrites:
         where = f"{path}.{name}" if path else name
         return RuntimeError(
             f"the {kind} {where!r} of {type(module).__name__} was written during a training forward (in place, "
-            "replaced or registered): it depends on the batch (running statistics, embedding rows renormalised by "
-            "max_norm, a cache of inputs) and would leak it into the model outside the private gradient, without "
+            "replaced or registered): what it holds may depend on the batch (running statistics, embedding rows "
+            "renormalised by max_norm, a cache of inputs) and would leak it into the model outside the private gradient, without "
             "clipping or noise. Its value was already modified by this call: restore the model from a copy taken "
             "before it if it must not hold this batch. Fix: call .eval() on that module, build it without updating "
             "state (track_running_stats=False, no max_norm), or, if what it writes does not depend on the data, "

@@ -297,7 +297,8 @@ class Writes(nn.Module):
         self.kind = kind
         self.emb = nn.Embedding(10, 6, max_norm=1.0 if kind == "max_norm" else None)
         self.emb.requires_grad_(False)
-        self.run = RunningMean(8, {"replaced buffer": "replaced", "registered buffer": "registered"}.get(kind, "in place"))
+        how = {"replaced buffer": "replaced", "registered buffer": "registered"}.get(kind, "in place")
+        self.run = RunningMean(8, how)
         self.bn = nn.BatchNorm1d(8)
         self.bn.requires_grad_(False)
         self.a = nn.Linear(6, 8)

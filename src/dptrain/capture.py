@@ -262,8 +262,8 @@ class StateWrites:
         return RuntimeError(
             f"the {kind} {where!r} of {type(module).__name__} was written during a training forward (in place, "
             "replaced or registered): what it holds may depend on the batch (running statistics, embedding rows "
-            "renormalised by max_norm, a cache of inputs) and would leak it into the model outside the private gradient, without "
-            "clipping or noise. Its value was already modified by this call: restore the model from a copy taken "
+            "renormalised by max_norm, a cache of inputs) and would leak it into the model outside the private "
+            "gradient, without clipping or noise. Its value was already modified by this call: restore the model from a copy taken "
             "before it if it must not hold this batch. Fix: call .eval() on that module, build it without updating "
             "state (track_running_stats=False, no max_norm), or, if what it writes does not depend on the data, "
             "compute it in a separate call under engine.paused() or torch.no_grad()"

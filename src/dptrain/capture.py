@@ -13,9 +13,15 @@ The model's own call is hooked too: its input gives the batch size (read, never 
 from what a layer happens to see), a forward that raises drops what it recorded, and its
 output's gradient marks the start of a plain ``loss.backward()``. A layer call recorded
 while a backward pass runs is a recomputation (activation checkpointing) and is marked so.
+
+A layer's output gradient is read by a pre-hook on the node that made the output, which runs after
+every tensor hook (a user's hook that scales it counts). A training forward that writes a buffer or
+parameter of the model is refused (``StateWrites``: version counters). The hooks the model holds are
+``EngineHook``s: a deep or pickled copy of the model gets inert ones, and no engine.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -23,6 +29,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.nn.modules import module as _module_globals
+from torch.nn.utils.rnn import PackedSequence
 
 from .distributed import is_dtensor
 from .layers.numerics import swap01
@@ -127,6 +134,63 @@ class LayerState:
         self._calls = calls if isinstance(calls, CallList) else CallList(calls)
 
 
+class EngineHook(functools.partial):
+    """One of the engine's hooks as the model holds it: ``EngineHook(fn)`` calls ``fn``.
+
+    A copy of the model (``copy.deepcopy``, or ``torch.save`` then ``torch.load``) gets a ``DroppedHook`` in its
+    place: a copy is a plain model, attached to no engine, and neither the engine nor its optimizer is copied
+    along. Attach an engine to the copy to train it privately.
+    """
+
+    __slots__ = ()
+
+    def __deepcopy__(self, memo):
+        return DroppedHook()
+
+    def __reduce__(self):
+        return (DroppedHook, ())
+
+
+class DroppedHook:
+    """What an engine hook becomes in a copy of the model: nothing."""
+
+    __slots__ = ()
+
+    def __call__(self, *args, **kwargs):
+        return None
+
+    def __repr__(self) -> str:
+        return "DroppedHook()"
+
+
+class _GradientPenalty(torch.autograd.Function):
+    """Identity on a gradient taken with ``create_graph=True`` under ``engine.paused()`` through a covered layer;
+    refuses to be differentiated by a training backward (a loss built on that gradient: a gradient penalty).
+    Differentiated under ``paused()`` again (a second input derivative), it is the identity.
+
+    Ghost differentiation records no parameter in a layer's forward, so the graph of such a gradient has lost
+    its direct dependence on the layer's weights: its backward would silently drop part of the penalty's
+    gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, grad, where: str, capture: weakref.ref):
+        ctx.where, ctx.capture = where, capture
+        return grad.view_as(grad)
+
+    @staticmethod
+    def backward(ctx, grad):
+        capture = ctx.capture()
+        if capture is not None and capture.paused:
+            return grad, None, None
+        raise RuntimeError(
+            f"the loss depends on a gradient taken through {ctx.where} with create_graph=True inside "
+            "engine.paused() (a gradient penalty, or a double backward): gradient penalties are not supported with "
+            "per-sample clipping yet, since the engine would drop the penalty's direct dependence on the weights. "
+            "Train without the penalty term, or take that gradient without create_graph=True (detached)"
+        )
+
+
 class _Origin(torch.autograd.Function):
     """Identity on ``x`` that makes it require grad through ``anchor`` (no gradient flows back)."""
 
@@ -140,6 +204,81 @@ class _Origin(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return None, None
+
+
+class StateWrites:
+    """Data written outside the private gradient: a buffer or parameter of the model written in place (its version
+    counter moved), replaced or registered during a training forward.
+
+    Running statistics updated from the batch, embedding rows renormalised in place by ``max_norm``: the batch
+    reaches the model's state without clipping or noise. Every buffer and parameter (frozen or not) is looked at,
+    whatever the module that writes it. ``before`` snapshots them at the model's pre-hook, ``check`` compares at its
+    forward hook: one pass over the model's tensors each, the list of their holders cached until a module or
+    parameter is registered anywhere. ``buffers_only`` (FSDP2, which swaps the parameters in and out of the modules
+    during the forward): parameters are not looked at.
+    """
+
+    def __init__(self, model: nn.Module, buffers_only: bool = False):
+        self.model = model
+        self.buffers_only = buffers_only
+        self._holders: list[tuple[str, str, dict]] = []  # (module path, "buffer"/"parameter", the module's dict)
+        self._seen = -1
+        self._before: list[tuple[dict, str, torch.Tensor, int]] | None = None
+
+    def _current_holders(self) -> list[tuple[str, str, dict]]:
+        from .trainable import registrations  # (trainable imports this module)
+
+        if self._seen != registrations():
+            self._seen = registrations()
+            # Every module's buffer dict, empty or not: a buffer registered later is seen without a new walk.
+            self._holders = [(path, "buffer", m._buffers) for path, m in self.model.named_modules()]
+            if not self.buffers_only:
+                self._holders += [(path, "parameter", m._parameters)
+                                  for path, m in self.model.named_modules() if m._parameters]
+        return self._holders
+
+    def before(self) -> None:
+        self._before = [(d, name, t, t._version) for _, _, d in self._current_holders()
+                        for name, t in d.items() if t is not None]
+
+    def check(self) -> None:
+        before, self._before = self._before, None
+        if before is None:
+            return
+        written = next(((d, name) for d, name, t, version in before
+                        if d.get(name) is not t or t._version != version), None)
+        if written is None and len(before) != sum(1 for _, _, d in self._holders for t in d.values() if t is not None):
+            known = {(id(d), name) for d, name, _, _ in before}
+            written = next(((d, name) for _, _, d in self._holders for name, t in d.items()
+                            if t is not None and (id(d), name) not in known), None)
+        if written is not None:
+            raise self._refusal(*written)
+
+    def _refusal(self, holder: dict, name: str) -> RuntimeError:
+        path, kind = next((path, kind) for path, kind, d in self._holders if d is holder)
+        module = self.model.get_submodule(path)
+        where = f"{path}.{name}" if path else name
+        return RuntimeError(
+            f"the {kind} {where!r} of {type(module).__name__} was written during a training forward (in place, "
+            "replaced or registered): what it holds may depend on the batch (running statistics, embedding rows "
+            "renormalised by max_norm, a cache of inputs) and would leak it into the model outside the private "
+            "gradient, without clipping or noise. Its value was already modified by this call: restore the model from a copy taken "
+            "before it if it must not hold this batch. Fix: call .eval() on that module, build it without updating "
+            "state (track_running_stats=False, no max_norm), or, if what it writes does not depend on the data, "
+            "compute it in a separate call under engine.paused() or torch.no_grad()"
+        )
+
+
+def batch_size_of(inputs, dim: int) -> int | None:
+    """The batch size of a model call: dimension ``dim`` of its first input tensor with more dimensions than that,
+    or a PackedSequence's number of sequences (``batch_sizes[0]``; its ``data`` holds the tokens of all of them).
+    ``None``: no such input."""
+    for item in tensors_in(inputs, whole=(PackedSequence,)):
+        if isinstance(item, PackedSequence):
+            return int(item.batch_sizes[0]) if item.batch_sizes.numel() else 0  # (batch_sizes lives on the CPU)
+        if item.dim() > dim:
+            return item.shape[dim]
+    return None
 
 
 class Capture:
@@ -195,12 +334,15 @@ class Capture:
         self._forward_count = 0
         self._open_forward: int | None = None  # id of a model call that has not returned yet
         self._finished_forward = False
+        #: the model's buffers and parameters, checked for writes by each training forward
+        self.state_writes = StateWrites(model, buffers_only=params_by_name)
 
     # ------------------------------------------------------------------ install / remove
     def install(self, layers: list[LayerState], extra_checks: list[tuple[nn.Module, Callable]] = ()) -> None:
-        self._keep(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True, prepend=True))
-        self._keep(self.model.register_forward_hook(self._model_post_hook, prepend=True))
-        self._keep(self.model.register_forward_hook(self._model_failed_hook, always_call=True))
+        self._keep(self.model.register_forward_pre_hook(EngineHook(self._model_pre_hook), with_kwargs=True,
+                                                          prepend=True))
+        self._keep(self.model.register_forward_hook(EngineHook(self._model_post_hook), prepend=True))
+        self._keep(self.model.register_forward_hook(EngineHook(self._model_failed_hook), always_call=True))
         self.add_checks(extra_checks)
         self.set_layers(layers)
 
@@ -209,7 +351,7 @@ class Capture:
         for module, check in checks:
             if self._checked.get(id(module)) is not module:
                 self._checked[id(module)] = module
-                self._keep(module.register_forward_pre_hook(check))
+                self._keep(module.register_forward_pre_hook(EngineHook(check)))
 
     def _keep(self, handle):
         self._handles.append(handle)
@@ -224,19 +366,21 @@ class Capture:
                 continue
             module = state.module
             self._hooked[id(module)] = module
-            self._pre_hook_fns[id(module)] = self._make_pre_hook(module)
+            self._pre_hook_fns[id(module)] = EngineHook(self._make_pre_hook(module))
             pre = self._keep(module.register_forward_pre_hook(self._pre_hook_fns[id(module)]))
             post = self._keep(module.register_forward_hook(
-                self._make_post_hook(module), always_call=True, with_kwargs=True, prepend=True))
+                EngineHook(self._make_post_hook(module)), always_call=True, with_kwargs=True, prepend=True))
             self._pre_ids[id(module)], self._post_ids[id(module)] = pre.id, post.id
             if state.rule.captures_input:
                 for k, site in enumerate(state.rule.capture_sites(module)):
                     if site.source is not None and site.source_input:
-                        self._keep(site.source.register_forward_pre_hook(self._make_source_hook(module, k, True)))
+                        self._keep(site.source.register_forward_pre_hook(
+                            EngineHook(self._make_source_hook(module, k, True))))
                     elif site.source is not None:
-                        self._keep(site.source.register_forward_hook(self._make_source_hook(module, k, False)))
+                        self._keep(site.source.register_forward_hook(
+                            EngineHook(self._make_source_hook(module, k, False))))
                     self._keep(site.target.register_forward_pre_hook(
-                        self._make_input_hook(module, k, site.source is not None)))
+                        EngineHook(self._make_input_hook(module, k, site.source is not None))))
 
     def remove(self) -> None:
         self._end_watch()
@@ -275,8 +419,7 @@ class Capture:
         self._open_forward = self._forward_count
         self._finished_forward = False
         dim = 0 if self.batch_first else 1
-        first = next((t for t in tensors_in((args, kwargs)) if t.dim() > dim), None)
-        self.forward_batch = first.shape[dim] if first is not None else None
+        self.forward_batch = batch_size_of((args, kwargs), dim)
         self._ordinals.clear()
         self._forward_needs_tags = False
         self._end_watch()
@@ -286,6 +429,8 @@ class Capture:
             self._watch = ReorderWatch(self.forward_batch, inputs, dim, self._anchor,
                                        None if record is None else lambda reading, grad: record(reading, grad))
             self._watch.__enter__()
+        if torch.is_grad_enabled() and not self.dry:
+            self.state_writes.before()
         return None
 
     def _end_watch(self) -> bool:
@@ -303,6 +448,7 @@ class Capture:
     def _model_post_hook(self, module, args, output):
         if in_backward() or self._open_forward is None or in_replay() or self.paused:
             return None
+        self.state_writes.check()  # (a refusal: the always-called hook drops this call)
         self._finished_forward = True
         self._open_forward = None
         # Recomputations of this call (checkpointing) may cache their layouts if it picked no rows by the data:
@@ -431,7 +577,13 @@ class Capture:
 
     def _make_post_hook(self, module: nn.Module):
         def post_hook(module, args, kwargs, output):
-            if in_replay() or self.paused:
+            if in_replay():
+                return None
+            if self.paused:  # not recorded; a gradient penalty through this call is refused all the same
+                state = self._state_of.get(id(module))
+                if state is not None and torch.is_grad_enabled() and isinstance(output, torch.Tensor):
+                    if output.grad_fn is not None:
+                        self._on_gradient(output, state, lambda g: None)
                 return None
             self._restore(module)
             state = self._state_of.get(id(module))
@@ -545,10 +697,40 @@ class Capture:
                 self.called.append(state)
             return tensor
         if output_swapped:
-            tensor.register_hook(lambda g: self.on_grad(state, call, swap01(g)))
+            self._on_gradient(tensor, state, lambda g: self.on_grad(state, call, swap01(g)))
         else:
-            tensor.register_hook(lambda g: self.on_grad(state, call, g))
+            self._on_gradient(tensor, state, lambda g: self.on_grad(state, call, g))
         return tensor
+
+    def _on_gradient(self, tensor: torch.Tensor, state: LayerState, read: Callable[[torch.Tensor], None]) -> None:
+        """Call ``read`` with the gradient of ``tensor`` as the node that made it receives it.
+
+        A node pre-hook runs after every tensor hook, so the engine reads the gradient that actually reaches the
+        layer (a user's ``h.register_hook(lambda g: 3 * g)`` on the output included), whatever the order in which
+        the hooks were registered. A leaf (a layer that returned its input as it is) has no node: its own tensor
+        hooks are all there is.
+        """
+        node = tensor.grad_fn
+        if node is None:
+            tensor.register_hook(read)
+            return
+        index = tensor.output_nr
+
+        def pre_hook(grad_outputs):
+            grad = grad_outputs[index]
+            if grad is None:
+                return None
+            if self.paused and torch.is_grad_enabled():
+                # A differentiable gradient (create_graph=True) under paused(): mark it, so that a loss built on
+                # it (a gradient penalty) cannot be back-propagated into the step.
+                marked = list(grad_outputs)
+                marked[index] = _GradientPenalty.apply(grad, f"{state.path} ({type(state.module).__name__})",
+                                                       weakref.ref(self))
+                return tuple(marked)
+            read(grad)
+            return None
+
+        node.register_prehook(pre_hook)
 
 
 def outside_model_call(state: LayerState) -> ValueError:

@@ -452,7 +452,7 @@ class BackwardRows:
     def record_input(self, reading: InputRows, grad: torch.Tensor) -> None:
         """The gradient of a tensor carrying the model input's rows (``_InputRowsNode``)."""
         self.inputs[id(reading)] = reading
-        grad = grad.detach()
+        grad = grad.detach().clone()  # (autograd may accumulate into the buffer it handed over: keep a copy)
         if self.tagging:
             if reading.tags is not self.tags:  # (each model call of a plain backward tags with its own tags)
                 reading.tagged, reading.tags = [], self.tags
@@ -579,22 +579,22 @@ class _TagRows(torch.autograd.Function):
         return grad, None, None
 
 
-def tensors_in(obj, depth: int = 0):
+def tensors_in(obj, depth: int = 0, whole: tuple[type, ...] = ()):
     """The tensors in a model's input or output (a tensor, tuple/list, dict, Hugging Face ModelOutput or
-    dataclass), in order."""
-    if isinstance(obj, torch.Tensor):
+    dataclass), in order; objects of the types ``whole`` are yielded as they are, not looked into."""
+    if isinstance(obj, torch.Tensor) or whole and isinstance(obj, whole):
         yield obj
     elif depth >= 4:
         return
     elif isinstance(obj, (tuple, list)):
         for item in obj:
-            yield from tensors_in(item, depth + 1)
+            yield from tensors_in(item, depth + 1, whole)
     elif isinstance(obj, dict):
         for item in obj.values():
-            yield from tensors_in(item, depth + 1)
+            yield from tensors_in(item, depth + 1, whole)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
-            yield from tensors_in(getattr(obj, f.name), depth + 1)
+            yield from tensors_in(getattr(obj, f.name), depth + 1, whole)
 
 
 def carries_input_rows(t: torch.Tensor) -> bool:

@@ -169,7 +169,7 @@ class BackwardRunner:
     def on_input_grad(self, reading, grad: torch.Tensor) -> None:
         """The gradient of a tensor carrying the model input's rows (a verifying forward, ``rows.InputRows``)."""
         backward = self.current
-        if backward is not None and backward.phase not in (Phase.SECOND_PASS, Phase.DISCARD):
+        if backward is not None and backward.phase not in (Phase.SECOND_PASS, Phase.DISCARD) and not self.capture.paused:
             backward.rows.record_input(reading, grad)
 
     def _plain_or_none(self) -> bool:
@@ -179,7 +179,7 @@ class BackwardRunner:
 
     def on_model_output_grad(self) -> None:
         """The gradient reached the model's output: a plain backward starts (on the outermost graph task)."""
-        if self._plain_or_none() and not self.recipe.two_pass:
+        if self._plain_or_none() and not self.recipe.two_pass and not self.capture.paused:
             self._begin_plain(from_layer=None)
 
     def refuse_loss_inside_model(self) -> None:

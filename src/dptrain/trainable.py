@@ -117,6 +117,12 @@ class TrainableKey:
         _Registrations.unwatch()
 
 
+def registrations() -> int:
+    """Changes whenever a module or parameter is registered anywhere while an engine is attached: a key for
+    caches of what a model holds (``TrainableKey``, ``capture.StateWrites``)."""
+    return _Registrations.version
+
+
 class _Registrations:
     """Counts module and parameter registrations in the process while an engine is attached (torch's global
     registration hooks), so each model call can re-read the trainable set from a cached parameter list

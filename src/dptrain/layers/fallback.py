@@ -21,6 +21,7 @@ it checks that the per-sample gradients sum to the gradient of the whole batch.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 from contextlib import contextmanager
@@ -109,6 +110,9 @@ class FallbackCall:
     versions: list[tuple[int, int]]  # (leaf position, version counter) of the tensor leaves
     autocast: tuple[str, bool, torch.dtype]
     signature: tuple
+    #: the samples are segments of a flat input, not a dimension of the arguments (an EmbeddingBag's bags
+    #: given as 1-D ids with offsets): each sample's arguments are cut out of the call (``bag_arguments``)
+    bags: bool = False
 
     def arguments(self, replaced: dict[int, torch.Tensor] | None = None) -> tuple[tuple, dict]:
         leaves = list(self.leaves)
@@ -191,6 +195,13 @@ class FallbackRule(LayerRule):
                 f"{self._name(module)}: the per-sample fallback needs an output with the batch as its first "
                 f"dimension, got {_describe(output)}; register a rule for it with dptrain.register_layer, or freeze it"
             )
+        if output._backward_hooks:
+            # The engine reads the output gradient after these hooks, and the replay's vjp would run them again.
+            raise ValueError(
+                f"{self._name(module)}: its forward registers a hook on its output's gradient (register_hook), which "
+                "the per-sample fallback, replaying the forward, would apply twice. Register that hook on the output "
+                "outside the module's forward, or register a rule for it with dptrain.register_layer"
+            )
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         batch = output.shape[0]
         kept, batched, versions = [], [], []
@@ -206,7 +217,9 @@ class FallbackRule(LayerRule):
             module.training, autocast,
             tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in kept),
         )
-        call = FallbackCall(kept, spec, batched, batch, versions, autocast, signature)
+        bags = _flat_bag_arguments(module, args, kwargs) is not None
+        # A flat input's samples are not a dimension: no argument is "batched" (the offsets only look like it).
+        call = FallbackCall(kept, spec, [] if bags else batched, batch, versions, autocast, signature, bags)
         if signature not in self._forward_checked and batch > 1 and not output.is_meta:  # meta: shapes only (plan)
             self._check_independence(module, call, output)
             self._forward_checked.add(signature)
@@ -299,6 +312,8 @@ class FallbackRule(LayerRule):
         return total
 
     def _per_sample_of_call(self, module, call, g, primals) -> dict[str, torch.Tensor]:
+        if call.bags:
+            return self._per_sample_of_bags(module, call, g, primals)
         batched = call.batched
 
         def one_sample(batched_leaves, g_i):
@@ -323,6 +338,28 @@ class FallbackRule(LayerRule):
             self._backward_checked.add(call.signature)
         return grads
 
+    def _per_sample_of_bags(self, module, call, g, primals) -> dict[str, torch.Tensor]:
+        """Per-sample gradients of a call whose samples are segments of a flat input: one replay per bag, made of
+        that bag's ids (and weights) alone. A loop, not a vmap: the bags have different lengths."""
+        device, enabled, dtype = call.autocast
+        args, kwargs = call.arguments()
+        per_bag = _flat_bags(module, args, kwargs)
+        if len(per_bag) != g.shape[0]:
+            raise RuntimeError(f"{self._name(module)}: {len(per_bag)} bags for an output of {g.shape[0]} rows")
+        grads: dict[str, list[torch.Tensor]] = {n: [] for n in primals}
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            for (bag_args, bag_kwargs), g_i in zip(per_bag, g):
+                out, pullback = torch.func.vjp(lambda p: self._replay(module, bag_args, bag_kwargs, p), primals)
+                for n, t in pullback(g_i.unsqueeze(0).to(out.dtype))[0].items():
+                    grads[n].append(t)
+        stacked = {n: torch.stack(ts) if ts else torch.zeros(0, *primals[n].shape, dtype=primals[n].dtype,
+                                                                  device=primals[n].device)
+                   for n, ts in grads.items()}
+        if call.signature not in self._backward_checked:
+            self._check_gradient_sum(module, call, g, primals, stacked)
+            self._backward_checked.add(call.signature)
+        return stacked
+
     # ------------------------------------------------------------------ checks, once per signature
     def _check_independence(self, module, call, output):
         """Forward check: the replay reproduces the output, and perturbing sample 0 moves no other sample."""
@@ -343,7 +380,10 @@ class FallbackRule(LayerRule):
             perturbed = {k: _perturb_first(call.leaves[k]) for k in call.batched}
             if not perturbed:
                 return
-            moved = self._replay(module, *call.arguments(perturbed))
+            try:
+                moved = self._replay(module, *call.arguments(perturbed))
+            except (RuntimeError, ValueError, TypeError) as err:
+                raise self._cannot_replay(module, err, " with one sample changed") from err
             # the same computation on the same shapes: other samples' rows move by no more than a rounding
             same = 4 * torch.finfo(min_dtype(again.dtype, torch.float32)).eps
             if moved.shape != again.shape or not _close(moved[1:], again[1:], again[1:].abs().max(), same):
@@ -396,6 +436,39 @@ class FallbackRule(LayerRule):
 
     def _name(self, module) -> str:
         return f"{self.label} ({type(module).__name__})" if self.label != type(module).__name__ else self.label
+
+
+def _flat_bags(module: nn.Module, args: tuple, kwargs: dict) -> list[tuple[tuple, dict]] | None:
+    """An ``nn.EmbeddingBag`` called with 1-D ids and ``offsets``: the arguments of each bag alone (its ids, offsets
+    ``[0]`` (``[0, n]`` with ``include_last_offset``), its ``per_sample_weights``); ``None`` for any other call.
+    Each bag is one sample; the ids of all bags are not a batch dimension, so no per-sample replay can slice them.
+    """
+    flat = _flat_bag_arguments(module, args, kwargs)
+    if flat is None:
+        return None
+    ids, offsets, weights = flat
+    starts = offsets.tolist()  # (in the backward: the boundaries of the bags, read on the host)
+    ends = starts[1:] if module.include_last_offset else starts[1:] + [ids.shape[0]]
+    starts = starts[:len(ends)]
+    bags = []
+    for start, end in zip(starts, ends):
+        bag_offsets = [0, end - start] if module.include_last_offset else [0]
+        bag = {"offsets": torch.tensor(bag_offsets, dtype=offsets.dtype, device=offsets.device)}
+        if weights is not None:
+            bag["per_sample_weights"] = weights[start:end]
+        bags.append(((ids[start:end],), bag))
+    return bags
+
+
+def _flat_bag_arguments(module: nn.Module, args: tuple, kwargs: dict):
+    """(ids, offsets, per_sample_weights) of an ``nn.EmbeddingBag`` call with 1-D ids; ``None`` for any other call."""
+    if not isinstance(module, nn.EmbeddingBag):
+        return None
+    bound = inspect.signature(module.forward).bind(*args, **kwargs).arguments
+    ids, offsets = bound.get("input"), bound.get("offsets")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 1 or offsets is None:
+        return None
+    return ids, offsets, bound.get("per_sample_weights")
 
 
 def _perturb_first(t: torch.Tensor) -> torch.Tensor:

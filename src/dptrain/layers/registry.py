@@ -4,6 +4,7 @@ module's rule handles (its own, and descendants' parameters it claims by a dotte
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .protocol import LayerRule
 
@@ -62,8 +63,12 @@ def find_rule(module: nn.Module) -> LayerRule | None:
 
     A rule registered for a base class does not cover a subclass that overrides ``forward``
     (for example a LayerNorm applied to channels-first inputs): its per-sample gradients
-    could differ silently, so such a subclass needs its own rule.
+    could differ silently, so such a subclass needs its own rule. Nor does it cover a module with a
+    parametrized tensor (``torch.nn.utils.parametrizations.weight_norm``): the tensor is computed from
+    other parameters at each access, which the per-sample fallback differentiates through.
     """
+    if _parametrized(module):
+        return None
     best: tuple[int, int] | None = None
     found = None
     mro = type(module).__mro__
@@ -99,15 +104,26 @@ def trainable_params(module: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
 
 
+def _parametrized(module: nn.Module) -> bool:
+    """Whether ``module`` computes some tensor of its own from parametrizations (``torch.nn.utils.parametrize``)."""
+    return parametrize.is_parametrized(module)
+
+
 def container_params(module: nn.Module) -> tuple[str, ...]:
     """Dotted names of the parameters ``module`` keeps in ``nn.ParameterDict`` / ``nn.ParameterList``
-    children. A container is never called: the module reads them in its own forward (PEFT's embedding
-    adapters), so they are the module's to handle when it has no rule (the per-sample fallback's)."""
-    return tuple(
+    children, and the originals of its parametrized tensors (``parametrizations.weight.original0``). A
+    container is never called for the batch: the module reads them in its own forward (PEFT's embedding
+    adapters; weight norm's magnitude and direction, through ``module.weight``), so they are the module's to
+    handle when it has no rule (the per-sample fallback's)."""
+    names = [
         f"{cname}.{pname}" for cname, child in module.named_children()
         if isinstance(child, (nn.ParameterDict, nn.ParameterList))
         for pname, _ in child.named_parameters(recurse=False)
-    )
+    ]
+    if _parametrized(module):
+        names += [f"parametrizations.{tensor}.{pname}" for tensor, plist in module.parametrizations.items()
+                  for pname, _ in plist.named_parameters(recurse=False)]
+    return tuple(names)
 
 
 def layer_params(model: nn.Module) -> dict[nn.Module, dict[str, nn.Parameter]]:

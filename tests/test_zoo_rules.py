@@ -1,0 +1,75 @@
+"""Rules and fallback coverage added for the model zoos (issue 21): each against the oracle in every mode and
+both backward paths (``assert_rule_exact``), and one sample bounded by max_grad_norm (noise 0, SGD lr 1)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import dptrain
+from dptrain.layers import FallbackRule, resolve_rule
+from dptrain.testing import assert_rule_exact
+from helpers import MODES
+
+pytestmark = pytest.mark.filterwarnings("ignore:.*use the per-sample fallback:UserWarning",
+                                        "ignore:There is a performance drop:UserWarning")
+
+
+def assert_one_sample_bounded(model: nn.Module, x: torch.Tensor, R: float = 0.05) -> None:
+    """A batch of one sample, clipped far below its gradient norm, moves the model by exactly R in every mode."""
+    for mode in MODES:
+        copy = _copy(model)
+        engine = dptrain.PrivacyEngine(copy, batch_size=1, sample_size=100, noise_multiplier=0.0,
+                                       clipping_mode=mode, max_grad_norm=R)
+        optimizer = torch.optim.SGD([p for p in copy.parameters() if p.requires_grad], lr=1.0)
+        engine.attach(optimizer)
+        try:
+            before = [p.detach().clone() for p in copy.parameters()]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                out = copy(x[:1])
+                engine.backward(out.square().reshape(1, -1).sum(1))
+            optimizer.step()
+            update = torch.cat([(p.detach() - b).flatten() for p, b in zip(copy.parameters(), before)])
+        finally:
+            engine.detach()
+        assert update.norm() <= R * (1 + 1e-9), f"{mode}: one sample moved the model by {update.norm():.4g} > {R}"
+        assert update.norm() >= R * (1 - 1e-9), f"{mode}: the update {update.norm():.4g} is not clipped to {R}"
+
+
+def _copy(model):
+    import copy
+    return copy.deepcopy(model)
+
+
+# --------------------------------------------------------------------------- weight norm
+class WeightNormNet(nn.Module):
+    """A weight-normed convolution (wav2vec2's positional convolution) between two plain layers."""
+
+    def __init__(self, dim=2):
+        super().__init__()
+        self.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(2, 4, 3, padding=1), dim=dim)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).transpose(1, 2))
+
+
+@pytest.mark.parametrize("dim", [0, 2])
+def test_weight_norm_is_exact_through_the_fallback_of_the_parametrized_module(dim):
+    torch.manual_seed(dim)
+    net = WeightNormNet(dim).double()
+    rule = resolve_rule(net.conv)
+    assert isinstance(rule, FallbackRule)
+    assert set(rule.param_names) == {"bias", "parametrizations.weight.original0", "parametrizations.weight.original1"}
+    assert_rule_exact(net, torch.randn(3, 2, 5), allow_fallback=True)
+    assert_one_sample_bounded(net, torch.randn(1, 2, 5, dtype=torch.float64))
+
+
+def test_weight_norm_without_the_fallback_is_refused_naming_the_module():
+    net = WeightNormNet().double()
+    with pytest.raises(Exception, match="conv"):
+        dptrain.PrivacyEngine(net, batch_size=1, sample_size=100, noise_multiplier=0.0, max_grad_norm=1.0,
+                              allow_fallback=False)

@@ -70,6 +70,6 @@ def test_weight_norm_is_exact_through_the_fallback_of_the_parametrized_module(di
 
 def test_weight_norm_without_the_fallback_is_refused_naming_the_module():
     net = WeightNormNet().double()
-    with pytest.raises(Exception, match="conv"):
+    with pytest.raises(ValueError, match=r"conv \(ParametrizedConv1d\) has trainable parameters.*allow_fallback=True"):
         dptrain.PrivacyEngine(net, batch_size=1, sample_size=100, noise_multiplier=0.0, max_grad_norm=1.0,
                               allow_fallback=False)

@@ -89,6 +89,8 @@ def find_rule(module: nn.Module) -> LayerRule | None:
 
 def covering_base(module: nn.Module) -> type | None:
     """A base class of ``module`` that has a rule, if ``module`` only misses it by overriding forward."""
+    if _parametrized(module):  # it misses the rule by computing a tensor from parametrizations
+        return None
     mro = type(module).__mro__
     names = {f"{c.__module__}.{c.__qualname__}": c for c in mro}
     for rule in _REGISTRY:

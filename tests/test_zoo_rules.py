@@ -73,3 +73,71 @@ def test_weight_norm_without_the_fallback_is_refused_naming_the_module():
     with pytest.raises(ValueError, match=r"conv \(ParametrizedConv1d\) has trainable parameters.*allow_fallback=True"):
         dptrain.PrivacyEngine(net, batch_size=1, sample_size=100, noise_multiplier=0.0, max_grad_norm=1.0,
                               allow_fallback=False)
+
+
+# --------------------------------------------------------------------------- scaled word embeddings
+class ScaledByFloat(nn.Embedding):
+    """BART's kind: the lookup times a Python number."""
+
+    def __init__(self, V, d, padding_idx=None):
+        super().__init__(V, d, padding_idx=padding_idx)
+        self.embed_scale = d ** 0.5
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embed_scale
+
+
+class ScaledByBuffer(nn.Embedding):
+    """Gemma's kind: the lookup times a 0-d buffer cast to the table's dtype."""
+
+    def __init__(self, V, d):
+        super().__init__(V, d)
+        self.embed_scale = nn.Buffer(torch.tensor(d ** 0.5), persistent=False)
+
+    def forward(self, ids):
+        return super().forward(ids) * self.embed_scale.to(self.weight.dtype)
+
+
+class ScaledAndShifted(ScaledByFloat):
+    """Shaped like a scaled embedding, but it adds something: the numerical check must catch it."""
+
+    def forward(self, ids):
+        return super().forward(ids) + 1.0
+
+
+class TokenHead(nn.Module):
+    def __init__(self, embedding):
+        super().__init__()
+        self.embedding, self.head = embedding, nn.Linear(embedding.embedding_dim, 3)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embedding(ids)))
+
+
+def _ids(seed, V=6):
+    return torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kind", ["float", "buffer", "padding"])
+def test_scaled_word_embedding_is_recognised_and_exact_with_its_ghost_norm(kind):
+    from dptrain.layers.embedding import ScaledEmbeddingRule
+    torch.manual_seed(0)
+    embedding = {"float": lambda: ScaledByFloat(6, 4), "buffer": lambda: ScaledByBuffer(6, 4),
+                 "padding": lambda: ScaledByFloat(6, 4, padding_idx=1)}[kind]()
+    net = TokenHead(embedding).double()
+    assert isinstance(resolve_rule(net.embedding), ScaledEmbeddingRule)
+    ids = _ids(1)
+    ids[0, :2] = 1  # repeated tokens (and padding, where it is the padding index)
+    assert_rule_exact(net, ids)  # allow_fallback=False: the rule, not the fallback, did the work
+    assert_one_sample_bounded(net, ids)
+
+
+def test_embedding_shaped_like_a_scaled_one_that_computes_more_is_refused():
+    net = TokenHead(ScaledAndShifted(6, 4)).double()
+    engine = dptrain.PrivacyEngine(net, batch_size=1, sample_size=100, noise_multiplier=0.0, max_grad_norm=1.0)
+    engine.attach(torch.optim.SGD(net.parameters(), lr=0.0))
+    try:
+        with pytest.raises(ValueError, match="ScaledAndShifted looks like a scaled word embedding.*not embed_scale"):
+            engine.backward(net(_ids(2)).square().sum((1, 2)))
+    finally:
+        engine.detach()

@@ -83,23 +83,6 @@ class FalconLinearRule(LinearRule):
 
 
 @register_layer
-class ScaledEmbeddingRule(EmbeddingRule):
-    """Gemma's ``GemmaTextScaledWordEmbedding`` (and its copies in later families): an ``nn.Embedding``
-    whose output is multiplied by the buffer ``embed_scale`` (sqrt of the width), so the gradient of
-    the table is that of an embedding whose output gradient is ``g * embed_scale``."""
-
-    module_types = (
-        "transformers.models.gemma.modeling_gemma.GemmaTextScaledWordEmbedding",
-        "transformers.models.gemma2.modeling_gemma2.Gemma2TextScaledWordEmbedding",
-        "transformers.models.gemma3.modeling_gemma3.Gemma3TextScaledWordEmbedding",
-    )
-
-    def operands(self, module, activation, grad_output):
-        scale = module.embed_scale.to(module.weight.dtype)  # the forward multiplies by exactly this
-        return super().operands(module, activation, grad_output * scale.to(grad_output.dtype))
-
-
-@register_layer
 class OPTPositionalEmbeddingRule(EmbeddingRule):
     """OPT's learned positions: an ``nn.Embedding`` called with the attention mask, whose ids are
     ``position_ids + 2`` (given, or the running count of attended tokens minus one, from

@@ -161,3 +161,21 @@ def test_plan_shows_the_per_sample_gradient_size_of_each_fallback_layer(capsys):
     out = capsys.readouterr().out
     assert f"fallback: 1 layer(s) have no rule (conv {conv_params})" in out
     assert f"{conv_params} per sample (B times that for a batch of B)" in out
+
+
+# --------------------------------------------------------------------------- a child's weight read by its parent
+def test_eva_attention_reading_its_qkv_weight_is_exact_through_its_own_fallback():
+    """EvaAttention with q/v biases calls F.linear(x, self.qkv.weight, bias) itself: the attention claims
+    qkv.weight (the engine refused it as used outside its own layer's call) and the fallback replays it."""
+    eva = pytest.importorskip("timm.models.eva")
+    from dptrain.layers.registry import layer_params
+    torch.manual_seed(0)
+    attn = eva.EvaAttention(8, num_heads=2, qkv_bias=True, scale_norm=False).double()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    covered = layer_params(attn)
+    assert "qkv.weight" in covered[attn] and attn.qkv not in covered
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    assert_rule_exact(attn, x, allow_fallback=True)
+    assert_one_sample_bounded(attn, x)

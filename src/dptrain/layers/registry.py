@@ -111,12 +111,25 @@ def _parametrized(module: nn.Module) -> bool:
     return parametrize.is_parametrized(module)
 
 
+# {qualified class name: function(module) -> dotted names of descendants' parameters its forward reads itself}
+_READS_CHILD_PARAMS: dict[str, object] = {}
+
+
+def reads_child_params(qualname: str, names) -> None:
+    """Declare that modules of class ``qualname`` (``"package.module.ClassName"``, no import needed) read
+    descendants' parameters in their own forward, outside the descendant's call (``F.linear(x,
+    self.qkv.weight, bias)``): ``names(module)`` gives their dotted names. Such a module without a rule then
+    claims them, and the per-sample fallback differentiates its replay with respect to them."""
+    _READS_CHILD_PARAMS[qualname] = names
+
+
 def container_params(module: nn.Module) -> tuple[str, ...]:
     """Dotted names of the parameters ``module`` keeps in ``nn.ParameterDict`` / ``nn.ParameterList``
     children, and the originals of its parametrized tensors (``parametrizations.weight.original0``). A
     container is never called for the batch: the module reads them in its own forward (PEFT's embedding
     adapters; weight norm's magnitude and direction, through ``module.weight``), so they are the module's to
-    handle when it has no rule (the per-sample fallback's)."""
+    handle when it has no rule (the per-sample fallback's); so are the descendants' parameters a module of a
+    class declared with ``reads_child_params`` reads in its own forward."""
     names = [
         f"{cname}.{pname}" for cname, child in module.named_children()
         if isinstance(child, (nn.ParameterDict, nn.ParameterList))
@@ -125,6 +138,9 @@ def container_params(module: nn.Module) -> tuple[str, ...]:
     if _parametrized(module):
         names += [f"parametrizations.{tensor}.{pname}" for tensor, plist in module.parametrizations.items()
                   for pname, _ in plist.named_parameters(recurse=False)]
+    reads = _READS_CHILD_PARAMS.get(f"{type(module).__module__}.{type(module).__qualname__}")
+    if reads is not None:
+        names += list(reads(module))
     return tuple(names)
 
 

@@ -18,7 +18,7 @@ from .hf import TokenParamsRule, _check_positions
 from .norms import AffineNormRule, GroupNormRule, LayerNormRule, _TrailingDimsNorm
 from .numerics import accumulation_dtype
 from .protocol import CaptureSite, LayerDims, LayerRule
-from .registry import register_layer
+from .registry import reads_child_params, register_layer
 
 
 # --------------------------------------------------------------------------- norms
@@ -411,3 +411,13 @@ class BeitSharedRelativePositionBiasRule(LayerRule):
             "a relative position bias shared by all blocks (Beit(use_shared_rel_pos_bias=True)) is not supported: "
             "its bias enters every block's attention scores; use per-block tables (use_rel_pos_bias=True) or freeze it"
         )
+
+
+def _eva_fused_qkv_weight(module) -> tuple[str, ...]:
+    """EVA's attention with q/v biases computes ``F.linear(x, self.qkv.weight, cat(q_bias, k_bias, v_bias))``
+    itself: ``qkv.weight`` is used in the attention's call, never in a call of ``qkv``."""
+    fused = getattr(module, "qkv", None) is not None and getattr(module, "q_bias", None) is not None
+    return ("qkv.weight",) if fused and not getattr(module, "qkv_bias_separate", False) else ()
+
+
+reads_child_params("timm.models.eva.EvaAttention", _eva_fused_qkv_weight)

@@ -179,3 +179,35 @@ def test_eva_attention_reading_its_qkv_weight_is_exact_through_its_own_fallback(
     x = torch.randn(3, 5, 8, dtype=torch.float64)
     assert_rule_exact(attn, x, allow_fallback=True)
     assert_one_sample_bounded(attn, x)
+
+
+# --------------------------------------------------------------------------- dropout inside a replayed module
+class GateWithDropout(nn.Module):
+    """A fallback module holding a dropout (timm builds nn.Dropout(proj_drop) even at rate 0)."""
+
+    def __init__(self, d, p):
+        super().__init__()
+        self.gate = nn.Parameter(torch.randn(d))
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(x * torch.sigmoid(self.gate))
+
+
+def test_a_dropout_at_rate_zero_inside_a_fallback_module_is_replayed_in_training():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), GateWithDropout(4, 0.0), nn.Linear(4, 3)).double().train()
+    assert_rule_exact(net, torch.randn(3, 2, 4), allow_fallback=True)
+    assert_one_sample_bounded(net, torch.randn(1, 2, 4, dtype=torch.float64))
+
+
+def test_a_dropout_with_a_rate_inside_a_fallback_module_is_refused():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), GateWithDropout(4, 0.5), nn.Linear(4, 3)).double().train()
+    engine = dptrain.PrivacyEngine(net, batch_size=1, sample_size=100, noise_multiplier=0.0, max_grad_norm=1.0)
+    engine.attach(torch.optim.SGD(net.parameters(), lr=0.0))
+    try:
+        with pytest.raises(Exception, match=r"1 \(GateWithDropout\).*(does not reproduce|random operation)"):
+            engine.backward(net(torch.randn(3, 2, 4, dtype=torch.float64)).square().sum((1, 2)))
+    finally:
+        engine.detach()

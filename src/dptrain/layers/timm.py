@@ -421,3 +421,18 @@ def _eva_fused_qkv_weight(module) -> tuple[str, ...]:
 
 
 reads_child_params("timm.models.eva.EvaAttention", _eva_fused_qkv_weight)
+
+
+def _parameters_of(*children: str):
+    """Every parameter under the named children, as dotted names: for a module that uses them on a table
+    without the batch (coordinates) and broadcasts the result over its batch output itself."""
+    def names(module) -> tuple[str, ...]:
+        return tuple(f"{child}.{name}" for child in children if getattr(module, child, None) is not None
+                     for name, _ in getattr(module, child).named_parameters())
+    return names
+
+
+# timm's RelPosAttention adds rel_pos.get_bias() (an MLP on coordinates: no batch) to its scores, or calls
+# rel_pos(attn) (RelPosMlp: attn + the same bias): either way inside the attention's call, whose replay per sample
+# gives the MLP's per-sample gradients.
+reads_child_params("timm.models.vision_transformer_relpos.RelPosAttention", _parameters_of("rel_pos"))

@@ -211,3 +211,37 @@ def test_a_dropout_with_a_rate_inside_a_fallback_module_is_refused():
             engine.backward(net(torch.randn(3, 2, 4, dtype=torch.float64)).square().sum((1, 2)))
     finally:
         engine.detach()
+
+
+class TinyScanMixer(nn.Module):
+    """Shaped like a Mamba mixer: its own A_log and D, a child convolution whose weight the forward reads itself
+    (F.conv1d with the child's weight and bias, as the selective scan's slow paths do), a child projection called."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.in_proj = nn.Linear(d, d)
+        self.conv1d = nn.Conv1d(d, d, 3, groups=d, padding=2)
+        self.A_log = nn.Parameter(torch.randn(d))
+        self.D = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):  # [B, T, d]
+        h = self.in_proj(x).transpose(1, 2)
+        h = nn.functional.conv1d(h, self.conv1d.weight, self.conv1d.bias, padding=2, groups=h.shape[1])[..., :x.shape[1]]
+        decay = torch.exp(-torch.exp(self.A_log))[:, None]
+        state, out = torch.zeros_like(h[..., 0]), []
+        for t in range(h.shape[-1]):
+            state = decay[:, 0] * state + h[..., t]
+            out.append(state)
+        return torch.stack(out, -1).transpose(1, 2) + x * self.D
+
+
+def test_state_space_mixer_claims_the_children_weights_its_scan_reads():
+    from dptrain.layers.registry import layer_params
+    torch.manual_seed(0)
+    mixer = TinyScanMixer(4).double()
+    covered = layer_params(mixer)
+    assert set(covered) == {mixer}
+    assert set(covered[mixer]) == {"A_log", "D", "in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias"}
+    x = torch.randn(3, 5, 4, dtype=torch.float64)
+    assert_rule_exact(mixer, x, allow_fallback=True)
+    assert_one_sample_bounded(mixer, x)

@@ -15,7 +15,7 @@ from .linear import LinearRule
 from .norms import AffineNormRule
 from .numerics import factor_weighted_sum
 from .protocol import LayerDims, LayerRule
-from .registry import register_layer
+from .registry import reads_child_params, register_layer
 
 
 @register_layer
@@ -244,3 +244,19 @@ class T5RelativeBiasRule(LayerRule):
             "so its per-sample gradient is not available: freeze it, e.g. for n, p in model.named_parameters(): "
             "p.requires_grad_('relative_attention_bias' not in n)"
         )
+
+
+def _state_space_mixer(module) -> bool:
+    """A Mamba-style selective state-space mixer (Mamba, Mamba-2, FalconMamba, Jamba, Bamba, Falcon-H1, ...): its
+    own ``A_log`` and ``D``, and a scan that reads its children's weights directly (``conv1d.weight``,
+    ``dt_proj.bias``) besides calling them."""
+    own = module._parameters
+    return own.get("A_log") is not None and own.get("D") is not None
+
+
+def _every_descendant_parameter(module) -> tuple[str, ...]:
+    return tuple(f"{child}.{name}" for child, sub in module.named_children() for name, _ in sub.named_parameters())
+
+
+# The mixer's replay per sample gives every one of its parameters' per-sample gradients, wherever the scan reads them.
+reads_child_params(_state_space_mixer, _every_descendant_parameter)

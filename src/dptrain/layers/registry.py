@@ -112,15 +112,23 @@ def _parametrized(module: nn.Module) -> bool:
 
 
 # {qualified class name: function(module) -> dotted names of descendants' parameters its forward reads itself}
-_READS_CHILD_PARAMS: dict[str, object] = {}
+_READS_CHILD_PARAMS: dict[object, object] = {}
 
 
-def reads_child_params(qualname: str, names) -> None:
-    """Declare that modules of class ``qualname`` (``"package.module.ClassName"``, no import needed) read
-    descendants' parameters in their own forward, outside the descendant's call (``F.linear(x,
-    self.qkv.weight, bias)``): ``names(module)`` gives their dotted names. Such a module without a rule then
-    claims them, and the per-sample fallback differentiates its replay with respect to them."""
-    _READS_CHILD_PARAMS[qualname] = names
+def reads_child_params(kind, names) -> None:
+    """Declare that some modules read descendants' parameters in their own forward, outside the descendant's
+    call (``F.linear(x, self.qkv.weight, bias)``): ``names(module)`` gives their dotted names. ``kind`` is a
+    class as ``"package.module.ClassName"`` (no import needed) or a predicate on the module (a structure that
+    several libraries' classes share). Such a module without a rule then claims them, and the per-sample
+    fallback differentiates its replay with respect to them."""
+    _READS_CHILD_PARAMS[kind] = names
+
+
+def _child_reads(module: nn.Module) -> tuple[str, ...]:
+    reads = _READS_CHILD_PARAMS.get(f"{type(module).__module__}.{type(module).__qualname__}")
+    if reads is None:
+        reads = next((fn for kind, fn in _READS_CHILD_PARAMS.items() if callable(kind) and kind(module)), None)
+    return tuple(reads(module)) if reads is not None else ()
 
 
 def container_params(module: nn.Module) -> tuple[str, ...]:
@@ -138,9 +146,7 @@ def container_params(module: nn.Module) -> tuple[str, ...]:
     if _parametrized(module):
         names += [f"parametrizations.{tensor}.{pname}" for tensor, plist in module.parametrizations.items()
                   for pname, _ in plist.named_parameters(recurse=False)]
-    reads = _READS_CHILD_PARAMS.get(f"{type(module).__module__}.{type(module).__qualname__}")
-    if reads is not None:
-        names += list(reads(module))
+    names += _child_reads(module)
     return tuple(names)
 
 

@@ -435,6 +435,15 @@ def build_hf(spec: dict) -> nn.Module:
     return spread_init(model).double().train()
 
 
+def _meta_size_hf(spec: dict) -> int:
+    import transformers
+    config = transformers.AutoConfig.for_model(spec["model_type"])
+    _tiny(config, spec.get("layers", 1), image=spec.get("image", IMAGE))
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return _params(getattr(transformers, spec["class"])(config))
+
+
 def _hf_inputs(model, spec) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
     params = inspect.signature(model.forward).parameters
@@ -502,6 +511,9 @@ def discover_hf(types=None) -> None:
         for layers, image in ((1, IMAGE), (2, IMAGE), (1, 2 * IMAGE), (2, 4 * IMAGE)):
             spec["layers"], spec["image"] = layers, image
             try:
+                size = _meta_size_hf(spec)
+                if size > TOO_LARGE:  # built on the meta device first: some configs stay huge (memory)
+                    raise ValueError(f"{size:,} parameters at the smallest size found")
                 case = hf_case(spec)
                 case.losses().sum().backward()
                 spec.pop("status", None), spec.pop("reason", None)
@@ -518,8 +530,8 @@ def discover_hf(types=None) -> None:
 
 def classify_hf(types=None) -> None:
     table = load_table("hf")
-    if types == ["refused"]:  # again, the model types refused last time
-        types = [t for t, spec in table.items() if spec.get("result", {}).get("status") == "refused"]
+    if types == ["refused"]:  # again, the model types refused last time, and those not classified yet
+        types = [t for t, spec in table.items() if spec.get("result", {}).get("status") in ("refused", None)]
     for model_type, spec in sorted(table.items()):
         if (types and model_type not in types) or spec.get("status") == "unbuilt":
             continue

@@ -45,6 +45,10 @@ ROOT = Path(__file__).resolve().parent.parent
 TABLES = {lib: Path(__file__).with_name(f"zoo_{lib}.json") for lib in ("timm", "hf")}
 DOCS = ROOT / "docs" / "models.md"
 B = 3
+# No other dim of the tiny models is 3 (the batch): classes, image channels, lengths and widths differ, so a layout
+# that confuses the batch with another dim shows.
+CLASSES = 6
+CHANNELS = 4
 SWEEP_MODES = ("bk-mixopt", "ghost", "per-sample")
 RTOL = 1e-10
 LARGE = 5_000_000  # parameters: a model above it is slow to sweep in float64 (discover tries narrower ones)
@@ -155,13 +159,13 @@ def _generic_attempts(name: str) -> list[dict]:
 
 def build_timm(spec: dict) -> nn.Module:
     import timm
-    kwargs = dict(spec.get("kwargs", {}))
+    kwargs = dict(spec.get("kwargs", {}), in_chans=CHANNELS)
     if spec.get("img_size_arg"):
         kwargs["img_size"] = spec["img_size"]
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = timm.create_model(spec["name"], pretrained=False, num_classes=3, **kwargs)
+        model = timm.create_model(spec["name"], pretrained=False, num_classes=CLASSES, **kwargs)
     model = _no_dropout(_fixed(model))
     return spread_init(model).double().train()
 
@@ -170,9 +174,9 @@ def timm_case(spec: dict) -> Case:
     model = build_timm(spec)
     g = torch.Generator().manual_seed(0)
     size = spec["img_size"]
-    chans = spec.get("in_chans", 3)
+    chans = CHANNELS
     x = torch.randn(B, chans, size, size, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 3, (B,), generator=g)
+    y = torch.randint(0, CLASSES, (B,), generator=g)
     return Case(model, timm_losses, (x, y))
 
 
@@ -406,12 +410,14 @@ def _tiny(config, layers: int, depth: int = 0, image: int = IMAGE) -> None:
             _set(config, key, 2)
         elif key == "image_size" and isinstance(value, int):
             _set(config, key, image)
+        elif key == "num_channels" and value == 3:  # images: not the batch size
+            _set(config, key, CHANNELS)
         elif key == "patch_size" and isinstance(value, int):
             _set(config, key, 8)
         elif key in ("max_position_embeddings", "max_source_positions", "max_target_positions") and value > 64:
             _set(config, key, 64)
     if hasattr(config, "num_labels"):
-        config.num_labels = 3
+        config.num_labels = CLASSES
     if depth == 0 and getattr(config, "is_encoder_decoder", False) and getattr(config, "decoder_start_token_id", None) is None:
         config.decoder_start_token_id = 0
     if depth == 0 and getattr(config, "pad_token_id", 0) is None:  # sequence classification finds the last token by it
@@ -426,7 +432,6 @@ def build_hf(spec: dict) -> nn.Module:
     import transformers
     config = transformers.AutoConfig.for_model(spec["model_type"])
     _tiny(config, spec.get("layers", 1), image=spec.get("image", IMAGE))
-    config._attn_implementation = "eager"
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -461,7 +466,7 @@ def _hf_inputs(model, spec) -> dict[str, torch.Tensor]:
     if main == "pixel_values":
         size = getattr(config, "image_size", spec.get("image", IMAGE))
         size = size[0] if isinstance(size, (tuple, list)) else size
-        inputs["pixel_values"] = torch.randn(B, getattr(config, "num_channels", 3), size, size, generator=g,
+        inputs["pixel_values"] = torch.randn(B, getattr(config, "num_channels", CHANNELS), size, size, generator=g,
                                              dtype=torch.float64)
     if main == "input_values":
         inputs["input_values"] = torch.randn(B, spec.get("audio_length", 4000), generator=g, dtype=torch.float64)

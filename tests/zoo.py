@@ -21,6 +21,7 @@ arguments are family-specific) and its classification. Regenerate (both, then do
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import math
@@ -253,6 +254,10 @@ def _names_a_module(message: str, model: nn.Module) -> bool:
 def classify_case(case: Case, oracle_losses_fn=None) -> dict:
     """{"status": exact | fallback | refused | wrong, "detail": ...} for a built case."""
     try:
+        copy.deepcopy(case.model)  # the runners train copies of the model
+        with torch.no_grad():
+            if not bool(torch.isfinite(case.losses()).all()):
+                raise ValueError("the sweep's loss on this model's output is not finite")
         case, R, ref = with_oracle(lambda: case, oracle_losses_fn)
     except Exception as err:  # noqa: BLE001
         return {"status": "unbuilt", "detail": f"oracle: {_first_line(err)}"}
@@ -262,6 +267,9 @@ def classify_case(case: Case, oracle_losses_fn=None) -> dict:
             got = engine_clipped_sum(case, quiet=True, mode=mode, max_grad_norm=R)
         except Exception as err:  # noqa: BLE001
             message = str(err)
+            if "deepcopy protocol" in message:  # the runner's copy, not the engine
+                return {"status": "unbuilt", "detail": "the sweep copies the model after the oracle's forwards, and "
+                        "this model keeps tensors of their graphs as attributes (not deep-copyable)"}
             detail = re.sub(r"\s+", " ", f"{type(err).__name__}: {message}").strip()
             return {"status": "refused", "detail": detail[:400], "mode": mode,
                     "names_module": _names_a_module(message, case.model)}
@@ -404,7 +412,7 @@ def _tiny(config, layers: int, depth: int = 0, image: int = IMAGE) -> None:
             _set(config, key, min(value, _HF_PARTS[key]))
         elif key == "head_dim" and isinstance(value, int):
             _set(config, key, 16)
-        elif key == "vocab_size":
+        elif key in ("vocab_size", "decoder_vocab_size") and isinstance(value, int):
             _set(config, key, VOCAB)
         elif key.endswith("_token_id") and isinstance(value, int) and value >= VOCAB:
             _set(config, key, 2)

@@ -245,3 +245,35 @@ def test_state_space_mixer_claims_the_children_weights_its_scan_reads():
     x = torch.randn(3, 5, 4, dtype=torch.float64)
     assert_rule_exact(mixer, x, allow_fallback=True)
     assert_one_sample_bounded(mixer, x)
+
+
+def test_swin_v2_window_attention_claims_its_fused_qkv_weight_and_position_bias_mlp():
+    """One window per sample: the attention's fallback differentiates qkv.weight (read by F.linear with the q/v
+    biases) and the continuous position bias MLP (run on coordinates, no batch) exactly."""
+    swin = pytest.importorskip("timm.models.swin_transformer_v2")
+    from dptrain.layers.registry import layer_params
+    torch.manual_seed(0)
+    attn = swin.WindowAttention(8, window_size=(2, 2), num_heads=2).double()
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    claimed = set(layer_params(attn)[attn])
+    assert {"qkv.weight", "cpb_mlp.0.weight", "cpb_mlp.2.weight"} <= claimed
+    assert attn.qkv not in layer_params(attn) and attn.cpb_mlp[0] not in layer_params(attn)
+    x = torch.randn(3, 4, 8, dtype=torch.float64)  # [B * windows, window tokens, C] with one window per sample
+    assert_rule_exact(attn, x, allow_fallback=True)
+    assert_one_sample_bounded(attn, x)
+
+
+def test_maxvit_attention_claims_its_relative_position_table():
+    maxxvit = pytest.importorskip("timm.models.maxxvit")
+    from dptrain.layers.registry import layer_params
+    attn = maxxvit.AttentionCl(8, dim_head=4, rel_pos_cls=maxxvit.get_rel_pos_cls(maxxvit.MaxxVitTransformerCfg(
+        rel_pos_type="bias"), (2, 2)))
+    assert "rel_pos.relative_position_bias_table" in layer_params(attn)[attn]
+    attn = attn.double()
+    with torch.no_grad():
+        attn.rel_pos.relative_position_bias_table.normal_()
+    x = torch.randn(3, 2, 2, 8, dtype=torch.float64)  # one 2 x 2 window per sample, channels last
+    assert_rule_exact(attn, x, allow_fallback=True)
+    assert_one_sample_bounded(attn, x)

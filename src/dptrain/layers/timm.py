@@ -413,14 +413,18 @@ class BeitSharedRelativePositionBiasRule(LayerRule):
         )
 
 
-def _eva_fused_qkv_weight(module) -> tuple[str, ...]:
-    """EVA's attention with q/v biases computes ``F.linear(x, self.qkv.weight, cat(q_bias, k_bias, v_bias))``
-    itself: ``qkv.weight`` is used in the attention's call, never in a call of ``qkv``."""
+def _fused_qkv_weight(module) -> tuple[str, ...]:
+    """EVA's and Swin V2's attention with q/v biases compute ``F.linear(x, self.qkv.weight, cat(q_bias, k_bias,
+    v_bias))`` themselves: ``qkv.weight`` is used in the attention's call, never in a call of ``qkv``."""
     fused = getattr(module, "qkv", None) is not None and getattr(module, "q_bias", None) is not None
     return ("qkv.weight",) if fused and not getattr(module, "qkv_bias_separate", False) else ()
 
 
-reads_child_params("timm.models.eva.EvaAttention", _eva_fused_qkv_weight)
+reads_child_params("timm.models.eva.EvaAttention", _fused_qkv_weight)
+# Swin V2's window attention also runs its continuous position bias MLP (cpb_mlp) on coordinates, without the
+# batch. (It runs on windows folded into the batch, which the fallback does not regroup yet.)
+reads_child_params("timm.models.swin_transformer_v2.WindowAttention",
+                   lambda module: _fused_qkv_weight(module) + _parameters_of("cpb_mlp")(module))
 
 
 def _parameters_of(*children: str):
@@ -436,3 +440,6 @@ def _parameters_of(*children: str):
 # rel_pos(attn) (RelPosMlp: attn + the same bias): either way inside the attention's call, whose replay per sample
 # gives the MLP's per-sample gradients.
 reads_child_params("timm.models.vision_transformer_relpos.RelPosAttention", _parameters_of("rel_pos"))
+# MaxViT's and CoAtNet's attention read rel_pos.get_bias() the same way (on windows or grids folded into the batch).
+reads_child_params("timm.models.maxxvit.AttentionCl", _parameters_of("rel_pos"))
+reads_child_params("timm.models.maxxvit.Attention2d", _parameters_of("rel_pos"))

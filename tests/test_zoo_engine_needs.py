@@ -125,15 +125,34 @@ class InPlaceOnALayerOutput(nn.Module):
         return self.head(torch.tanh(h))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "SILENTLY WRONG today (found by the zoo sweep: Longformer, RoCBert): the output-gradient hook of `lin` "
-    "(capture.py Capture._record, tensor.register_hook) never fires when the layer's input needs a gradient and "
-    "its output is modified in place afterwards, so `lin` is left out of every norm and gets no gradient at all "
-    "(its parameters silently do not train; the other layers' clipping factors are computed without it; the "
-    "update stays bounded by R). A plain torch forward hook registering the same tensor hook does fire: "
-    "something between the engine's forward hook and the in-place op loses it. Needed: the hook on the output's "
-    "grad_fn node, or a refusal of an in-place op on a covered layer's output (its version counter shows it)"))
 @pytest.mark.parametrize("op", ["div", "add"])
 def test_in_place_op_on_a_layer_output_is_exact(op):
     torch.manual_seed(0)
     assert_rule_exact(InPlaceOnALayerOutput(op), torch.randn(3, 5, 4))
+
+
+class InPlaceOnAPartialView(nn.Module):
+    """A layer whose output is a view of part of a larger tensor, modified in place afterwards."""
+
+    class Half(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 4) / 2)
+
+        def forward(self, x):
+            return (x @ self.weight.t())[..., :2]
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.lin, self.head = nn.Linear(4, 4), self.Half(), nn.Linear(2, 3)
+
+    def forward(self, x):
+        h = self.lin(torch.tanh(self.first(x)))
+        h /= 2.0
+        return self.head(torch.tanh(h))
+
+
+def test_in_place_op_on_a_partial_view_output_is_refused():
+    torch.manual_seed(0)
+    with pytest.raises(Exception, match=r"lin \(Half\), a view of another tensor, was modified in place"):
+        assert_rule_exact(InPlaceOnAPartialView(), torch.randn(3, 5, 4), allow_fallback=True)

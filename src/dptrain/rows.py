@@ -332,6 +332,24 @@ class _InputRowsNode(torch.autograd.Function):
 
 
 _EMBEDDINGS = {torch.nn.functional.embedding, torch.embedding}
+# What acts on the tensor object itself rather than computing from its values (attributes, autograd flags): the
+# model's own input stays the object these see (wav2vec2 sets requires_grad on its input).
+_ON_THE_OBJECT = {torch.Tensor.requires_grad_, torch.Tensor.retain_grad, torch.Tensor.register_hook}
+
+
+_VIEWS = {
+    torch.Tensor.__getitem__, torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unsqueeze,
+    torch.unsqueeze, torch.Tensor.squeeze, torch.squeeze, torch.Tensor.transpose, torch.transpose,
+    torch.Tensor.permute, torch.permute, torch.Tensor.flatten, torch.flatten, torch.Tensor.unflatten,
+    torch.Tensor.narrow, torch.narrow, torch.Tensor.contiguous, torch.Tensor.view_as, torch.Tensor.reshape_as,
+}
+
+
+_MOVES_AXES = {torch.Tensor.transpose, torch.transpose, torch.Tensor.permute, torch.permute}
+
+
+def _computes(func) -> bool:
+    return func not in _ON_THE_OBJECT and getattr(func, "__name__", "") not in ("__get__", "__set__", "__delete__")
 
 
 class ReorderWatch(TorchFunctionMode):
@@ -351,7 +369,8 @@ class ReorderWatch(TorchFunctionMode):
         self.seen = False
         self.axis = axis
         self.anchor, self.record = anchor, record
-        self._floats = {id(t): t for t in inputs if t.is_floating_point()}
+        # floating-point inputs (and views of them), with the axes where their batch may sit
+        self._floats = {id(t): (t, (axis,)) for t in inputs if t.is_floating_point()}
         # integer inputs (ids), and the ids derived from them (a view, a shift, a transpose): whether each is an
         # input itself, whose batch axis is known
         self._ids = {id(t): (t, True) for t in inputs if not t.is_floating_point() and not t.is_complex()}
@@ -364,10 +383,11 @@ class ReorderWatch(TorchFunctionMode):
         return _InputRowsNode.apply(self.anchor(t.device), t, reading, self.record)
 
     def _substitute(self, obj):
-        if isinstance(obj, torch.Tensor) and id(obj) in self._floats and self._floats[id(obj)] is obj:
+        known = self._floats.get(id(obj)) if isinstance(obj, torch.Tensor) else None
+        if known is not None and known[0] is obj:
             copy = self._copies.get(id(obj))
             if copy is None:
-                copy = self._copies[id(obj)] = self._carry(obj, (self.axis,))
+                copy = self._copies[id(obj)] = self._carry(obj, known[1])
             return copy
         if isinstance(obj, (list, tuple)) and any(isinstance(o, torch.Tensor) for o in obj):
             return type(obj)(self._substitute(o) for o in obj)
@@ -388,7 +408,21 @@ class ReorderWatch(TorchFunctionMode):
             self.seen = _reorders(func, args, kwargs, self.batch)
         if self.record is None:
             return func(*args, **kwargs)
-        if self._floats:
+        if self._floats and func in _VIEWS and args and self._floats.get(id(args[0]), (None,))[0] is args[0]:
+            # a view of the input stays a view of the input (code may set requires_grad on it, which only a leaf
+            # allows): followed, and copied where it is computed from
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and not out._is_view() and out is not args[0]:
+                # it copied (indexing by a tensor, a reshape of a non-contiguous tensor): computed from the input
+                # (these functions only read their arguments: called again on its copy)
+                return func(*(self._substitute(a) for a in args), **kwargs)
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                axes = tuple(a for a in (0, 1) if out.dim() > a and out.shape[a] == self.batch)
+                if axes:  # (where the batch went is known only if the leading axis was not moved or resized)
+                    keeps = func not in _MOVES_AXES and out.shape[:1] == args[0].shape[:1]
+                    self._floats[id(out)] = (out, self._floats[id(args[0])][1] if keeps else axes)
+            return out
+        if self._floats and _computes(func):
             args = tuple(self._substitute(a) for a in args)
             kwargs = {k: self._substitute(v) for k, v in kwargs.items()}
         ids = self._ids_in(args, kwargs) if self._ids else []

@@ -215,6 +215,8 @@ def _user_ids(users: Any, num_examples: int | None = None) -> torch.Tensor:
         ids = users.detach().cpu() if isinstance(users, torch.Tensor) else torch.as_tensor(users)
     except (TypeError, ValueError, RuntimeError) as error:
         raise ValueError(f"users must be a sequence of integer user ids ({error}): {how}") from error
+    if ids.numel() == 0:
+        raise ValueError("users is empty: there is no user to sample")
     if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
         raise ValueError(
             f"users must hold integer user ids, got a {ids.dtype} sequence: {how}; map other ids (names, "
@@ -255,8 +257,6 @@ class UserPoissonSampler(PoissonSampler):
         max_examples_per_user: int | None = None,
     ):
         ids = _user_ids(users)
-        if len(ids) == 0:
-            raise ValueError("users is empty: there is no user to sample")
         self.max_examples_per_user = None if max_examples_per_user is None else checks.positive_int(
             "max_examples_per_user", max_examples_per_user,
             "the most examples of one user in a batch; None takes all of them")

@@ -1,0 +1,334 @@
+"""Tests for user-level Poisson sampling: poisson_loader(..., users=...), UserPoissonSampler, UserBatch."""
+
+import itertools
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import TensorDataset
+
+from dptrain.data import (
+    PoissonSampler,
+    UserBatch,
+    UserPoissonSampler,
+    is_poisson_loader,
+    poisson_loader,
+    split_batches,
+)
+
+
+def seeded(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def indexed_dataset(num_examples):
+    """Features [i, 2i] and target i: every row says which example it is."""
+    index = torch.arange(num_examples)
+    return TensorDataset(torch.stack([index, 2 * index], dim=1).float(), index)
+
+
+# Users with 1 to 6 examples each, ids not contiguous and not in dataset order.
+EXAMPLES_PER_USER = [1, 2, 3, 4, 5, 6] * 5
+USER_IDS = [1000 - 7 * u for u in range(len(EXAMPLES_PER_USER))]
+
+
+def interleaved_users():
+    """One user id per example, a user's examples scattered over the dataset."""
+    owners = [uid for uid, count in zip(USER_IDS, EXAMPLES_PER_USER) for _ in range(count)]
+    order = torch.randperm(len(owners), generator=seeded(1)).tolist()
+    return [owners[i] for i in order]
+
+
+def binomial_bounds(trials, p, width=5.0):
+    mean, sd = trials * p, math.sqrt(trials * p * (1 - p))
+    return mean - width * sd, mean + width * sd
+
+
+# ------------------------------------------------------------------------ sampling
+
+
+def test_each_user_is_included_with_probability_q_independently():
+    users = interleaved_users()
+    q, steps = 0.2, 3000
+    sampler = UserPoissonSampler(users, q, steps=steps, generator=seeded(0))
+    included = Counter()
+    both_of_first_two = 0
+    for batch in sampler:
+        present = {users[i] for i in batch}
+        included.update(present)
+        both_of_first_two += USER_IDS[0] in present and USER_IDS[1] in present
+    low, high = binomial_bounds(steps, q)
+    for uid in USER_IDS:  # every user, whatever their number of examples
+        assert low < included[uid] < high, (uid, included[uid], (low, high))
+    low, high = binomial_bounds(steps * len(USER_IDS), q)  # all users together: a sharper check of q
+    assert low < sum(included.values()) < high
+    low, high = binomial_bounds(steps, q * q)  # independent users: both in a batch with q^2
+    assert low < both_of_first_two < high
+
+
+def test_a_sampled_user_brings_min_of_m_and_their_examples():
+    users = interleaved_users()
+    count_of = dict(zip(USER_IDS, EXAMPLES_PER_USER))
+    for cap in (1, 3, None):
+        sampler = UserPoissonSampler(users, 0.5, steps=40, generator=seeded(2), max_examples_per_user=cap)
+        seen_users = set()
+        for batch in sampler:
+            assert len(set(batch)) == len(batch)  # without replacement
+            rows_of = Counter(users[i] for i in batch)
+            seen_users |= set(rows_of)
+            for uid, rows in rows_of.items():
+                assert rows == (count_of[uid] if cap is None else min(cap, count_of[uid]))
+        assert seen_users == set(USER_IDS)
+
+
+def test_chosen_examples_are_a_uniform_subset_of_the_users_examples():
+    # One user with 5 examples, m = 2: the 10 pairs should be equally likely (chi-square, 9 dof).
+    users = [3, 9, 3, 3, 9, 3, 3]
+    mine = [i for i, u in enumerate(users) if u == 3]
+    steps = 5000
+    sampler = UserPoissonSampler(users, 1.0, steps=steps, generator=seeded(3), max_examples_per_user=2)
+    pairs = Counter()
+    for batch in sampler:
+        chosen = tuple(sorted(i for i in batch if users[i] == 3))
+        assert len(chosen) == 2 and set(chosen) <= set(mine)
+        assert [i for i in batch if users[i] == 9] == [1, 4]  # 2 examples <= m: all of them
+        pairs[chosen] += 1
+    assert set(pairs) == set(itertools.combinations(mine, 2))
+    expected = steps / 10
+    chi_square = sum((count - expected) ** 2 / expected for count in pairs.values())
+    assert chi_square < 40.0, pairs  # P(chi2_9 > 40) ~ 7e-6
+
+
+def test_every_example_of_a_user_is_equally_likely():
+    # The marginal view of the same property, on a user with many examples: each of 20 is chosen
+    # with probability m / 20 = 0.25 when the user is in the batch.
+    users = [0] * 20 + [1]
+    steps = 4000
+    sampler = UserPoissonSampler(users, 1.0, steps=steps, generator=seeded(4), max_examples_per_user=5)
+    chosen = Counter(i for batch in sampler for i in batch if i < 20)
+    low, high = binomial_bounds(steps, 0.25)
+    assert all(low < chosen[i] < high for i in range(20)), chosen
+
+
+def test_batches_group_users_in_increasing_id_order_and_examples_in_dataset_order():
+    users = interleaved_users()
+    for batch in UserPoissonSampler(users, 0.3, steps=20, generator=seeded(5), max_examples_per_user=4):
+        owners = [users[i] for i in batch]
+        runs = [uid for uid, _ in itertools.groupby(owners)]
+        assert runs == sorted(set(owners))
+        for uid in runs:
+            rows = [i for i in batch if users[i] == uid]
+            assert rows == sorted(rows)
+
+
+def test_same_seed_same_batches_and_epochs_differ():
+    users = interleaved_users()
+
+    def batches(generator):
+        return list(UserPoissonSampler(users, 0.3, steps=10, generator=generator, max_examples_per_user=2))
+
+    assert batches(seeded(6)) == batches(seeded(6))
+    assert batches(seeded(6)) != batches(seeded(7))
+    sampler = UserPoissonSampler(users, 0.3, steps=10, generator=seeded(6), max_examples_per_user=2)
+    assert list(sampler) != list(sampler)
+
+
+def test_sampler_counts_users_not_examples():
+    sampler = UserPoissonSampler([5, 5, 5, 8, 2, 2], 0.5)
+    assert (sampler.num_users, sampler.num_samples, sampler.num_examples) == (3, 3, 6)
+    assert sampler.user_ids.tolist() == [2, 5, 8]
+    assert sampler.privacy_unit == "user" and len(sampler) == 2
+    assert sampler.max_rows_per_user == 3
+    assert UserPoissonSampler([5, 5, 5, 8], 0.5, max_examples_per_user=2).max_rows_per_user == 2
+
+
+# ------------------------------------------------------------------------- loaders
+
+
+def test_loader_returns_user_batches_with_each_rows_user():
+    users = interleaved_users()
+    loader = poisson_loader(indexed_dataset(len(users)), batch_size=6, users=users, max_examples_per_user=3,
+                            generator=seeded(8))
+    batches = list(loader)
+    assert sum(len(batch.users) for batch in batches) > 0
+    for batch in batches:
+        assert isinstance(batch, UserBatch)
+        (features, index), row_users = batch  # unpacks as (data, users)
+        assert row_users.dtype == torch.int64 and row_users.shape == index.shape
+        assert row_users.tolist() == [users[i] for i in index.tolist()]
+        assert torch.equal(features[:, 0].long(), index)
+
+
+def test_loader_attributes_report_the_user_rate():
+    users = interleaved_users()
+    loader = poisson_loader(indexed_dataset(len(users)), batch_size=6, users=users, max_examples_per_user=3)
+    assert is_poisson_loader(loader)
+    assert loader.privacy_unit == "user"
+    assert loader.num_users == 30 and loader.max_examples_per_user == 3
+    assert loader.sample_rate == pytest.approx(6 / 30)
+    assert loader.expected_batch_size == pytest.approx(6.0)  # users per batch
+    assert len(loader) == 5  # round(1 / q)
+    assert loader.max_batch_size is None
+    assert isinstance(loader.batch_sampler, UserPoissonSampler)
+    by_rate = poisson_loader(indexed_dataset(len(users)), sample_rate=0.5, users=users, steps=3)
+    assert by_rate.sample_rate == 0.5 and len(by_rate) == 3 and by_rate.max_examples_per_user is None
+    examples = poisson_loader(indexed_dataset(10), batch_size=2)
+    assert (examples.privacy_unit, examples.num_users, examples.max_examples_per_user) == ("example", None, None)
+
+
+def test_users_as_tensor_numpy_or_list_give_the_same_batches():
+    users = interleaved_users()
+    dataset = indexed_dataset(len(users))
+    runs = [
+        [batch.users.tolist() for batch in poisson_loader(dataset, batch_size=5, users=given, generator=seeded(9))]
+        for given in (users, torch.tensor(users, dtype=torch.int32), np.array(users))
+    ]
+    assert runs[0] == runs[1] == runs[2]
+
+
+def test_empty_batches_keep_the_structure():
+    dataset = TensorDataset(torch.randn(4, 3, 2), torch.tensor([1, 0, 1, 1]))
+    loader = poisson_loader(dataset, sample_rate=1e-6, steps=3, users=[0, 0, 1, 1], generator=seeded(10))
+    for (features, targets), row_users in loader:
+        assert features.shape == (0, 3, 2) and features.dtype == torch.float32
+        assert targets.shape == (0,) and targets.dtype == torch.int64
+        assert row_users.shape == (0,) and row_users.dtype == torch.int64
+
+
+def test_workers_keep_each_rows_user():
+    users = interleaved_users()
+    loader = poisson_loader(indexed_dataset(len(users)), batch_size=10, users=users, num_workers=1,
+                            generator=seeded(11), steps=4)
+    for (_, index), row_users in loader:
+        assert row_users.tolist() == [users[i] for i in index.tolist()]
+
+
+def test_custom_collate_fn_is_used_for_the_data():
+    def collate(items):
+        return {"index": torch.stack([target for _, target in items])}
+
+    users = [0, 0, 1, 2]
+    loader = poisson_loader(indexed_dataset(4), sample_rate=1.0, steps=1, users=users, collate_fn=collate)
+    batch = next(iter(loader))
+    assert batch.data["index"].tolist() == [0, 1, 2, 3] and batch.users.tolist() == users
+
+
+def test_loader_resumes_mid_epoch_with_the_same_batches():
+    users = interleaved_users()
+
+    def loader():
+        return poisson_loader(indexed_dataset(len(users)), batch_size=8, users=users, max_examples_per_user=2,
+                              generator=seeded(12), steps=6)
+
+    reference = [batch.data[1].tolist() for batch in loader()]
+    stopped = loader()
+    iterator = iter(stopped)
+    first = [next(iterator).data[1].tolist() for _ in range(2)]
+    state = stopped.state_dict()
+    resumed = loader()
+    resumed.load_state_dict(state)
+    assert first + [batch.data[1].tolist() for batch in resumed] == reference
+
+
+def test_states_of_another_unit_or_cap_are_refused():
+    users = interleaved_users()
+    user_state = UserPoissonSampler(users, 0.2, max_examples_per_user=2).state_dict()
+    with pytest.raises(ValueError, match="max_examples_per_user"):
+        UserPoissonSampler(users, 0.2, max_examples_per_user=3).load_state_dict(user_state)
+    with pytest.raises(ValueError, match="samplers? of users, but this one samples examples"):
+        PoissonSampler(30, 0.2).load_state_dict(user_state)
+    with pytest.raises(ValueError, match="samplers? of examples, but this one samples users"):
+        UserPoissonSampler(users, 0.2).load_state_dict(PoissonSampler(30, 0.2).state_dict())
+
+
+# ----------------------------------------------------------------- physical batches
+
+
+def test_split_batches_never_cut_a_user():
+    users = interleaved_users()
+
+    def loader():
+        return poisson_loader(indexed_dataset(len(users)), batch_size=15, users=users, max_examples_per_user=4,
+                              generator=seeded(13), steps=8)
+
+    logical_batches = list(loader())
+    split = list(split_batches(loader(), 5))
+    assert len(split) == len(logical_batches)
+    for logical, physical in zip(logical_batches, split):
+        assert all(isinstance(part, UserBatch) and len(part.users) <= 5 for part in physical)
+        assert torch.equal(torch.cat([part.users for part in physical]), logical.users)
+        assert torch.equal(torch.cat([part.data[1] for part in physical]), logical.data[1])
+        owners = [set(part.users.tolist()) for part in physical]
+        assert all(not (a & b) for a, b in itertools.combinations(owners, 2))  # no user in two parts
+        if len(logical.users) > 5:
+            assert len(physical) > 1
+
+
+def test_split_of_an_empty_user_batch_is_one_empty_batch():
+    loader = poisson_loader(indexed_dataset(4), sample_rate=1e-6, steps=1, users=[0, 0, 1, 1])
+    [[part]] = list(split_batches(loader, 2))
+    assert part.users.shape == (0,) and part.data[0].shape == (0, 2)
+
+
+def test_split_refuses_a_cap_above_the_physical_size():
+    users = [0, 0, 0, 1]
+    with pytest.raises(ValueError, match="max_examples_per_user <= 2"):
+        split_batches(poisson_loader(indexed_dataset(4), batch_size=1, users=users), 2)
+    with pytest.raises(ValueError, match="max_examples_per_user <= 2"):
+        split_batches(poisson_loader(indexed_dataset(4), batch_size=1, users=users, max_examples_per_user=3), 2)
+    split_batches(poisson_loader(indexed_dataset(4), batch_size=1, users=users, max_examples_per_user=2), 2)
+
+
+def test_split_refuses_a_user_batch_whose_users_are_scattered():
+    batch = UserBatch(torch.zeros(3, 1), torch.tensor([4, 5, 4]))
+    with pytest.raises(ValueError, match="not next to each other"):
+        list(split_batches([batch], 2))
+    with pytest.raises(ValueError, match="a user has 3 rows"):
+        list(split_batches([UserBatch(torch.zeros(3, 1), torch.tensor([4, 4, 4]))], 2))
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"batch_size": 1, "users": [0, 1, 2]}, "one user id per example: the dataset has 4 examples, users has "
+                                                "shape \\[3\\]"),
+        ({"batch_size": 1, "users": [[0, 1], [2, 3]]}, "one user id per example"),
+        ({"batch_size": 1, "users": [0.0, 1.0, 2.0, 3.0]}, "integer user ids, got a torch.float32"),
+        ({"batch_size": 1, "users": [True, False, True, True]}, "integer user ids, got a torch.bool"),
+        ({"batch_size": 1, "users": ["ann", "bob", "ann", "cy"]}, "integer user ids"),
+        ({"batch_size": 1, "users": "abcd"}, "sequence of integer user ids, got str"),
+        ({"batch_size": 1, "users": 7}, "sequence of integer user ids, got int"),
+        ({"batch_size": 1, "users": [0, 0, 1, 1], "max_examples_per_user": 0}, "max_examples_per_user must be a "
+                                                                              "positive integer"),
+        ({"batch_size": 1, "users": [0, 0, 1, 1], "max_examples_per_user": -2}, "max_examples_per_user"),
+        ({"batch_size": 1, "users": [0, 0, 1, 1], "max_examples_per_user": 1.5}, "max_examples_per_user"),
+        ({"batch_size": 3, "users": [0, 0, 1, 1]}, "batch_size=3 exceeds the number of users 2"),
+        ({"batch_size": 1, "max_examples_per_user": 2}, "only applies to user-level sampling: pass users="),
+        ({"batch_size": 1, "users": [0, 0, 1, 1], "distributed": True, "num_replicas": 2, "rank": 0},
+         "users= with distributed=True is not supported yet"),
+        ({"batch_size": 1, "users": [0, 0, 1, 1], "max_batch_size": 2}, "users= with max_batch_size is not "
+                                                                        "supported yet"),
+    ],
+)
+def test_bad_input_is_refused_with_what_to_do(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        poisson_loader(indexed_dataset(4), **kwargs)
+
+
+def test_collate_that_does_not_keep_one_row_per_example_is_refused():
+    def merge_all(items):
+        return torch.stack([features for features, _ in items]).sum(0, keepdim=True)
+
+    loader = poisson_loader(indexed_dataset(4), sample_rate=1.0, steps=1, users=[0, 0, 1, 1], collate_fn=merge_all)
+    with pytest.raises(ValueError, match="made 1 rows of 4 examples"):
+        next(iter(loader))
+
+
+def test_sampler_refuses_no_users():
+    with pytest.raises(ValueError, match="users is empty"):
+        UserPoissonSampler([], 0.5)

@@ -68,13 +68,18 @@ def needs_tags(trainable: TrainableSet, rows: RowReader, forward_batch: int | No
 class Backward:
     """One backward (both passes, the tag passes and fp16 retries included); see the module docstring."""
 
-    def __init__(self, setup: BackwardSetup, trainable: TrainableSet, phase: Phase, samples: int | None = None):
+    def __init__(self, setup: BackwardSetup, trainable: TrainableSet, phase: Phase, samples: int | None = None,
+                 units: torch.Tensor | None = None):
         self.setup = setup
         self.recipe = setup.recipe
         self.trainable = trainable
         self.phase = phase
-        #: engine.backward's number of samples; None on a plain backward (each call's model call says)
+        #: engine.backward's number of samples (rows); None on a plain backward (each call's model call says)
         self.samples = samples
+        #: privacy_unit="user": each sample's unit (its user, 0..U-1, on the CPU); the clipped unit is the sum of
+        #: a unit's samples, whose rows are regrouped like the rows of one sample (rows.RowMap.for_units)
+        self.units = units
+        self.unit_count = int(units.max()) + 1 if units is not None and units.numel() else 0
         #: the samples this backward brought to the step, on either path (set by ``finish``)
         self.batch = 0
         self.rows = BackwardRows(setup.rows)
@@ -143,7 +148,7 @@ class Backward:
         else:
             self.phase = Phase.SINGLE
             torch.autograd.backward(objective, retain_graph=retain)
-            self.finish(losses.shape[0], 1.0 / kappa)
+            self.finish(self._clipped_units(losses), 1.0 / kappa)
 
     def _two_pass_backward(self, losses: torch.Tensor, objective: torch.Tensor, factor: float, kappa: float) -> None:
         """Lee & Kifer: norms from a first backward of sum_i L_i, then back-propagate sum_i C_i L_i.
@@ -157,8 +162,10 @@ class Backward:
         capture = self.setup.capture
         self.phase = Phase.FIRST_PASS
         torch.autograd.backward(objective, retain_graph=True)
-        factors = self.finish(losses.shape[0], 1.0 / kappa)
-        ones = torch.full_like(factors[0], 1.0 / kappa)
+        factors = self.finish(self._clipped_units(losses), 1.0 / kappa)
+        ones = torch.full_like(factors[0], 1.0 / kappa)  # (one per clipped unit: the operands are regrouped so)
+        if self.units is not None:  # each sample re-weighted by its user's factor
+            factors = [f[self.units.to(f.device)] for f in factors]
         self.phase = Phase.SECOND_PASS
         groups = self.trainable.groups
         for k, params in enumerate(groups):
@@ -256,11 +263,19 @@ class Backward:
 
     def _row_map(self, state: LayerState, call: Call, batch: int) -> RowMap:
         try:
-            return self.rows.resolve(state, call, batch)
+            if self.units is None:
+                return self.rows.resolve(state, call, batch)
+            return self.rows.resolve(state, call, self.samples).for_units(self.units, self.unit_count, state, call)
         except NonFiniteRows:
             raise self._non_finite() from None
 
+    def _clipped_units(self, losses: torch.Tensor) -> int:
+        """How many clipped units the losses hold: samples, or users."""
+        return self.unit_count if self.units is not None else losses.shape[0]
+
     def _batch_of(self, state: LayerState, calls: list[Call]) -> int:
+        if self.units is not None:
+            return self.unit_count
         sizes = {self.samples if self.samples is not None else c.batch_size for c in calls}
         if len(sizes) > 1:
             raise ValueError(f"module {state.name!r} was called with different batch sizes {sorted(sizes)} in one forward")

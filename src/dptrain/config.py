@@ -13,6 +13,7 @@ from .losses import LOSS_REDUCTIONS
 from .planning import DECISION_RULES
 
 BUDGETS = ("warn", "strict")
+PRIVACY_UNITS = ("example", "user")  # what one clipped, sampled unit is
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,7 @@ class EngineConfig:
     allow_fallback: bool
     batch_first: bool
     budget: str
+    privacy_unit: str = "example"
 
     @property
     def sample_rate(self) -> float:
@@ -83,7 +85,8 @@ def _noise_multiplier(sigma, target_epsilon, target_delta, epochs, steps, sample
 
 def make_config(*, batch_size, sample_size, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs,
                 steps, clipping_mode, clipping_fn, clipping_style, loss_reduction, decision_rule, clipping_gamma,
-                accountant, secure_rng, seed, allow_fallback, batch_first, budget, max_batch_size) -> EngineConfig:
+                accountant, secure_rng, seed, allow_fallback, batch_first, budget, max_batch_size,
+                privacy_unit="example") -> EngineConfig:
     """Check every argument (cheap ones first: a wrong choice is reported before any calibration), then
     calibrate the noise multiplier if a target epsilon was given."""
     batch_size = checks.positive_int("batch_size", batch_size, "the expected logical batch size")
@@ -110,6 +113,7 @@ def make_config(*, batch_size, sample_size, max_grad_norm, noise_multiplier, tar
         allow_fallback=bool(allow_fallback),
         batch_first=bool(batch_first),
         budget=checks.choice("budget", budget, BUDGETS),
+        privacy_unit=checks.choice("privacy_unit", privacy_unit, PRIVACY_UNITS),
         max_batch_size=None if max_batch_size is None else checks.positive_int(
             "max_batch_size", max_batch_size, "the fixed number of rows of every batch, K"),
     )

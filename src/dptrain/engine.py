@@ -86,6 +86,7 @@ class PrivacyEngine:
     allow_fallback = FromConfig()
     batch_first = FromConfig()
     budget = FromConfig()
+    privacy_unit = FromConfig()
     recipe = FromConfig()
 
     def __init__(
@@ -113,6 +114,7 @@ class PrivacyEngine:
         batch_first: bool = True,
         budget: str = "warn",
         max_batch_size: int | None = None,
+        privacy_unit: str = "example",
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -123,7 +125,8 @@ class PrivacyEngine:
             epochs=epochs, steps=steps, clipping_mode=clipping_mode, clipping_fn=clipping_fn,
             clipping_style=clipping_style, loss_reduction=loss_reduction, decision_rule=decision_rule,
             clipping_gamma=clipping_gamma, accountant=accountant, secure_rng=secure_rng, seed=seed,
-            allow_fallback=allow_fallback, batch_first=batch_first, budget=budget, max_batch_size=max_batch_size)
+            allow_fallback=allow_fallback, batch_first=batch_first, budget=budget, max_batch_size=max_batch_size,
+            privacy_unit=privacy_unit)
         self.model = model
         self.accountant = accounting.create_accountant(accountant)
         rank = self._parallel.rank if self._parallel is not None else 0
@@ -341,10 +344,12 @@ class PrivacyEngine:
             self._capture.paused = previous
 
     # ------------------------------------------------------------------ backwards
-    def backward(self, losses: torch.Tensor) -> None:
+    def backward(self, losses: torch.Tensor, users: torch.Tensor | None = None) -> None:
         """Back-propagate per-sample losses ``[B]`` (or ``[B, ...]``, summed per sample).
 
         Valid in every clipping mode; micro-batches accumulate until ``optimizer.step()``.
+        ``users`` (``privacy_unit="user"``): each row's user id ``[B]``; the clipped unit is then the
+        sum of a user's per-example gradients, and all of a user's rows of a step must come in one call.
         """
         if self._runner is None:
             raise RuntimeError("call engine.attach(optimizer) before engine.backward(losses)")
@@ -354,7 +359,17 @@ class PrivacyEngine:
                 "F.cross_entropy(logits, y, reduction='none'); got a scalar. For a scalar loss use loss.backward() "
                 "in a single-backward mode"
             )
-        self._runner.run(losses.flatten(1).sum(1) if losses.dim() > 1 else losses)
+        losses = losses.flatten(1).sum(1) if losses.dim() > 1 else losses
+        if (users is None) != (self.privacy_unit == "example"):
+            raise ValueError(
+                "engine.backward(losses, users=...) takes each row's user id with privacy_unit='user' (and only "
+                f"then); this engine's privacy_unit is {self.privacy_unit!r}"
+            )
+        if users is not None and (not isinstance(users, torch.Tensor) or users.shape != losses.shape[:1]
+                                  or users.is_floating_point()):
+            raise ValueError(f"users must be an integer tensor of shape [{losses.shape[0]}] (one user id per loss), "
+                             f"got {type(users).__name__}{tuple(users.shape) if isinstance(users, torch.Tensor) else ''}")
+        self._runner.run(losses, users)
 
     def _on_model_call(self) -> None:
         self._runner.settle()
@@ -461,7 +476,7 @@ class PrivacyEngine:
         self._runner.settle()
         self._capture.settle_open_forward()
         self._follow_trainable()
-        self._runner.done_forwards.clear()
+        self._runner.new_step()
         marker = self._marker.tensor
         if self._scaling is not None and self._scaling.overflowed:
             # optimizer.step() without scaler.step(): the counted, overflowed step applies nothing
@@ -538,6 +553,7 @@ class PrivacyEngine:
             "accountant": self.accountant.name,
             "max_grad_norm": self.max_grad_norm,
             "clipping_mode": self.clipping_mode,
+            "privacy_unit": self.privacy_unit,
             "max_batch_size": self.max_batch_size,
             "truncation_delta": 0.0 if self.max_batch_size is None else accounting.truncation_delta(
                 self.sample_size, self.sample_rate, self.max_batch_size, self.steps_taken),

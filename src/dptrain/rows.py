@@ -130,6 +130,20 @@ class RowMap:
     #: every sample had a row with a gradient: the layout was seen for all of them (only such a map is cached)
     complete: bool = True
 
+    def for_units(self, units: torch.Tensor, count: int, state, call) -> RowMap:
+        """This map with each sample replaced by its unit (``units[sample]``, 0..count-1): the rows of a unit's
+        samples are regrouped like the rows of one sample, so a rule clips the sum of their gradients."""
+        rows = call.shape[0] if self.axes == 1 else call.shape[0] * call.shape[1]
+        samples = self.samples if self.samples is not None else torch.arange(rows)
+        mapped = torch.where(samples >= 0, units[samples.clamp(min=0)], torch.full_like(samples, -1))
+        if not can_regroup(state.rule, call.activation, call.grad, self.axes):
+            raise RowsMixSamples(
+                f"{state.path} ({type(state.module).__name__}): with privacy_unit='user' the rows of a user's "
+                f"examples are regrouped as one unit, which the rule {type(state.rule).__name__} cannot do for this "
+                f"call (output of shape {tuple(call.grad.shape)}). Freeze this layer, or register a rule for it"
+            )
+        return RowMap(self.axes, mapped, count, False, None)
+
     def regroup(self, rule, module, activation, grad: torch.Tensor) -> tuple[tuple, list]:
         """(operands, dims of each part) of this call with its rows regrouped by sample.
 

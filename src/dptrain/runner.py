@@ -47,6 +47,8 @@ class BackwardRunner:
         self.current: Backward | None = None
         #: model calls already back-propagated in this step
         self.done_forwards: set[int] = set()
+        #: user ids (privacy_unit="user") whose rows were back-propagated in this step
+        self.users_in_step: set[int] = set()
         #: what each layer did in the last backward
         self.decisions: list[LayerDecision] = []
         #: samples reaching each step, against the batch size the accounting assumes (a warning when far off)
@@ -79,8 +81,8 @@ class BackwardRunner:
         self.samples_per_step.add_backward(backward.batch)
 
     # ------------------------------------------------------------------ engine.backward
-    def run(self, losses: torch.Tensor) -> None:
-        """``engine.backward(losses)``, the losses checked and ``[B]``."""
+    def run(self, losses: torch.Tensor, users: torch.Tensor | None = None) -> None:
+        """``engine.backward(losses[, users])``, the losses checked and ``[B]`` (``users``: each row's user id)."""
         self.settle()
         self.capture.settle_open_forward()
         parallel = self.parallel
@@ -113,14 +115,17 @@ class BackwardRunner:
                 raise ValueError("the losses do not depend on any trainable parameter (did the forward run under no_grad?)")
             self.after_backward(False)
             return  # an empty batch contributes nothing; the step still adds noise and counts
+        units = self._units(users) if users is not None else None
         self.before_backward()
-        backward = self.current = Backward(self.setup, self.trainable(), Phase.SINGLE, samples=B)
+        backward = self.current = Backward(self.setup, self.trainable(), Phase.SINGLE, samples=B, units=units)
+        step_users = set(users.tolist()) if users is not None else set()
         can_retry = scaling is not None and scaling.can_retry(scaling.scale(), self.recipe.two_pass,
                                                               parallel is not None)
         try:
             overflow = backward.run(losses, scaling, can_retry, passes)
             backward.commit()
             self._done(backward)
+            self.users_in_step |= step_users
         except FloatingPointError as err:
             self.abort()
             bad = (~torch.isfinite(losses.detach())).nonzero().flatten().tolist()
@@ -135,6 +140,26 @@ class BackwardRunner:
         finally:
             self.current = None
         self.after_backward(overflow)
+
+    def _units(self, users: torch.Tensor) -> torch.Tensor:
+        """Each row's unit (0..U-1, the step's users in order of their ids); refuses a user whose rows of this
+        step came in an earlier backward: each backward clips its own rows, so a user split over two would move
+        the model by up to 2R."""
+        ids, units = torch.unique(users.detach().cpu(), return_inverse=True)
+        again = set(ids.tolist()) & self.users_in_step
+        if again:
+            raise ValueError(
+                f"users {sorted(again)[:5]} already had rows in an earlier engine.backward of this step: with "
+                "privacy_unit='user' the clipped unit is the sum of a user's gradients, so all of a user's rows of a "
+                "step must come in one engine.backward call (split micro-batches by user, e.g. "
+                "dptrain.data.poisson_loader(..., users=...) batches). Nothing of this call was accumulated"
+            )
+        return units
+
+    def new_step(self) -> None:
+        """The optimizer stepped: model calls and users start afresh."""
+        self.done_forwards.clear()
+        self.users_in_step = set()
 
     def _discarded_backwards(self, losses: torch.Tensor, passes: int) -> None:
         """FSDP2 gathers parameters inside each backward: a rank with an empty batch runs as many as the others."""
@@ -158,6 +183,7 @@ class BackwardRunner:
             return
         backward = self.current
         if backward is None:
+            self._refuse_plain_user_level()
             if self.recipe.two_pass:
                 raise RuntimeError(
                     f"clipping_mode={self.config.clipping_mode!r} needs two backward passes: call "
@@ -172,6 +198,13 @@ class BackwardRunner:
         if backward is not None and backward.phase not in (Phase.SECOND_PASS, Phase.DISCARD) and not self.capture.paused:
             backward.rows.record_input(reading, grad)
 
+    def _refuse_plain_user_level(self) -> None:
+        if self.config.privacy_unit == "user":
+            raise ValueError(
+                "privacy_unit='user' clips the sum of each user's gradients, which a plain loss.backward() cannot "
+                "tell apart: call engine.backward(per_example_losses, users=batch_user_ids)"
+            )
+
     def _plain_or_none(self) -> bool:
         """No backward runs, or a plain one outside its tag passes."""
         backward = self.current
@@ -180,6 +213,7 @@ class BackwardRunner:
     def on_model_output_grad(self) -> None:
         """The gradient reached the model's output: a plain backward starts (on the outermost graph task)."""
         if self._plain_or_none() and not self.recipe.two_pass and not self.capture.paused:
+            self._refuse_plain_user_level()
             self._begin_plain(from_layer=None)
 
     def refuse_loss_inside_model(self) -> None:

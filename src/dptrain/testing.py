@@ -87,6 +87,27 @@ def reference_clipped_gradient(
                         clipping_fn=clipping_fn, clipping_style=clipping_style, clipping_gamma=clipping_gamma)
 
 
+def reference_user_clipped_gradient(
+    model: nn.Module,
+    losses_fn: Callable,
+    batch,
+    users: torch.Tensor,
+    *,
+    max_grad_norm: float,
+    clipping_fn: str = "abadi",
+    clipping_style: str | Sequence[Sequence[str]] = "all-layer",
+    clipping_gamma: float = 0.01,
+) -> dict[str, torch.Tensor]:
+    """{name: sum_u C_u (sum_{i in u} g_i)} with C_u from the norm of each user's summed gradient
+    (``privacy_unit="user"``): the per-sample oracle's gradients, summed per user, then clipped."""
+    grads = per_sample_gradients(model, losses_fn, batch)
+    _, owner = torch.unique(users, return_inverse=True)
+    count = int(owner.max()) + 1 if owner.numel() else 0
+    per_user = {n: g.new_zeros(count, *g.shape[1:]).index_add_(0, owner.to(g.device), g) for n, g in grads.items()}
+    return _clipped_sum(model, per_user, max_grad_norm=max_grad_norm, clipping_fn=clipping_fn,
+                        clipping_style=clipping_style, clipping_gamma=clipping_gamma)
+
+
 def _groups(model: nn.Module, clipping_style) -> list[list[str]]:
     """The clipping groups, as lists of full parameter names."""
     named = trainable_named_parameters(model)

@@ -1,0 +1,156 @@
+"""User-level privacy (``privacy_unit="user"``): the clipped unit is the sum of a user's per-example gradients.
+
+Checked against the oracle (per-example gradients from one autograd call each, summed per user, then clipped;
+float64, clipping binding) in every mode, and at one user with noise 0, where the update must have norm <= R
+however many examples the user has.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dptrain
+from dptrain.testing import reference_user_clipped_gradient
+from helpers import MODES, assert_matches
+
+R = 0.3
+
+
+class Tokens(nn.Module):
+    """Embedding, a per-token Linear and a LayerNorm, a mean over tokens and a head: rows of one example stay
+    one example's, so the user's rows are regrouped for every rule (tokens folded, norms, embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 8)
+        self.mix = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.conv = nn.Conv1d(8, 8, 3, padding=1)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, ids):
+        h = self.norm(torch.tanh(self.mix(self.emb(ids))))
+        h = torch.tanh(self.conv(h.transpose(1, 2))).mean(2)
+        return self.head(h)
+
+
+def _losses(model, ids, y):
+    return F.cross_entropy(model(ids), y, reduction="none")
+
+
+def _batch(N, seed, T=5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 20, (N, T), generator=g), torch.randint(0, 3, (N,), generator=g)
+
+
+def _model():
+    torch.manual_seed(0)
+    return Tokens().double()
+
+
+def _engine(model, mode, **kw):
+    return dptrain.PrivacyEngine(model, batch_size=1, sample_size=50, max_grad_norm=R, noise_multiplier=0.0,
+                                 clipping_mode=mode, loss_reduction="sum", privacy_unit="user", **kw)
+
+
+def _step(model, mode, batches, **kw):
+    engine = _engine(model, mode, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    try:
+        for ids, y, users in batches:
+            engine.backward(_losses(model, ids, y), users=users)
+        opt.step()
+        return {n: p.grad.detach().clone() for n, p in model.named_parameters()}, engine
+    finally:
+        engine.detach()
+
+
+# users of 1 to 4 examples, in a shuffled order; user ids arbitrary integers
+USERS = torch.tensor([7, 3, 7, 11, 3, 7, 42, 7, 11])
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_users_summed_gradient_is_clipped_exactly(float64, mode):
+    model = _model()
+    ids, y = _batch(len(USERS), seed=1)
+    reference = reference_user_clipped_gradient(model, _losses, (ids, y), USERS, max_grad_norm=R)
+    got, engine = _step(model, mode, [(ids, y, USERS)])
+    assert_matches(got, reference, what=f"user-level {mode}")
+    assert engine.privacy_report()["privacy_unit"] == "user"
+
+
+@pytest.mark.parametrize("style", ["layer-wise", "param-wise"])
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_user_level_clipping_styles(float64, mode, style):
+    model = _model()
+    ids, y = _batch(len(USERS), seed=2)
+    reference = reference_user_clipped_gradient(model, _losses, (ids, y), USERS, max_grad_norm=R,
+                                                clipping_style=style)
+    got, _ = _step(model, mode, [(ids, y, USERS)], clipping_style=style)
+    assert_matches(got, reference, what=f"user-level {mode} {style}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_micro_batches_of_whole_users_accumulate(float64, mode):
+    model = _model()
+    ids, y = _batch(len(USERS), seed=3)
+    first = torch.isin(USERS, torch.tensor([7, 42]))
+    reference = reference_user_clipped_gradient(model, _losses, (ids, y), USERS, max_grad_norm=R)
+    got, _ = _step(model, mode, [(ids[first], y[first], USERS[first]), (ids[~first], y[~first], USERS[~first])])
+    assert_matches(got, reference, what=f"two micro-batches of whole users, {mode}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_user_with_many_examples_moves_the_model_at_most_r(float64, mode):
+    model = _model()
+    before = copy.deepcopy(model)
+    engine = _engine(model, mode)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(opt)
+    ids, y = _batch(6, seed=4)
+    engine.backward(_losses(model, ids, y), users=torch.full((6,), 5))
+    opt.step()
+    engine.detach()
+    norm = math.sqrt(sum(float((p - q).square().sum()) for p, q in zip(model.parameters(), before.parameters())))
+    assert 0 < norm <= R * (1 + 1e-9)  # six examples: with example-level clipping up to 6 R
+
+
+def test_a_user_split_over_two_backwards_of_a_step_is_refused(float64):
+    model = _model()
+    engine = _engine(model, "bk-mixopt")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(opt)
+    ids, y = _batch(4, seed=5)
+    engine.backward(_losses(model, ids[:2], y[:2]), users=torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match=r"users \[2\] already had rows in an earlier engine.backward"):
+        engine.backward(_losses(model, ids[2:], y[2:]), users=torch.tensor([2, 3]))
+    opt.step()  # the next step starts afresh
+    engine.backward(_losses(model, ids[2:], y[2:]), users=torch.tensor([2, 3]))
+    opt.step()
+    engine.detach()
+
+
+def test_users_are_required_with_user_level_privacy_and_refused_without(float64):
+    model = _model()
+    ids, y = _batch(3, seed=6)
+    engine = _engine(model, "bk-mixopt").attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="privacy_unit='user'"):
+        engine.backward(_losses(model, ids, y))
+    with pytest.raises(ValueError, match=r"users must be an integer tensor of shape \[3\]"):
+        engine.backward(_losses(model, ids, y), users=torch.tensor([1.0, 2.0, 3.0]))
+    with pytest.raises(ValueError, match="plain loss.backward\\(\\) cannot"):
+        _losses(model, ids, y).sum().backward()
+    engine.detach()
+    example_level = dptrain.PrivacyEngine(model, batch_size=1, sample_size=50, noise_multiplier=0.0)
+    example_level.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="with privacy_unit='user' \\(and only then\\)"):
+        example_level.backward(_losses(model, ids, y), users=torch.tensor([1, 2, 3]))
+    example_level.detach()
+    with pytest.raises(ValueError, match="unknown privacy_unit 'person'; valid: example, user"):
+        dptrain.PrivacyEngine(model, batch_size=1, sample_size=50, noise_multiplier=0.0, privacy_unit="person")

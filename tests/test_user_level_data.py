@@ -10,6 +10,8 @@ import torch
 from torch.utils.data import TensorDataset
 
 from dptrain.data import (
+    DistributedPoissonSampler,
+    DistributedUserPoissonSampler,
     PoissonSampler,
     UserBatch,
     UserPoissonSampler,
@@ -32,6 +34,7 @@ def indexed_dataset(num_examples):
 # Users with 1 to 6 examples each, ids not contiguous and not in dataset order.
 EXAMPLES_PER_USER = [1, 2, 3, 4, 5, 6] * 5
 USER_IDS = [1000 - 7 * u for u in range(len(EXAMPLES_PER_USER))]
+USER_IDS_SORTED = sorted(USER_IDS)
 
 
 def interleaved_users():
@@ -289,6 +292,76 @@ def test_split_refuses_a_user_batch_whose_users_are_scattered():
         list(split_batches([UserBatch(torch.zeros(3, 1), torch.tensor([4, 4, 4]))], 2))
 
 
+# ------------------------------------------------------------------ across ranks
+
+
+def rank_samplers(users, q, world, **kwargs):
+    # The same seed on every rank, as the docs tell users to do: the ranks' generators still differ.
+    return [DistributedUserPoissonSampler(users, q, world, rank, generator=seeded(14), **kwargs)
+            for rank in range(world)]
+
+
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_ranks_own_disjoint_users_with_all_of_their_examples(world):
+    users = interleaved_users()
+    count_of = dict(zip(USER_IDS, EXAMPLES_PER_USER))
+    samplers = rank_samplers(users, 1.0, world, max_examples_per_user=4)
+    owned = [{USER_IDS_SORTED[u] for u in s.own_users.tolist()} for s in samplers]
+    assert sorted(uid for share in owned for uid in share) == USER_IDS_SORTED  # each user on exactly one rank
+    for sampler, share in zip(samplers, owned):
+        batch = next(iter(sampler))  # q = 1: all of the rank's users, each with min(m, n_u) rows
+        assert Counter(users[i] for i in batch) == {uid: min(4, count_of[uid]) for uid in share}
+
+
+def test_union_over_ranks_includes_each_user_with_probability_q_independently():
+    users = interleaved_users()
+    q, steps, world = 0.2, 3000, 3
+    per_rank = [[{users[i] for i in batch} for batch in sampler]
+                for sampler in rank_samplers(users, q, world, steps=steps)]
+    union = [set().union(*step_sets) for step_sets in zip(*per_rank)]
+    included = Counter(uid for present in union for uid in present)
+    low, high = binomial_bounds(steps, q)
+    assert all(low < included[uid] < high for uid in USER_IDS), included
+    low, high = binomial_bounds(steps * len(USER_IDS), q)
+    assert low < sum(included.values()) < high
+    # Two users on different ranks (positions 0 and 1 of the sorted ids): independent draws.
+    first, second = USER_IDS_SORTED[0], USER_IDS_SORTED[1]
+    low, high = binomial_bounds(steps, q * q)
+    assert low < sum(first in present and second in present for present in union) < high
+
+
+def test_distributed_user_loader_reports_global_values():
+    users = interleaved_users()
+    loader = poisson_loader(indexed_dataset(len(users)), batch_size=6, users=users, distributed=True,
+                            num_replicas=4, rank=1, max_examples_per_user=2, generator=seeded(15))
+    assert isinstance(loader.batch_sampler, DistributedUserPoissonSampler)
+    assert (loader.privacy_unit, loader.num_users, loader.max_examples_per_user) == ("user", 30, 2)
+    assert loader.sample_rate == pytest.approx(6 / 30) and loader.expected_batch_size == pytest.approx(6.0)
+    assert len(loader) == 5
+    mine = {USER_IDS_SORTED[u] for u in loader.batch_sampler.own_users.tolist()}
+    for (_, index), row_users in loader:
+        assert row_users.tolist() == [users[i] for i in index.tolist()]
+        assert set(row_users.tolist()) <= mine
+
+
+def test_distributed_user_states_load_only_into_the_same_rank():
+    users = interleaved_users()
+    rank0, rank1 = rank_samplers(users, 0.3, 2, steps=6)
+    iterator = iter(rank0)
+    next(iterator)
+    state = rank0.state_dict()
+    rest = list(iterator)
+    resumed = rank_samplers(users, 0.3, 2, steps=6)[0]
+    resumed.load_state_dict(state)
+    assert list(resumed) == rest
+    with pytest.raises(ValueError, match="saved by rank 0 of num_replicas=2"):
+        rank1.load_state_dict(state)
+    with pytest.raises(ValueError, match="non-distributed"):
+        rank1.load_state_dict(UserPoissonSampler(users, 0.3, steps=6).state_dict())
+    with pytest.raises(ValueError, match="samplers? of examples, but this one samples users"):
+        rank1.load_state_dict(DistributedPoissonSampler(30, 0.3, 2, 1, steps=6).state_dict())
+
+
 # ---------------------------------------------------------------------- bad input
 
 
@@ -309,10 +382,14 @@ def test_split_refuses_a_user_batch_whose_users_are_scattered():
         ({"batch_size": 1, "users": [0, 0, 1, 1], "max_examples_per_user": 1.5}, "max_examples_per_user"),
         ({"batch_size": 3, "users": [0, 0, 1, 1]}, "batch_size=3 exceeds the number of users 2"),
         ({"batch_size": 1, "max_examples_per_user": 2}, "only applies to user-level sampling: pass users="),
-        ({"batch_size": 1, "users": [0, 0, 1, 1], "distributed": True, "num_replicas": 2, "rank": 0},
-         "users= with distributed=True is not supported yet"),
         ({"batch_size": 1, "users": [0, 0, 1, 1], "max_batch_size": 2}, "users= with max_batch_size is not "
                                                                         "supported yet"),
+        ({"batch_size": 1, "users": [0, 0, 1, 1], "distributed": True, "max_batch_size": 2}, "max_batch_size"),
+        ({"batch_size": 1, "users": [0, 0, 1, 1], "distributed": True, "num_replicas": 3, "rank": 0},
+         "num_replicas=3 exceeds the number of users 2"),
+        ({"batch_size": 1, "users": [0, 0, 1, 1], "distributed": True, "num_replicas": 2, "rank": 2},
+         "0 <= rank < num_replicas=2"),
+        ({"batch_size": 1, "users": [0, 0, 1, 1], "num_replicas": 2, "rank": 0}, "pass distributed=True"),
     ],
 )
 def test_bad_input_is_refused_with_what_to_do(kwargs, message):

@@ -39,6 +39,7 @@ from . import checks
 __all__ = [
     "DPDataLoader",
     "DistributedPoissonSampler",
+    "DistributedUserPoissonSampler",
     "FixedShapeBatch",
     "PoissonSampler",
     "UserBatch",
@@ -270,26 +271,32 @@ class UserPoissonSampler(PoissonSampler):
         self._by_user = torch.argsort(dense, stable=True)
         self._counts = torch.bincount(dense, minlength=self.num_users)
         self._starts = self._counts.cumsum(0) - self._counts
+        #: The users this sampler draws from, as positions in :attr:`user_ids`: all of them (one
+        #: rank's share in :class:`DistributedUserPoissonSampler`).
+        self.own_users = torch.arange(self.num_users)
 
     @property
     def max_rows_per_user(self) -> int:
         """The most rows one user can have in a batch: ``min(max_examples_per_user, largest user's examples)``."""
-        largest = int(self._counts.max())
+        largest = int(self._counts[self.own_users].max())
         return largest if self.max_examples_per_user is None else min(largest, self.max_examples_per_user)
+
+    def _included_users(self) -> torch.Tensor:
+        """This step's users (positions in :attr:`user_ids`): each of :attr:`own_users` with probability q."""
+        drawn = torch.rand(len(self.own_users), generator=self.generator, device=self.generator.device)
+        return self.own_users[(drawn < self.sample_rate).cpu()]
 
     def _draw(self) -> list[int]:
         device = self.generator.device
-        included = (torch.rand(self.num_users, generator=self.generator, device=device) < self.sample_rate)
-        included = included.nonzero().flatten().cpu()
+        included = self._included_users()
         counts = self._counts[included]
         total = int(counts.sum())
         user_of_row = torch.repeat_interleave(torch.arange(len(included)), counts)
         rank_in_user = torch.arange(total) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
         rows = self._by_user[self._starts[included][user_of_row] + rank_in_user]
         if self.max_examples_per_user is not None:
-            # Each user keeps the examples with the m smallest of i.i.d. uniform keys: a uniformly
-            # random m-subset. Drawn at every step (not only when a user has more than m), so the
-            # generator advances the same way whatever the draw.
+            # Each user keeps their examples with the m smallest of i.i.d. uniform keys: a uniformly
+            # random m-subset, drawn for all included users at once (no Python loop over users).
             keys = torch.rand(total, generator=self.generator, device=device).cpu()
             by_key = keys.argsort()
             by_user_then_key = by_key[user_of_row[by_key].argsort(stable=True)]
@@ -507,6 +514,50 @@ class DistributedPoissonSampler(PoissonSampler):
                 "must load its own checkpoint (loading another rank's would make two ranks "
                 "draw the same batches)."
             )
+
+
+class DistributedUserPoissonSampler(UserPoissonSampler):
+    """User-level Poisson sampling for one rank of data-parallel training: ranks own disjoint sets of *users*.
+
+    The distinct users, in increasing id order, are dealt to the ``num_replicas`` ranks like the
+    examples of :class:`DistributedPoissonSampler`: rank ``r`` owns users ``r, r + W, r + 2W, ...``
+    (positions in :attr:`user_ids`) and *all of their examples*, so a user's rows of a step are
+    always on one rank, in one backward there. Each rank includes each of its users independently
+    with the global rate q, so the union of the ranks' batches is a user-level Poisson sample of all
+    users (expected ``q * num_users`` users: the global divisor). Steps, generators (one per rank,
+    derived from ``generator`` and the rank), ``max_examples_per_user`` and checkpoints (a state
+    loads only into the same rank of the same ``num_replicas``) are as in the samplers it combines.
+    """
+
+    def __init__(
+        self,
+        users: Any,
+        sample_rate: float,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        steps: int | None = None,
+        generator: torch.Generator | None = None,
+        max_examples_per_user: int | None = None,
+    ):
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}")
+        # Everything checked before drawing from the caller's generator.
+        UserPoissonSampler.__init__(self, users, sample_rate, steps=steps, generator=None,
+                                    max_examples_per_user=max_examples_per_user)
+        self.num_replicas = checks.positive_int("num_replicas", _distributed_default(num_replicas, "num_replicas"))
+        if self.num_replicas > self.num_users:
+            raise ValueError(
+                f"num_replicas={self.num_replicas} exceeds the number of users {self.num_users}: every rank needs "
+                "at least one user of its own to sample."
+            )
+        self.rank = checks.index("rank", _distributed_default(rank, "rank"), self.num_replicas, "num_replicas")
+        self.generator = _rank_generator(generator, self.rank, self.num_replicas)
+        self.own_users = torch.arange(self.rank, self.num_users, self.num_replicas)  # this rank's users
+
+    def _state_at(self, position: int) -> dict:
+        return {**super()._state_at(position), "num_replicas": self.num_replicas, "rank": self.rank}
+
+    _check_shard = DistributedPoissonSampler._check_shard
 
 
 # ------------------------------------------------------------------ batch structure
@@ -816,8 +867,9 @@ def poisson_loader(
     whatever m is, ``None`` included: the engine clips the sum of a user's gradients, so a user
     moves the update by at most the clipping norm however many rows they have. m bounds the rows,
     hence the memory and time, of a step (a prolific user otherwise brings all of their
-    examples). Epochs are ``round(1 / q)`` steps. Not available with ``distributed=True`` or
-    ``max_batch_size`` yet.
+    examples). Epochs are ``round(1 / q)`` steps. With ``distributed=True`` the ranks own
+    disjoint sets of users, all of a user's examples on one rank
+    (:class:`DistributedUserPoissonSampler`). Not available with ``max_batch_size`` yet.
     """
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise ValueError(
@@ -829,14 +881,10 @@ def poisson_loader(
         raise ValueError("The dataset is empty: there is nothing to sample.")
     if users is not None:
         user_ids = _user_ids(users, num_samples)
-        if distributed or max_batch_size is not None:
+        if max_batch_size is not None:
             raise ValueError(
-                f"users= with {'distributed=True' if distributed else 'max_batch_size'} is not supported yet: "
-                + ("each rank would sample the users of its own shard, and a user's examples can sit on several "
-                   "ranks, which the user-level clipping (all of a user's rows in one backward) does not cover"
-                   if distributed else
-                   "fixed-shape batches of users need their own truncation bound in the accounting")
-                + "; sample users on one process without max_batch_size"
+                "users= with max_batch_size is not supported yet: fixed-shape batches of users need their own "
+                "truncation bound in the accounting; sample users without max_batch_size"
             )
         num_samples = len(torch.unique(user_ids))  # the units q applies to
     elif max_examples_per_user is not None:
@@ -869,8 +917,12 @@ def poisson_loader(
                 "max_batch_size is not supported with distributed=True yet: each rank would truncate its own "
                 "shard, which the accounting (one Binomial(N, q) draw per step) does not cover"
             )
-    if distributed:
-        sampler: PoissonSampler = DistributedPoissonSampler(
+    if distributed and users is not None:
+        sampler: PoissonSampler = DistributedUserPoissonSampler(
+            user_ids, sample_rate, num_replicas, rank, steps=steps, generator=generator,
+            max_examples_per_user=max_examples_per_user)
+    elif distributed:
+        sampler = DistributedPoissonSampler(
             num_samples, sample_rate, num_replicas, rank, steps=steps, generator=generator
         )
     elif num_replicas is not None or rank is not None:
@@ -881,12 +933,13 @@ def poisson_loader(
     elif users is not None:
         sampler = UserPoissonSampler(user_ids, sample_rate, steps=steps, generator=generator,
                                      max_examples_per_user=max_examples_per_user)
-        collate = _UserCollate(collate_fn or default_collate, dataset[0])
-        return DPDataLoader(_ExamplesWithUsers(dataset, user_ids), sampler, num_workers=num_workers,
-                            collate_fn=collate, pin_memory=pin_memory)
     else:
         sampler = PoissonSampler(num_samples, sample_rate, steps=steps, generator=generator,
                                  max_batch_size=max_batch_size)
+    if users is not None:
+        collate = _UserCollate(collate_fn or default_collate, dataset[0])
+        return DPDataLoader(_ExamplesWithUsers(dataset, user_ids), sampler, num_workers=num_workers,
+                            collate_fn=collate, pin_memory=pin_memory)
     if max_batch_size is None:
         collate = _EmptyBatchCollate(collate_fn or default_collate, dataset[0])
     else:

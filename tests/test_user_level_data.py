@@ -2,12 +2,20 @@
 
 import itertools
 import math
+import sys
 from collections import Counter
+from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
 from torch.utils.data import TensorDataset
+
+import dptrain
 
 from dptrain.data import (
     DistributedPoissonSampler,
@@ -19,6 +27,7 @@ from dptrain.data import (
     poisson_loader,
     split_batches,
 )
+from helpers import free_port
 
 
 def seeded(seed=0):
@@ -360,6 +369,69 @@ def test_distributed_user_states_load_only_into_the_same_rank():
         rank1.load_state_dict(UserPoissonSampler(users, 0.3, steps=6).state_dict())
     with pytest.raises(ValueError, match="samplers? of examples, but this one samples users"):
         rank1.load_state_dict(DistributedPoissonSampler(30, 0.3, 2, 1, steps=6).state_dict())
+
+
+def _ddp_step_worker(rank, world_size, port, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=world_size, rank=rank,
+                            timeout=timedelta(seconds=60))
+    try:
+        dataset, users, model = _ddp_setup()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        loader = poisson_loader(dataset, batch_size=8, users=users, max_examples_per_user=3, distributed=True,
+                                generator=seeded(16))
+        engine = dptrain.PrivacyEngine(ddp, privacy_unit="user", sample_size=loader.num_users, batch_size=8,
+                                       noise_multiplier=0.0, max_grad_norm=0.05, loss_reduction="sum")
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        engine.attach(optimizer, data_loader=loader)
+        batches = []
+        for (x, y), row_users in itertools.islice(loader, 3):
+            engine.backward(F.cross_entropy(ddp(x), y, reduction="none"), users=row_users)
+            optimizer.step()
+            optimizer.zero_grad()
+            batches.append((x, y, row_users))
+        torch.save({"batches": batches, "weights": [p.detach().clone() for p in model.parameters()]},
+                   f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _ddp_setup():
+    users = interleaved_users()
+    generator = seeded(17)
+    dataset = TensorDataset(torch.randn(len(users), 4, generator=generator),
+                            torch.randint(0, 3, (len(users),), generator=generator))
+    torch.manual_seed(0)
+    return dataset, users, nn.Linear(4, 3)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="needs gloo")
+def test_ddp_steps_on_rank_batches_equal_one_process_on_their_union(tmp_path):
+    """What distributed user sampling is for: each rank clips its own users, so the all-reduced step is the
+    one-process step on the union of the ranks' batches (noise 0, clipping binding)."""
+    world_size = 2
+    start_method = "fork" if sys.platform.startswith("linux") else "spawn"
+    mp.start_processes(_ddp_step_worker, args=(world_size, free_port(), str(tmp_path)), nprocs=world_size,
+                       join=True, start_method=start_method)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world_size)]
+    _, _, model = _ddp_setup()
+    engine = dptrain.PrivacyEngine(model, privacy_unit="user", sample_size=30, batch_size=8, noise_multiplier=0.0,
+                                   max_grad_norm=0.05, loss_reduction="sum")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(optimizer)
+    initial = [p.detach().clone() for p in model.parameters()]
+    for step in range(3):
+        x, y, row_users = (torch.cat(parts) for parts in zip(*(r["batches"][step] for r in ranks)))
+        rank_users = [set(r["batches"][step][2].tolist()) for r in ranks]
+        assert not rank_users[0] & rank_users[1]  # no user on two ranks
+        engine.backward(F.cross_entropy(model(x), y, reduction="none"), users=row_users)
+        optimizer.step()
+        optimizer.zero_grad()
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), initial))
+    for rank in ranks:
+        for theirs, mine in zip(rank["weights"], model.parameters()):
+            torch.testing.assert_close(theirs, mine.detach(), rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------------- bad input

@@ -20,10 +20,12 @@ import dptrain
 from dptrain.data import (
     DistributedPoissonSampler,
     DistributedUserPoissonSampler,
+    FixedShapeUserBatch,
     PoissonSampler,
     UserBatch,
     UserPoissonSampler,
     is_poisson_loader,
+    masked_losses,
     poisson_loader,
     split_batches,
 )
@@ -301,6 +303,107 @@ def test_split_refuses_a_user_batch_whose_users_are_scattered():
         list(split_batches([UserBatch(torch.zeros(3, 1), torch.tensor([4, 4, 4]))], 2))
 
 
+# ------------------------------------------------------------- fixed-shape batches
+
+
+def test_fixed_shape_batches_have_k_slots_of_m_rows():
+    users = interleaved_users()
+    count_of = dict(zip(USER_IDS, EXAMPLES_PER_USER))
+    slots, cap = 7, 3
+    loader = poisson_loader(indexed_dataset(len(users)), batch_size=5, users=users, max_examples_per_user=cap,
+                            max_batch_size=slots, generator=seeded(18), steps=40)
+    assert loader.max_batch_size == slots and loader.batch_sampler.max_rows_per_user == cap
+    drawn_counts = []
+    for batch in loader:
+        assert isinstance(batch, FixedShapeUserBatch)
+        (features, index), row_users, mask = batch
+        assert features.shape == (slots * cap, 2) and index.shape == row_users.shape == mask.shape == (slots * cap,)
+        assert mask.dtype == torch.bool and row_users.dtype == torch.int64
+        assert torch.all(features[~mask] == 0) and torch.all(index[~mask] == 0)  # padding: zero rows
+        assert row_users[mask].tolist() == [users[i] for i in index[mask].tolist()]
+        slot_users = row_users.view(slots, cap)
+        assert torch.all(slot_users == slot_users[:, :1])  # one user per slot, on all m rows
+        slot_ids = slot_users[:, 0].tolist()
+        assert len(set(slot_ids)) == slots
+        real = [uid for uid in slot_ids if uid in count_of]
+        assert slot_ids[: len(real)] == real == sorted(real)  # drawn users first, then empty slots
+        assert all(uid > max(USER_IDS) for uid in slot_ids[len(real):])  # empty slots: ids of no real user
+        real_rows = mask.view(slots, cap).sum(1).tolist()
+        assert real_rows == [min(cap, count_of[uid]) for uid in real] + [0] * (slots - len(real))
+        assert all(mask.view(slots, cap)[k].tolist() == sorted(mask.view(slots, cap)[k].tolist(), reverse=True)
+                   for k in range(slots))  # a slot's real rows come first
+        drawn_counts.append(len(real))
+    assert slots in drawn_counts and min(drawn_counts) < slots  # full batches and part-empty ones
+
+
+def test_empty_fixed_shape_user_batch_is_all_padding():
+    loader = poisson_loader(indexed_dataset(4), sample_rate=1e-6, steps=2, users=[5, 5, 9, 9],
+                            max_examples_per_user=2, max_batch_size=3)
+    for (features, index), row_users, mask in loader:
+        assert features.shape == (6, 2) and index.shape == (6,) and not mask.any()
+        assert row_users.tolist() == [10, 10, 11, 11, 12, 12]  # one id per empty slot, above every user's
+
+
+def test_more_users_than_slots_keeps_a_uniform_k_of_them():
+    users = interleaved_users()
+    slots, steps = 10, 3000
+    sampler = UserPoissonSampler(users, 1.0, steps=steps, generator=seeded(19), max_examples_per_user=2,
+                                 max_batch_size=slots)
+    kept = Counter()
+    for batch in sampler:
+        present = {users[i] for i in batch}
+        assert len(present) == slots  # q = 1 draws all 30 users: always truncated to K
+        kept.update(present)
+    low, high = binomial_bounds(steps, slots / len(USER_IDS))
+    assert all(low < kept[uid] < high for uid in USER_IDS), kept
+
+
+def test_padding_contributes_nothing_and_split_keeps_slots_whole():
+    """Training on fixed-shape batches with masked losses equals training on their real rows alone (noise 0,
+    clipping binding), also cut into physical batches of two slots."""
+    users = torch.randint(0, 20, (60,), generator=seeded(20))
+    generator = seeded(21)
+    dataset = TensorDataset(torch.randn(60, 4, generator=generator), torch.randint(0, 3, (60,), generator=generator))
+    loader = poisson_loader(dataset, batch_size=5, users=users, max_examples_per_user=3, max_batch_size=8,
+                            generator=seeded(22), steps=6)
+    start = loader.state_dict()
+
+    def train(physical_size, real_rows_only):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        engine = dptrain.PrivacyEngine(model, privacy_unit="user", sample_size=loader.num_users, batch_size=5,
+                                       noise_multiplier=0.0, max_grad_norm=0.05, max_batch_size=8)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        engine.attach(optimizer, data_loader=loader)
+        loader.load_state_dict(start)
+        for physical_batches in split_batches(loader, physical_size):
+            for (x, y), row_users, mask in physical_batches:
+                assert len(row_users) == physical_size
+                if real_rows_only:
+                    x, y, row_users, mask = x[mask], y[mask], row_users[mask], mask[mask]
+                losses = F.cross_entropy(model(x), y, reduction="none")
+                engine.backward(masked_losses(losses, mask), users=row_users)
+            optimizer.step()
+            optimizer.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    reference = train(24, real_rows_only=True)
+    torch.manual_seed(0)
+    untrained = [p.detach() for p in nn.Linear(4, 3).parameters()]
+    assert all(not torch.equal(p, q) for p, q in zip(reference, untrained))  # the steps moved the model
+    for physical_size in (24, 6):
+        for mine, theirs in zip(train(physical_size, real_rows_only=False), reference):
+            torch.testing.assert_close(mine, theirs, rtol=0, atol=1e-7)
+
+
+def test_fixed_shape_split_needs_whole_slots():
+    loader = poisson_loader(indexed_dataset(4), batch_size=1, users=[0, 0, 0, 1], max_examples_per_user=2,
+                            max_batch_size=2)
+    assert loader.batch_sampler.max_rows_per_user == 2  # slots are m rows, whatever the users have
+    with pytest.raises(ValueError, match="max_examples_per_user <= 1"):
+        split_batches(loader, 1)
+
+
 # ------------------------------------------------------------------ across ranks
 
 
@@ -454,8 +557,9 @@ def test_ddp_steps_on_rank_batches_equal_one_process_on_their_union(tmp_path):
         ({"batch_size": 1, "users": [0, 0, 1, 1], "max_examples_per_user": 1.5}, "max_examples_per_user"),
         ({"batch_size": 3, "users": [0, 0, 1, 1]}, "batch_size=3 exceeds the number of users 2"),
         ({"batch_size": 1, "max_examples_per_user": 2}, "only applies to user-level sampling: pass users="),
-        ({"batch_size": 1, "users": [0, 0, 1, 1], "max_batch_size": 2}, "users= with max_batch_size is not "
-                                                                        "supported yet"),
+        ({"batch_size": 1, "users": [0, 0, 1, 1], "max_batch_size": 2}, "need max_examples_per_user=m too"),
+        ({"batch_size": 1, "users": [0, 0, 1, 2**63 - 2], "max_examples_per_user": 1, "max_batch_size": 2},
+         "renumber the users from 0"),
         ({"batch_size": 1, "users": [0, 0, 1, 1], "distributed": True, "max_batch_size": 2}, "max_batch_size"),
         ({"batch_size": 1, "users": [0, 0, 1, 1], "distributed": True, "num_replicas": 3, "rank": 0},
          "num_replicas=3 exceeds the number of users 2"),

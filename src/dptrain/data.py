@@ -25,6 +25,7 @@ can be zero. A shuffled fixed-size ``DataLoader`` does not match that analysis.
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import os
 from collections.abc import Mapping
@@ -41,6 +42,7 @@ __all__ = [
     "DistributedPoissonSampler",
     "DistributedUserPoissonSampler",
     "FixedShapeBatch",
+    "FixedShapeUserBatch",
     "PoissonSampler",
     "UserBatch",
     "UserPoissonSampler",
@@ -256,14 +258,21 @@ class UserPoissonSampler(PoissonSampler):
         steps: int | None = None,
         generator: torch.Generator | None = None,
         max_examples_per_user: int | None = None,
+        max_batch_size: int | None = None,
     ):
         ids = _user_ids(users)
         self.max_examples_per_user = None if max_examples_per_user is None else checks.positive_int(
             "max_examples_per_user", max_examples_per_user,
             "the most examples of one user in a batch; None takes all of them")
+        if max_batch_size is not None and self.max_examples_per_user is None:
+            raise ValueError(
+                "fixed-shape user batches (max_batch_size=K users) need max_examples_per_user=m too: a batch is K "
+                "users of m rows each, so m must be bounded"
+            )
         #: The distinct user ids, increasing; position u of this tensor is the u-th user.
         self.user_ids, dense = torch.unique(ids, sorted=True, return_inverse=True)
-        super().__init__(len(self.user_ids), sample_rate, steps=steps, generator=generator)
+        super().__init__(len(self.user_ids), sample_rate, steps=steps, generator=generator,
+                         max_batch_size=max_batch_size)
         self.num_users = self.num_samples
         self.num_examples = len(ids)
         # Dataset indices grouped by user (dataset order within a user): user u owns
@@ -277,14 +286,18 @@ class UserPoissonSampler(PoissonSampler):
 
     @property
     def max_rows_per_user(self) -> int:
-        """The most rows one user can have in a batch: ``min(max_examples_per_user, largest user's examples)``."""
+        """The most rows one user can have in a batch: ``min(max_examples_per_user, largest user's examples)``,
+        or ``max_examples_per_user`` with ``max_batch_size`` (fixed-shape batches pad every user to m rows)."""
+        if self.max_batch_size is not None:
+            return self.max_examples_per_user
         largest = int(self._counts[self.own_users].max())
         return largest if self.max_examples_per_user is None else min(largest, self.max_examples_per_user)
 
     def _included_users(self) -> torch.Tensor:
-        """This step's users (positions in :attr:`user_ids`): each of :attr:`own_users` with probability q."""
+        """This step's users (positions in :attr:`user_ids`): each of :attr:`own_users` with probability q, then
+        (``max_batch_size=K``) a uniformly random K of them when more were drawn."""
         drawn = torch.rand(len(self.own_users), generator=self.generator, device=self.generator.device)
-        return self.own_users[(drawn < self.sample_rate).cpu()]
+        return self._truncate(self.own_users[(drawn < self.sample_rate).cpu()])
 
     def _draw(self) -> list[int]:
         device = self.generator.device
@@ -356,6 +369,23 @@ class UserBatch(NamedTuple):
     users: torch.Tensor
 
 
+class FixedShapeUserBatch(NamedTuple):
+    """A fixed-shape user batch from ``poisson_loader(..., users=..., max_examples_per_user=m, max_batch_size=K)``.
+
+    Exactly ``K * m`` rows: K *slots* of m rows. The drawn users come first, each in one slot: their
+    rows, then zero rows up to m; the slots left empty follow, all zero rows. ``users`` (int64,
+    ``[K * m]``): a user's slot carries their id on all m rows; each empty slot carries an id of its own,
+    larger than every real user's. ``mask`` (bool, ``[K * m]``): True for the real rows. Give the engine
+    ``engine.backward(masked_losses(losses, mask), users=users)``: padding rows then have loss 0 and
+    contribute exactly 0, and a slot never straddles two physical batches of ``split_batches`` when
+    the physical size is a multiple of m.
+    """
+
+    data: Any
+    users: torch.Tensor
+    mask: torch.Tensor
+
+
 class _UserCollate:
     """Collate ``(item, user)`` pairs into a :class:`UserBatch`; one row per example, checked."""
 
@@ -370,6 +400,46 @@ class _UserCollate:
                 "row per example (each row's user is the example's); pack or merge examples in the dataset instead"
             )
         return UserBatch(data, torch.tensor([user for _, user in pairs], dtype=torch.int64))
+
+
+class _FixedShapeUserCollate(_UserCollate):
+    """Collate ``(item, user)`` pairs into a :class:`FixedShapeUserBatch` of ``slots`` users of ``rows_per_user``
+    rows each; empty slots get the ids ``first_free_id, first_free_id + 1, ...``."""
+
+    def __init__(self, collate_fn: Callable[[list], Any], example_item: Any, slots: int, rows_per_user: int,
+                 first_free_id: int):
+        super().__init__(collate_fn, example_item)
+        self.slots, self.rows_per_user, self.first_free_id = slots, rows_per_user, first_free_id
+        self.zero_row = _map_batch(collate_fn([example_item]), _zero_row)
+
+    def __call__(self, pairs: list[tuple[Any, int]]) -> FixedShapeUserBatch:
+        real = super().__call__(pairs)
+        m, real_rows = self.rows_per_user, len(pairs)
+        # Where each output row comes from: a real row's index, or real_rows (the zero row appended below).
+        source, row_users = [], []
+        for user, run in itertools.groupby(range(real_rows), key=lambda row: pairs[row][1]):
+            rows = list(run)
+            if len(rows) > m:
+                raise RuntimeError(f"user {user} has {len(rows)} rows in a batch of a loader with "
+                                   f"max_examples_per_user={m}")
+            source += rows + [real_rows] * (m - len(rows))
+            row_users += [user] * m
+        drawn = len(row_users) // m
+        if drawn > self.slots:  # the sampler truncates to K users: never reached from poisson_loader
+            raise RuntimeError(f"{drawn} users reached a loader of max_batch_size={self.slots}")
+        for slot in range(self.slots - drawn):
+            source += [real_rows] * m
+            row_users += [self.first_free_id + slot] * m
+        index = torch.tensor(source, dtype=torch.int64)
+        with_zero_row = _map_batch(real.data, lambda leaf, pad: _append_rows(leaf, pad, 1), self.zero_row)
+        data = _map_batch(with_zero_row, lambda leaf: _gather_rows(leaf, index))
+        return FixedShapeUserBatch(data, torch.tensor(row_users, dtype=torch.int64), index < real_rows)
+
+
+def _gather_rows(leaf: Any, index: torch.Tensor) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return leaf[index.to(leaf.device)]
+    return type(leaf)(leaf[i] for i in index.tolist())
 
 
 # ------------------------------------------------------------ data-parallel sampling
@@ -881,11 +951,6 @@ def poisson_loader(
         raise ValueError("The dataset is empty: there is nothing to sample.")
     if users is not None:
         user_ids = _user_ids(users, num_samples)
-        if max_batch_size is not None:
-            raise ValueError(
-                "users= with max_batch_size is not supported yet: fixed-shape batches of users need their own "
-                "truncation bound in the accounting; sample users without max_batch_size"
-            )
         num_samples = len(torch.unique(user_ids))  # the units q applies to
     elif max_examples_per_user is not None:
         raise ValueError(
@@ -932,12 +997,20 @@ def poisson_loader(
         )
     elif users is not None:
         sampler = UserPoissonSampler(user_ids, sample_rate, steps=steps, generator=generator,
-                                     max_examples_per_user=max_examples_per_user)
+                                     max_examples_per_user=max_examples_per_user, max_batch_size=max_batch_size)
     else:
         sampler = PoissonSampler(num_samples, sample_rate, steps=steps, generator=generator,
                                  max_batch_size=max_batch_size)
     if users is not None:
-        collate = _UserCollate(collate_fn or default_collate, dataset[0])
+        if max_batch_size is None:
+            collate = _UserCollate(collate_fn or default_collate, dataset[0])
+        else:
+            first_free_id = int(user_ids.max()) + 1  # ids of the empty slots: no real user's
+            if first_free_id + max_batch_size > torch.iinfo(torch.int64).max:
+                raise ValueError(f"user ids up to {first_free_id - 1} leave no int64 ids for the {max_batch_size} "
+                                 "empty slots of a fixed-shape batch; renumber the users from 0")
+            collate = _FixedShapeUserCollate(collate_fn or default_collate, dataset[0], max_batch_size,
+                                             max_examples_per_user, first_free_id)
         return DPDataLoader(_ExamplesWithUsers(dataset, user_ids), sampler, num_workers=num_workers,
                             collate_fn=collate, pin_memory=pin_memory)
     if max_batch_size is None:
@@ -956,7 +1029,7 @@ def is_poisson_loader(loader: Any) -> bool:
     )
 
 
-def _split_user_batch(batch: UserBatch, max_physical_batch_size: int) -> list[UserBatch]:
+def _split_user_batch(batch: UserBatch | FixedShapeUserBatch, max_physical_batch_size: int) -> list[Any]:
     """Physical batches of at most ``max_physical_batch_size`` rows that never cut a user's rows apart
     (the engine clips a user's summed gradient, so all of a user's rows go to one backward)."""
     users = batch.users
@@ -982,13 +1055,15 @@ def _split_user_batch(batch: UserBatch, max_physical_batch_size: int) -> list[Us
             cuts.append((start, run_start))
             start = run_start
     cuts.append((start, len(users)))
+    # Every field after data (users, and mask for fixed shapes) is a [N] tensor, cut like the data.
     return [
-        UserBatch(_map_batch(batch.data, lambda leaf, a=a, b=b: leaf[a:b]), users[a:b]) for a, b in cuts
+        type(batch)(_map_batch(batch.data, lambda leaf, a=a, b=b: leaf[a:b]), *(rows[a:b] for rows in batch[1:]))
+        for a, b in cuts
     ]
 
 
 def _split_batch(batch: Any, max_physical_batch_size: int) -> list[Any]:
-    if isinstance(batch, UserBatch):
+    if isinstance(batch, (UserBatch, FixedShapeUserBatch)):
         return _split_user_batch(batch, max_physical_batch_size)
     size = _batch_size(batch)
     if size == 0:
@@ -1015,7 +1090,9 @@ def split_batches(loader: Any, max_physical_batch_size: int) -> Iterator[list[An
     A :class:`UserBatch` (user-level sampling) is cut only between users: each physical batch is
     a ``UserBatch`` of whole users, at most ``max_physical_batch_size`` rows, so that
     ``engine.backward(losses, users=users)`` sees all of a user's rows at once. Its
-    ``max_examples_per_user`` must not exceed ``max_physical_batch_size``.
+    ``max_examples_per_user`` must not exceed ``max_physical_batch_size``. A
+    :class:`FixedShapeUserBatch` is cut between slots the same way, with its mask; a physical size
+    that is a multiple of m and divides K * m gives physical batches of one shape.
     """
     # Checked here, not inside a generator, so a bad value fails at the call site.
     max_physical_batch_size = checks.positive_int("max_physical_batch_size", max_physical_batch_size)

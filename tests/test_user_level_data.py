@@ -1,4 +1,8 @@
-"""Tests for user-level Poisson sampling: poisson_loader(..., users=...), UserPoissonSampler, UserBatch."""
+"""User-level Poisson sampling: poisson_loader(..., users=...) and its samplers and batches.
+
+The statistical checks are seeded (deterministic) and use wide margins (5 standard deviations, or a chi-square
+quantile far in the tail), so they fail for a wrong rate or a biased choice, not by chance.
+"""
 
 import itertools
 import math
@@ -16,7 +20,6 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import dptrain
-
 from dptrain.data import (
     DistributedPoissonSampler,
     DistributedUserPoissonSampler,

@@ -329,6 +329,7 @@ class Capture:
         self._anchors: dict[torch.device, torch.Tensor] = {}
         self._switched: dict[int, list[list[nn.Parameter]]] = {}
         self._sources: dict[tuple[int, int], torch.Tensor] = {}  # capture-site activations awaiting their target
+        self._view_outputs: list = []  # (output, its version, layer) of this model call's outputs that are views
         #: batch size of the model's current forward call, read from its first tensor argument
         self.forward_batch: int | None = None
         self._forward_count = 0
@@ -422,6 +423,7 @@ class Capture:
         self.forward_batch = batch_size_of((args, kwargs), dim)
         self._ordinals.clear()
         self._forward_needs_tags = False
+        self._view_outputs = []
         self._end_watch()
         if self.rows.watch_next and not self.dry and self.forward_batch:
             inputs = [t for t in tensors_in((args, kwargs)) if t.dim() > dim and t.shape[dim] == self.forward_batch]
@@ -441,6 +443,18 @@ class Capture:
         watch.__exit__(None, None, None)
         return True
 
+    def _check_view_outputs(self) -> None:
+        """A covered layer's output that is a view of part of another tensor, modified in place afterwards: its
+        gradient would never reach the engine (the in-place op rewrites the view's history)."""
+        views, self._view_outputs = self._view_outputs, []
+        for tensor, version, state in views:
+            if tensor._version != version:
+                raise ValueError(
+                    f"the output of {state.path} ({type(state.module).__name__}), a view of another tensor, was "
+                    "modified in place after the layer returned it (e.g. `h /= 2` or `h += x`): its gradient cannot "
+                    "be read any more. Use an out-of-place operation (`h = h / 2`)"
+                )
+
     def new_pass(self) -> None:
         """A backward pass starts: recomputed calls are numbered afresh (they match the tag pass's by number)."""
         self._recomputed_ordinals.clear()
@@ -449,6 +463,7 @@ class Capture:
         if in_backward() or self._open_forward is None or in_replay() or self.paused:
             return None
         self.state_writes.check()  # (a refusal: the always-called hook drops this call)
+        self._check_view_outputs()
         self._finished_forward = True
         self._open_forward = None
         # Recomputations of this call (checkpointing) may cache their layouts if it picked no rows by the data:
@@ -480,6 +495,7 @@ class Capture:
         self.on_output_grad()
 
     def _model_failed_hook(self, module, args, output):
+        self._view_outputs = []
         if not self._finished_forward:
             self._end_watch()
         if self._open_forward is not None and not self._finished_forward and not in_backward():
@@ -710,16 +726,28 @@ class Capture:
         the hooks were registered. A leaf (a layer that returned its input as it is) has no node: its own tensor
         hooks are all there is.
         """
-        node = tensor.grad_fn
+        node, index, shape = tensor.grad_fn, tensor.output_nr, None
+        base = tensor._base if tensor._is_view() else None
+        if (base is not None and base.grad_fn is not None and base.numel() == tensor.numel()
+                and base.is_contiguous() and tensor.is_contiguous()
+                and base.storage_offset() == tensor.storage_offset()):
+            # A reshape of a tensor of its own (nn.Linear on [B, T, d] returns a view of a [B*T, p] product): an
+            # in-place op on it (`h /= 2`) rewrites the view's history, and neither its node nor its tensor hooks
+            # see a gradient any more. The base's node does, in place or not: its gradient, reshaped, is this one.
+            node, index, shape = base.grad_fn, base.output_nr, tensor.shape
+        elif base is not None and self._open_forward is not None and not in_backward():
+            # any other view: an in-place op on it would hide its gradient (checked when the model call returns)
+            self._view_outputs.append((tensor, tensor._version, state))  # (held until the model call returns)
         if node is None:
             tensor.register_hook(read)
             return
-        index = tensor.output_nr
 
         def pre_hook(grad_outputs):
             grad = grad_outputs[index]
             if grad is None:
                 return None
+            if shape is not None:
+                grad = grad.reshape(shape)
             if self.paused and torch.is_grad_enabled():
                 # A differentiable gradient (create_graph=True) under paused(): mark it, so that a loss built on
                 # it (a gradient penalty) cannot be back-propagated into the step.

@@ -117,6 +117,13 @@ def decide_parameter(recipe: Recipe, decision_rule: str, parts: list[tuple[str, 
     return dims, norm, grad
 
 
+def fallback_costs(decisions: list[LayerDecision]) -> dict[str, int]:
+    """{layer: numbers stored per sample} for the layers the per-sample fallback covers. The fallback has no
+    ghost norm: in every mode it instantiates the per-sample gradient of the module's own parameters, B times
+    their size for a batch of B, on top of what the mode itself stores."""
+    return {d.name: d.instantiate_cost for d in decisions if d.norm == Norm.FALLBACK}
+
+
 def plan(model: nn.Module, *example_args, clipping_mode: str = DEFAULT_CLIPPING_MODE,
          decision_rule: str = DEFAULT_DECISION_RULE, allow_fallback: bool = True, batch_first: bool = True,
          **example_kwargs) -> list[LayerDecision]:

@@ -297,11 +297,23 @@ class InputRows:
     of one sample fed to another) before any trainable layer, where no layer's output gradient can see it.
     """
 
-    def __init__(self, batch: int, axis: int):
-        self.batch, self.axis = batch, axis
+    def __init__(self, batch: int, axes: tuple[int, ...]):
+        #: where the batch may sit: the model's axis for its own inputs; for a tensor made from ids derived from
+        #: an input (transposed, reshaped) either of the first two that has the batch's size
+        self.batch, self.axes = batch, axes
         self.real: torch.Tensor | None = None
         self.tagged: list[torch.Tensor] = []
         self.tags: list[torch.Tensor] | None = None  # the tags of the passes that made ``tagged``
+
+
+def _one_sample_per_row(reading: InputRows, axis: int, tags: list[torch.Tensor]) -> bool:
+    """Whether each row of the reading along ``axis`` carries the gradient of its own sample's loss only."""
+    try:
+        rowmap = read_rows(reading.real.movedim(axis, 0), [t.movedim(axis, 0) for t in reading.tagged], tags,
+                           reading.batch, two_axes=False)
+    except RowsMixSamples:
+        return False
+    return rowmap.identity
 
 
 class _InputRowsNode(torch.autograd.Function):
@@ -340,12 +352,14 @@ class ReorderWatch(TorchFunctionMode):
         self.axis = axis
         self.anchor, self.record = anchor, record
         self._floats = {id(t): t for t in inputs if t.is_floating_point()}
-        self._ids = {id(t): t for t in inputs if not t.is_floating_point() and not t.is_complex()}
+        # integer inputs (ids), and the ids derived from them (a view, a shift, a transpose): whether each is an
+        # input itself, whose batch axis is known
+        self._ids = {id(t): (t, True) for t in inputs if not t.is_floating_point() and not t.is_complex()}
         self._copies: dict[int, torch.Tensor] = {}  # each floating-point input's copy, used by all its uses
         self.readings: list[InputRows] = []
 
-    def _carry(self, t: torch.Tensor) -> torch.Tensor:
-        reading = InputRows(self.batch, self.axis)
+    def _carry(self, t: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+        reading = InputRows(self.batch, axes)
         self.readings.append(reading)
         return _InputRowsNode.apply(self.anchor(t.device), t, reading, self.record)
 
@@ -353,15 +367,20 @@ class ReorderWatch(TorchFunctionMode):
         if isinstance(obj, torch.Tensor) and id(obj) in self._floats and self._floats[id(obj)] is obj:
             copy = self._copies.get(id(obj))
             if copy is None:
-                copy = self._copies[id(obj)] = self._carry(obj)
+                copy = self._copies[id(obj)] = self._carry(obj, (self.axis,))
             return copy
         if isinstance(obj, (list, tuple)) and any(isinstance(o, torch.Tensor) for o in obj):
             return type(obj)(self._substitute(o) for o in obj)
         return obj
 
-    def _from_ids(self, args, kwargs) -> bool:
-        return any(isinstance(a, torch.Tensor) and self._ids.get(id(a)) is a
-                   for a in (*args, *kwargs.values()))
+    def _ids_in(self, args, kwargs) -> list[bool]:
+        """For each (derived) input ids tensor among the arguments: whether it is a model input itself."""
+        found = []
+        for a in (*args, *kwargs.values()):
+            known = self._ids.get(id(a)) if isinstance(a, torch.Tensor) else None
+            if known is not None and known[0] is a:
+                found.append(known[1])
+        return found
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -372,14 +391,16 @@ class ReorderWatch(TorchFunctionMode):
         if self._floats:
             args = tuple(self._substitute(a) for a in args)
             kwargs = {k: self._substitute(v) for k, v in kwargs.items()}
-        from_ids = bool(self._ids) and self._from_ids(args, kwargs)
+        ids = self._ids_in(args, kwargs) if self._ids else []
         out = func(*args, **kwargs)
-        if from_ids and isinstance(out, torch.Tensor) and out.dim() > self.axis and out.shape[self.axis] == self.batch:
+        if ids and isinstance(out, torch.Tensor):
             if out.is_floating_point():
-                if func in _EMBEDDINGS:
-                    out = self._carry(out)
-            elif not out.is_complex():
-                self._ids[id(out)] = out  # ids derived from the input's (a view, a shift): their embedding too
+                axes = (self.axis,) if all(ids) else tuple(a for a in (0, 1) if out.dim() > a and
+                                                          out.shape[a] == self.batch)
+                if func in _EMBEDDINGS and axes and out.dim() > max(axes) and out.shape[axes[0]] == self.batch:
+                    out = self._carry(out, axes)
+            elif not out.is_complex() and any(out.dim() > a and out.shape[a] == self.batch for a in (0, 1)):
+                self._ids[id(out)] = (out, False)  # ids derived from the input's: their embedding too
         return out
 
 
@@ -484,14 +505,7 @@ class BackwardRows:
             tags = reading.tags
             if reading.real is None or tags is None or len(reading.tagged) != len(tags) or tags[0].numel() != reading.batch:
                 continue
-            real = reading.real.movedim(reading.axis, 0)
-            tagged = [t.movedim(reading.axis, 0) for t in reading.tagged]
-            try:
-                rowmap = read_rows(real, tagged, tags, reading.batch, two_axes=False)
-                mixed = not rowmap.identity
-            except RowsMixSamples:
-                mixed = True
-            if mixed:
+            if not any(_one_sample_per_row(reading, axis, tags) for axis in reading.axes):
                 raise RowsMixSamples(
                     "the forward mixes samples before its trainable layers: a row of the model's input reaches "
                     "other samples' losses (a statistic over the batch such as a mean or a BatchNorm in training "

@@ -125,7 +125,14 @@ def plan_report(decisions: Sequence[LayerDecision], ghost_available: Sequence[bo
     }
     # What the chosen mode itself stores (its decision rule may be "time", not the space minimum).
     mode_total = sum(d.ghost_cost if d.norm == "ghost" else d.instantiate_cost for d in decisions)
-    return {"layers": layers, "totals": totals, "mode_total": mode_total}
+    from ..planning import fallback_costs
+
+    # Layers without a rule: the per-sample fallback instantiates their per-sample gradients in every mode.
+    fallback = fallback_costs(list(decisions))
+    for layer in layers:
+        layer["fallback_cost"] = fallback.get(layer["name"], 0)
+    return {"layers": layers, "totals": totals, "mode_total": mode_total,
+            "fallback": {"layers": fallback, "per_sample": sum(fallback.values())}}
 
 
 _GRADIENT_WORDS = {"book-keeping": "book-keeping", "weighted-sum": "weighted sum", "second-pass": "2nd backward"}
@@ -163,6 +170,13 @@ def _print_plan(report: dict, input_text: str, notes: list[str]) -> None:
     ghost = sum(layer["choice"] == "ghost" for layer in report["layers"])
     print(f"{mode}: ghost norm on {ghost} of {len(report['layers'])} layers, "
           f"{_short(report['mode_total'])} per sample for the norms")
+    fallback = report.get("fallback", {}).get("layers", {})
+    if fallback:
+        names = ", ".join(f"{name or '<root>'} {_short(cost)}" for name, cost in list(fallback.items())[:8])
+        more = f" and {len(fallback) - 8} more" if len(fallback) > 8 else ""
+        print(f"fallback: {len(fallback)} layer(s) have no rule ({names}{more}): the per-sample fallback instantiates "
+              f"their per-sample gradients in every mode, {_short(report['fallback']['per_sample'])} per sample "
+              "(B times that for a batch of B)")
     print("(per-sample and fast-grad-clip instantiate every layer; ghost and bk use the ghost norm wherever a "
           "layer has one; the mix modes take the cheaper per layer)")
     if report["problems"]:

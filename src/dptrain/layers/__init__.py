@@ -11,6 +11,7 @@ from .protocol import CaptureSite, LayerDims, LayerRule
 from .registry import container_params, find_rule, register_layer, trainable_params, unregister_layer
 from . import linear, conv, embedding, norms, hf, timm  # noqa: F401  (registers the built-in rules)
 from .fallback import FallbackRule, fallback_modules, fallback_refusal, in_replay
+from .embedding import recognise_scaled_embedding
 from .norms import AffineNormRule, recognise_rms_norm
 
 __all__ = [
@@ -21,7 +22,8 @@ __all__ = [
 
 def resolve_rule(module: nn.Module, allow_fallback: bool = True, batch_first: bool = True,
                  name: str | None = None) -> LayerRule | None:
-    """The rule the engine uses for ``module``: its registered rule; else, for a module shaped like an
+    """The rule the engine uses for ``module``: its registered rule; else, for an embedding that scales its
+    lookup by a constant ``embed_scale``, the scaled-embedding rule (checked numerically on its first call); else, for a module shaped like an
     RMS norm, the norm rule (checked numerically on its first call, which hands a module that fails
     to the fallback if allowed, else refuses it); else, if allowed and the module has trainable
     parameters of its own, the generic per-sample fallback (``torch.func``, instantiation only);
@@ -31,7 +33,7 @@ def resolve_rule(module: nn.Module, allow_fallback: bool = True, batch_first: bo
     tensors of a call with dims 0 and 1 swapped, and the fallback swaps them back to replay it.
     ``name``: the module's path in the model (``""`` for the root), which a fallback's refusals name;
     without it they name the module's class."""
-    rule = find_rule(module)
+    rule = find_rule(module) or recognise_scaled_embedding(module)
     if rule is not None:
         return rule
     fallback = None

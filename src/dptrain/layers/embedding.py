@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .numerics import OneHot, float32_at_least
@@ -73,3 +74,70 @@ class EmbeddingRule(LayerRule):
     def weight_factors(self, module, ops):
         ids, g = ops
         return OneHot(ids, module.num_embeddings), g
+
+
+def embed_scale(module: nn.Module):
+    """The constant ``module`` multiplies its lookup by, if it is shaped like a scaled word embedding: an
+    ``nn.Embedding`` subclass with its own forward, no children, one parameter ``weight``, and an
+    ``embed_scale`` that is a number or a one-element tensor that needs no gradient; else ``None``."""
+    if not isinstance(module, nn.Embedding) or type(module).forward is nn.Embedding.forward:
+        return None
+    if next(module.children(), None) is not None or [n for n, _ in module.named_parameters(recurse=False)] != ["weight"]:
+        return None
+    scale = getattr(module, "embed_scale", None)
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        return scale
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1 and not scale.requires_grad:
+        return scale
+    return None
+
+
+class NotAScaledEmbedding(ValueError):
+    """A module recognised as a scaled embedding by its structure failed the numerical check."""
+
+
+class ScaledEmbeddingRule(EmbeddingRule):
+    """A word embedding whose forward only scales the lookup by a constant ``embed_scale`` (sqrt of the width:
+    BART, mBART, M2M100, Gemma and about thirty other families in ``transformers``, each with its own class).
+    The table's gradient is that of an ``nn.Embedding`` whose output gradient is ``g * embed_scale``, so it
+    keeps the embedding's ghost norm (the fallback would form a vocabulary-sized per-sample gradient).
+
+    Recognised by structure (``embed_scale``), not by class name; that the output is ``scale * lookup`` is
+    checked numerically on the first call of each input shape, and a module that fails is refused. One
+    instance per module (``dptrain.layers.resolve_rule`` builds it)."""
+
+    module_types = ()
+
+    def __init__(self):
+        self._checked: set[tuple] = set()
+
+    @staticmethod
+    def _scale(module, like: torch.Tensor):
+        scale = embed_scale(module)
+        if isinstance(scale, torch.Tensor):  # the forwards multiply by the buffer in the table's dtype
+            scale = scale.to(module.weight.dtype)
+        return scale
+
+    def capture(self, module, inputs, output):
+        ids = super().capture(module, inputs, output)
+        key = (tuple(ids.shape), output.dtype)
+        if key not in self._checked and not output.is_meta:  # a meta tensor has shapes only (plan)
+            with torch.no_grad():
+                expected = F.embedding(ids, module.weight, module.padding_idx) * self._scale(module, output)
+            tol = 4 * torch.finfo(output.dtype).eps * float(expected.abs().max()) if expected.numel() else 0.0
+            if expected.shape != output.shape or not bool(((output - expected).abs() <= tol).all()):
+                raise NotAScaledEmbedding(
+                    f"{type(module).__name__} looks like a scaled word embedding (an nn.Embedding with an embed_scale) "
+                    "but its output is not embed_scale times the lookup, so the embedding rule would give wrong "
+                    "per-sample gradients: register a rule for it with dptrain.register_layer, or freeze its weight"
+                )
+            self._checked.add(key)
+        return ids
+
+    def operands(self, module, activation, grad_output):
+        return super().operands(module, activation, grad_output * self._scale(module, grad_output))
+
+
+def recognise_scaled_embedding(module: nn.Module) -> ScaledEmbeddingRule | None:
+    """A rule for a module shaped like a scaled word embedding (``embed_scale``), or ``None``."""
+    return ScaledEmbeddingRule() if embed_scale(module) is not None else None

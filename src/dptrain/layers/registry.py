@@ -4,6 +4,7 @@ module's rule handles (its own, and descendants' parameters it claims by a dotte
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from .protocol import LayerRule
 
@@ -62,8 +63,12 @@ def find_rule(module: nn.Module) -> LayerRule | None:
 
     A rule registered for a base class does not cover a subclass that overrides ``forward``
     (for example a LayerNorm applied to channels-first inputs): its per-sample gradients
-    could differ silently, so such a subclass needs its own rule.
+    could differ silently, so such a subclass needs its own rule. Nor does it cover a module with a
+    parametrized tensor (``torch.nn.utils.parametrizations.weight_norm``): the tensor is computed from
+    other parameters at each access, which the per-sample fallback differentiates through.
     """
+    if _parametrized(module):
+        return None
     best: tuple[int, int] | None = None
     found = None
     mro = type(module).__mro__
@@ -84,6 +89,8 @@ def find_rule(module: nn.Module) -> LayerRule | None:
 
 def covering_base(module: nn.Module) -> type | None:
     """A base class of ``module`` that has a rule, if ``module`` only misses it by overriding forward."""
+    if _parametrized(module):  # it misses the rule by computing a tensor from parametrizations
+        return None
     mro = type(module).__mro__
     names = {f"{c.__module__}.{c.__qualname__}": c for c in mro}
     for rule in _REGISTRY:
@@ -99,15 +106,48 @@ def trainable_params(module: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
 
 
+def _parametrized(module: nn.Module) -> bool:
+    """Whether ``module`` computes some tensor of its own from parametrizations (``torch.nn.utils.parametrize``)."""
+    return parametrize.is_parametrized(module)
+
+
+# {qualified class name: function(module) -> dotted names of descendants' parameters its forward reads itself}
+_READS_CHILD_PARAMS: dict[object, object] = {}
+
+
+def reads_child_params(kind, names) -> None:
+    """Declare that some modules read descendants' parameters in their own forward, outside the descendant's
+    call (``F.linear(x, self.qkv.weight, bias)``): ``names(module)`` gives their dotted names. ``kind`` is a
+    class as ``"package.module.ClassName"`` (no import needed) or a predicate on the module (a structure that
+    several libraries' classes share). Such a module without a rule then claims them, and the per-sample
+    fallback differentiates its replay with respect to them."""
+    _READS_CHILD_PARAMS[kind] = names
+
+
+def _child_reads(module: nn.Module) -> tuple[str, ...]:
+    reads = _READS_CHILD_PARAMS.get(f"{type(module).__module__}.{type(module).__qualname__}")
+    if reads is None:
+        reads = next((fn for kind, fn in _READS_CHILD_PARAMS.items() if callable(kind) and kind(module)), None)
+    return tuple(reads(module)) if reads is not None else ()
+
+
 def container_params(module: nn.Module) -> tuple[str, ...]:
     """Dotted names of the parameters ``module`` keeps in ``nn.ParameterDict`` / ``nn.ParameterList``
-    children. A container is never called: the module reads them in its own forward (PEFT's embedding
-    adapters), so they are the module's to handle when it has no rule (the per-sample fallback's)."""
-    return tuple(
+    children, and the originals of its parametrized tensors (``parametrizations.weight.original0``). A
+    container is never called for the batch: the module reads them in its own forward (PEFT's embedding
+    adapters; weight norm's magnitude and direction, through ``module.weight``), so they are the module's to
+    handle when it has no rule (the per-sample fallback's); so are the descendants' parameters a module of a
+    class declared with ``reads_child_params`` reads in its own forward."""
+    names = [
         f"{cname}.{pname}" for cname, child in module.named_children()
         if isinstance(child, (nn.ParameterDict, nn.ParameterList))
         for pname, _ in child.named_parameters(recurse=False)
-    )
+    ]
+    if _parametrized(module):
+        names += [f"parametrizations.{tensor}.{pname}" for tensor, plist in module.parametrizations.items()
+                  for pname, _ in plist.named_parameters(recurse=False)]
+    names += _child_reads(module)
+    return tuple(names)
 
 
 def layer_params(model: nn.Module) -> dict[nn.Module, dict[str, nn.Parameter]]:

@@ -18,7 +18,7 @@ from .hf import TokenParamsRule, _check_positions
 from .norms import AffineNormRule, GroupNormRule, LayerNormRule, _TrailingDimsNorm
 from .numerics import accumulation_dtype
 from .protocol import CaptureSite, LayerDims, LayerRule
-from .registry import register_layer
+from .registry import reads_child_params, register_layer
 
 
 # --------------------------------------------------------------------------- norms
@@ -411,3 +411,35 @@ class BeitSharedRelativePositionBiasRule(LayerRule):
             "a relative position bias shared by all blocks (Beit(use_shared_rel_pos_bias=True)) is not supported: "
             "its bias enters every block's attention scores; use per-block tables (use_rel_pos_bias=True) or freeze it"
         )
+
+
+def _fused_qkv_weight(module) -> tuple[str, ...]:
+    """EVA's and Swin V2's attention with q/v biases compute ``F.linear(x, self.qkv.weight, cat(q_bias, k_bias,
+    v_bias))`` themselves: ``qkv.weight`` is used in the attention's call, never in a call of ``qkv``."""
+    fused = getattr(module, "qkv", None) is not None and getattr(module, "q_bias", None) is not None
+    return ("qkv.weight",) if fused and not getattr(module, "qkv_bias_separate", False) else ()
+
+
+reads_child_params("timm.models.eva.EvaAttention", _fused_qkv_weight)
+# Swin V2's window attention also runs its continuous position bias MLP (cpb_mlp) on coordinates, without the
+# batch. (It runs on windows folded into the batch, which the fallback does not regroup yet.)
+reads_child_params("timm.models.swin_transformer_v2.WindowAttention",
+                   lambda module: _fused_qkv_weight(module) + _parameters_of("cpb_mlp")(module))
+
+
+def _parameters_of(*children: str):
+    """Every parameter under the named children, as dotted names: for a module that uses them on a table
+    without the batch (coordinates) and broadcasts the result over its batch output itself."""
+    def names(module) -> tuple[str, ...]:
+        return tuple(f"{child}.{name}" for child in children if getattr(module, child, None) is not None
+                     for name, _ in getattr(module, child).named_parameters())
+    return names
+
+
+# timm's RelPosAttention adds rel_pos.get_bias() (an MLP on coordinates: no batch) to its scores, or calls
+# rel_pos(attn) (RelPosMlp: attn + the same bias): either way inside the attention's call, whose replay per sample
+# gives the MLP's per-sample gradients.
+reads_child_params("timm.models.vision_transformer_relpos.RelPosAttention", _parameters_of("rel_pos"))
+# MaxViT's and CoAtNet's attention read rel_pos.get_bias() the same way (on windows or grids folded into the batch).
+reads_child_params("timm.models.maxxvit.AttentionCl", _parameters_of("rel_pos"))
+reads_child_params("timm.models.maxxvit.Attention2d", _parameters_of("rel_pos"))

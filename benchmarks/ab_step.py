@@ -1,0 +1,61 @@
+"""A/B of one engine step on the CPU benchmark models: the first (verifying) step and the steady state.
+
+Runs one arm (bk-mixopt through engine.backward, or non-private) of one configuration in this process and
+prints a JSON line: ``first_s`` (the first step: the tag passes that read each layer call's rows), ``median_s``
+(median of the timed steps after warm-up) and the version of dptrain imported. Run it under the PYTHONPATH of
+each checkout, alternately, to compare two commits on a busy machine (see benchmarks/results/ab-notes.md).
+
+    PYTHONPATH=src:benchmarks python benchmarks/ab_step.py gpt2-t64 bk-mixopt --steps 20
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+import dptrain
+from dptrain_bench import zoo
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config")
+    parser.add_argument("arm", choices=["bk-mixopt", "non-private"])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    config = zoo.configs_for("cpu")[args.config]
+    task = config.task()
+    torch.manual_seed(0)
+    model = task.build()
+    model.train()
+    generator = torch.Generator().manual_seed(0)
+    batches = [task.make_batch(config.batch_size, generator) for _ in range(4)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    engine = None
+    if args.arm != "non-private":
+        engine = dptrain.PrivacyEngine(model, batch_size=config.batch_size, sample_size=10_000,
+                                       noise_multiplier=1.0, max_grad_norm=1.0, clipping_mode=args.arm, seed=0)
+        engine.attach(optimizer)
+    times = []
+    for k in range(args.warmup + args.steps):
+        batch = batches[k % len(batches)]
+        start = time.perf_counter()
+        losses = task.per_sample_loss(task.forward(model, batch), batch)
+        if engine is None:
+            losses.mean().backward()
+        else:
+            engine.backward(losses)
+        optimizer.step()
+        optimizer.zero_grad()
+        times.append(time.perf_counter() - start)
+    print(json.dumps({"config": args.config, "arm": args.arm, "first_s": times[0],
+                      "median_s": statistics.median(times[args.warmup:]), "dptrain": dptrain.__file__}))
+
+
+if __name__ == "__main__":
+    main()

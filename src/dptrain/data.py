@@ -17,10 +17,15 @@ can be zero. A shuffled fixed-size ``DataLoader`` does not match that analysis.
   of its examples when larger) followed by zero rows, with a mask saying which rows are
   real; :func:`masked_losses` zeroes the losses of the padding. The accounting adds
   :func:`dptrain.accounting.truncation_delta` to delta.
+* ``poisson_loader(..., users=user_ids)`` samples *users* rather than examples (user-level
+  privacy): each user is in a batch independently with probability q, with up to
+  ``max_examples_per_user`` of their examples, and every batch is a :class:`UserBatch`
+  ``(data, users)`` that says whose each row is (:class:`UserPoissonSampler`).
 """
 
 from __future__ import annotations
 
+import itertools
 import numbers
 import os
 from collections.abc import Mapping
@@ -35,8 +40,12 @@ from . import checks
 __all__ = [
     "DPDataLoader",
     "DistributedPoissonSampler",
+    "DistributedUserPoissonSampler",
     "FixedShapeBatch",
+    "FixedShapeUserBatch",
     "PoissonSampler",
+    "UserBatch",
+    "UserPoissonSampler",
     "is_poisson_loader",
     "masked_losses",
     "poisson_loader",
@@ -70,6 +79,9 @@ class PoissonSampler(Sampler[list[int]]):
     position in the epoch: a resumed run continues with exactly the batches the stopped
     run would have drawn.
     """
+
+    #: What one Poisson trial includes or leaves out: an example here, a user in :class:`UserPoissonSampler`.
+    privacy_unit = "example"
 
     def __init__(
         self,
@@ -137,6 +149,7 @@ class PoissonSampler(Sampler[list[int]]):
         else:
             generator_state = self._epoch_start_state.clone()
         return {
+            "privacy_unit": self.privacy_unit,
             "num_samples": self.num_samples,
             "sample_rate": self.sample_rate,
             "steps": self.steps,
@@ -156,6 +169,13 @@ class PoissonSampler(Sampler[list[int]]):
             raise ValueError(
                 f"Not a PoissonSampler state: missing {sorted(missing)}; pass the dict "
                 "returned by PoissonSampler.state_dict() (or DPDataLoader.state_dict())."
+            )
+        saved_unit = state.get("privacy_unit", "example")  # absent: saved before user-level sampling existed
+        if saved_unit != self.privacy_unit:
+            raise ValueError(
+                f"This state was saved by a sampler of {saved_unit}s, but this one samples {self.privacy_unit}s; "
+                "the saved batches cannot be reproduced. Build the loader as the saved run did "
+                "(poisson_loader(..., users=...) for user-level sampling, without users= for examples)."
             )
         self._check_shard(state)
         saved = (state["num_samples"], state["sample_rate"], state["steps"])
@@ -184,6 +204,242 @@ class PoissonSampler(Sampler[list[int]]):
                 f"of {state['num_replicas']}), which samples one shard of the dataset; load it "
                 "into the loader of the same rank (poisson_loader(..., distributed=True))."
             )
+
+
+# --------------------------------------------------------------- user-level sampling
+
+
+def _user_ids(users: Any, num_examples: int | None = None) -> torch.Tensor:
+    """``users`` as a 1-D int64 tensor (of ``num_examples`` ids, if given), or a ValueError that says what is wrong."""
+    how = "pass one integer user id per dataset index (a list, a numpy array or an integer tensor)"
+    if isinstance(users, (str, bytes, Mapping)) or not hasattr(users, "__len__"):
+        raise ValueError(f"users must be a sequence of integer user ids, got {type(users).__name__}: {how}")
+    try:
+        ids = users.detach().cpu() if isinstance(users, torch.Tensor) else torch.as_tensor(users)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"users must be a sequence of integer user ids ({error}): {how}") from error
+    if ids.numel() == 0:
+        raise ValueError("users is empty: there is no user to sample")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(
+            f"users must hold integer user ids, got a {ids.dtype} sequence: {how}; map other ids (names, "
+            "strings) to integers first, e.g. {name: i for i, name in enumerate(sorted(set(names)))}"
+        )
+    if ids.dim() != 1 or (num_examples is not None and len(ids) != num_examples):
+        raise ValueError(
+            f"users must have one user id per example: the dataset has {num_examples} examples, users has shape "
+            f"{list(ids.shape)}; {how}"
+        )
+    return ids.to(torch.int64)
+
+
+class UserPoissonSampler(PoissonSampler):
+    """Batch sampler for user-level privacy: Poisson sampling of *users*, then of their examples.
+
+    ``users[i]`` is the integer id of the user who wrote example ``i``. Each of the ``steps``
+    batches includes every distinct user independently with probability ``sample_rate`` (the
+    q the accountant uses, with the user as the unit), and, for each included user, up to
+    ``max_examples_per_user`` of their examples, chosen uniformly at random without
+    replacement (all of them when the user has no more; ``None``: always all of them).
+    A batch lists the included users in increasing id order, each user's examples next to each
+    other, in dataset order. ``steps`` defaults to ``round(1 / sample_rate)``.
+
+    ``num_samples`` is the number of distinct users (the population the rate applies to), so the
+    loader's ``expected_batch_size`` is the expected number of *users* per batch. Randomness,
+    :meth:`state_dict` and :meth:`load_state_dict` behave as in :class:`PoissonSampler`.
+    """
+
+    privacy_unit = "user"
+
+    def __init__(
+        self,
+        users: Any,
+        sample_rate: float,
+        steps: int | None = None,
+        generator: torch.Generator | None = None,
+        max_examples_per_user: int | None = None,
+        max_batch_size: int | None = None,
+    ):
+        ids = _user_ids(users)
+        self.max_examples_per_user = None if max_examples_per_user is None else checks.positive_int(
+            "max_examples_per_user", max_examples_per_user,
+            "the most examples of one user in a batch; None takes all of them")
+        if max_batch_size is not None and self.max_examples_per_user is None:
+            raise ValueError(
+                "fixed-shape user batches (max_batch_size=K users) need max_examples_per_user=m too: a batch is K "
+                "users of m rows each, so m must be bounded"
+            )
+        #: The distinct user ids, increasing; position u of this tensor is the u-th user.
+        self.user_ids, dense = torch.unique(ids, sorted=True, return_inverse=True)
+        super().__init__(len(self.user_ids), sample_rate, steps=steps, generator=generator,
+                         max_batch_size=max_batch_size)
+        self.num_users = self.num_samples
+        self.num_examples = len(ids)
+        # Dataset indices grouped by user (dataset order within a user): user u owns
+        # _by_user[_starts[u] : _starts[u] + _counts[u]].
+        self._by_user = torch.argsort(dense, stable=True)
+        self._counts = torch.bincount(dense, minlength=self.num_users)
+        self._starts = self._counts.cumsum(0) - self._counts
+        #: The users this sampler draws from, as positions in :attr:`user_ids`: all of them (one
+        #: rank's share in :class:`DistributedUserPoissonSampler`).
+        self.own_users = torch.arange(self.num_users)
+
+    @property
+    def max_rows_per_user(self) -> int:
+        """The most rows one user can have in a batch: ``min(max_examples_per_user, largest user's examples)``,
+        or ``max_examples_per_user`` with ``max_batch_size`` (fixed-shape batches pad every user to m rows)."""
+        if self.max_batch_size is not None:
+            return self.max_examples_per_user
+        largest = int(self._counts[self.own_users].max())
+        return largest if self.max_examples_per_user is None else min(largest, self.max_examples_per_user)
+
+    def _included_users(self) -> torch.Tensor:
+        """This step's users (positions in :attr:`user_ids`): each of :attr:`own_users` with probability q, then
+        (``max_batch_size=K``) a uniformly random K of them when more were drawn."""
+        drawn = torch.rand(len(self.own_users), generator=self.generator, device=self.generator.device)
+        return self._truncate(self.own_users[(drawn < self.sample_rate).cpu()])
+
+    def _draw(self) -> list[int]:
+        device = self.generator.device
+        included = self._included_users()
+        counts = self._counts[included]
+        total = int(counts.sum())
+        user_of_row = torch.repeat_interleave(torch.arange(len(included)), counts)
+        rank_in_user = torch.arange(total) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        rows = self._by_user[self._starts[included][user_of_row] + rank_in_user]
+        if self.max_examples_per_user is not None:
+            # Each user keeps their examples with the m smallest of i.i.d. uniform keys: a uniformly
+            # random m-subset, drawn for all included users at once (no Python loop over users).
+            keys = torch.rand(total, generator=self.generator, device=device).cpu()
+            by_key = keys.argsort()
+            by_user_then_key = by_key[user_of_row[by_key].argsort(stable=True)]
+            key_rank = torch.empty_like(rank_in_user)
+            key_rank[by_user_then_key] = rank_in_user  # the same users and counts, so the same offsets
+            rows = rows[key_rank < self.max_examples_per_user]
+        return rows.tolist()
+
+    def _state_at(self, position: int) -> dict:
+        return {**super()._state_at(position), "num_examples": self.num_examples,
+                "max_examples_per_user": self.max_examples_per_user}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("privacy_unit") == "user":
+            saved = (state.get("num_examples"), state.get("max_examples_per_user"))
+            if saved != (self.num_examples, self.max_examples_per_user):
+                raise ValueError(
+                    f"This state was saved by a user sampler with (num_examples, max_examples_per_user) = {saved}, "
+                    f"but this sampler has {(self.num_examples, self.max_examples_per_user)}; the saved batches "
+                    "cannot be reproduced. Build the loader with the saved dataset and max_examples_per_user."
+                )
+        super().load_state_dict(state)
+
+
+class _ExamplesWithUsers(Dataset):
+    """The user's dataset, each item paired with its user id: what lets the collate build a :class:`UserBatch`.
+
+    A user-level loader's ``dataset`` is this wrapper; the original is its ``dataset`` attribute.
+    """
+
+    def __init__(self, dataset: Dataset, users: torch.Tensor):
+        self.dataset = dataset
+        self.users = users.tolist()  # plain ints: cheap to index per item, cheap to send to workers
+
+    def __len__(self) -> int:
+        return len(self.users)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        return self.dataset[index], self.users[index]
+
+    def __getitems__(self, indices: list[int]) -> list[tuple[Any, int]]:
+        fetch_many = getattr(self.dataset, "__getitems__", None)  # batched fetching (e.g. Hugging Face datasets)
+        items = fetch_many(indices) if fetch_many else [self.dataset[i] for i in indices]
+        return [(item, self.users[i]) for item, i in zip(items, indices)]
+
+
+class UserBatch(NamedTuple):
+    """A batch from ``poisson_loader(..., users=...)``: the collated examples and whose each row is.
+
+    ``data``: the collated batch, as without ``users=`` (empty batches keep its structure).
+    ``users``: ``torch.int64`` of shape ``[N]``, the user id of each of the N rows of ``data``;
+    a user's rows are next to each other. Unpack it as ``for (x, y), users in loader`` and give
+    both to the engine: ``engine.backward(per_example_losses, users=users)``.
+    """
+
+    data: Any
+    users: torch.Tensor
+
+
+class FixedShapeUserBatch(NamedTuple):
+    """A fixed-shape user batch from ``poisson_loader(..., users=..., max_examples_per_user=m, max_batch_size=K)``.
+
+    Exactly ``K * m`` rows: K *slots* of m rows. The drawn users come first, each in one slot: their
+    rows, then zero rows up to m; the slots left empty follow, all zero rows. ``users`` (int64,
+    ``[K * m]``): a user's slot carries their id on all m rows; each empty slot carries an id of its own,
+    larger than every real user's. ``mask`` (bool, ``[K * m]``): True for the real rows. Give the engine
+    ``engine.backward(masked_losses(losses, mask), users=users)``: padding rows then have loss 0 and
+    contribute exactly 0, and a slot never straddles two physical batches of ``split_batches`` when
+    the physical size is a multiple of m.
+    """
+
+    data: Any
+    users: torch.Tensor
+    mask: torch.Tensor
+
+
+class _UserCollate:
+    """Collate ``(item, user)`` pairs into a :class:`UserBatch`; one row per example, checked."""
+
+    def __init__(self, collate_fn: Callable[[list], Any], example_item: Any):
+        self.collate = _EmptyBatchCollate(collate_fn, example_item)
+
+    def __call__(self, pairs: list[tuple[Any, int]]) -> UserBatch:
+        data = self.collate([item for item, _ in pairs])
+        if pairs and _batch_size(data) != len(pairs):
+            raise ValueError(
+                f"collate_fn made {_batch_size(data)} rows of {len(pairs)} examples: user-level batches need one "
+                "row per example (each row's user is the example's); pack or merge examples in the dataset instead"
+            )
+        return UserBatch(data, torch.tensor([user for _, user in pairs], dtype=torch.int64))
+
+
+class _FixedShapeUserCollate(_UserCollate):
+    """Collate ``(item, user)`` pairs into a :class:`FixedShapeUserBatch` of ``slots`` users of ``rows_per_user``
+    rows each; empty slots get the ids ``first_free_id, first_free_id + 1, ...``."""
+
+    def __init__(self, collate_fn: Callable[[list], Any], example_item: Any, slots: int, rows_per_user: int,
+                 first_free_id: int):
+        super().__init__(collate_fn, example_item)
+        self.slots, self.rows_per_user, self.first_free_id = slots, rows_per_user, first_free_id
+        self.zero_row = _map_batch(collate_fn([example_item]), _zero_row)
+
+    def __call__(self, pairs: list[tuple[Any, int]]) -> FixedShapeUserBatch:
+        real = super().__call__(pairs)
+        m, real_rows = self.rows_per_user, len(pairs)
+        # Where each output row comes from: a real row's index, or real_rows (the zero row appended below).
+        source, row_users = [], []
+        for user, run in itertools.groupby(range(real_rows), key=lambda row: pairs[row][1]):
+            rows = list(run)
+            if len(rows) > m:
+                raise RuntimeError(f"user {user} has {len(rows)} rows in a batch of a loader with "
+                                   f"max_examples_per_user={m}")
+            source += rows + [real_rows] * (m - len(rows))
+            row_users += [user] * m
+        drawn = len(row_users) // m
+        if drawn > self.slots:  # the sampler truncates to K users: never reached from poisson_loader
+            raise RuntimeError(f"{drawn} users reached a loader of max_batch_size={self.slots}")
+        for slot in range(self.slots - drawn):
+            source += [real_rows] * m
+            row_users += [self.first_free_id + slot] * m
+        index = torch.tensor(source, dtype=torch.int64)
+        with_zero_row = _map_batch(real.data, lambda leaf, pad: _append_rows(leaf, pad, 1), self.zero_row)
+        data = _map_batch(with_zero_row, lambda leaf: _gather_rows(leaf, index))
+        return FixedShapeUserBatch(data, torch.tensor(row_users, dtype=torch.int64), index < real_rows)
+
+
+def _gather_rows(leaf: Any, index: torch.Tensor) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return leaf[index.to(leaf.device)]
+    return type(leaf)(leaf[i] for i in index.tolist())
 
 
 # ------------------------------------------------------------ data-parallel sampling
@@ -328,6 +584,50 @@ class DistributedPoissonSampler(PoissonSampler):
                 "must load its own checkpoint (loading another rank's would make two ranks "
                 "draw the same batches)."
             )
+
+
+class DistributedUserPoissonSampler(UserPoissonSampler):
+    """User-level Poisson sampling for one rank of data-parallel training: ranks own disjoint sets of *users*.
+
+    The distinct users, in increasing id order, are dealt to the ``num_replicas`` ranks like the
+    examples of :class:`DistributedPoissonSampler`: rank ``r`` owns users ``r, r + W, r + 2W, ...``
+    (positions in :attr:`user_ids`) and *all of their examples*, so a user's rows of a step are
+    always on one rank, in one backward there. Each rank includes each of its users independently
+    with the global rate q, so the union of the ranks' batches is a user-level Poisson sample of all
+    users (expected ``q * num_users`` users: the global divisor). Steps, generators (one per rank,
+    derived from ``generator`` and the rank), ``max_examples_per_user`` and checkpoints (a state
+    loads only into the same rank of the same ``num_replicas``) are as in the samplers it combines.
+    """
+
+    def __init__(
+        self,
+        users: Any,
+        sample_rate: float,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        steps: int | None = None,
+        generator: torch.Generator | None = None,
+        max_examples_per_user: int | None = None,
+    ):
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}")
+        # Everything checked before drawing from the caller's generator.
+        UserPoissonSampler.__init__(self, users, sample_rate, steps=steps, generator=None,
+                                    max_examples_per_user=max_examples_per_user)
+        self.num_replicas = checks.positive_int("num_replicas", _distributed_default(num_replicas, "num_replicas"))
+        if self.num_replicas > self.num_users:
+            raise ValueError(
+                f"num_replicas={self.num_replicas} exceeds the number of users {self.num_users}: every rank needs "
+                "at least one user of its own to sample."
+            )
+        self.rank = checks.index("rank", _distributed_default(rank, "rank"), self.num_replicas, "num_replicas")
+        self.generator = _rank_generator(generator, self.rank, self.num_replicas)
+        self.own_users = torch.arange(self.rank, self.num_users, self.num_replicas)  # this rank's users
+
+    def _state_at(self, position: int) -> dict:
+        return {**super()._state_at(position), "num_replicas": self.num_replicas, "rank": self.rank}
+
+    _check_shard = DistributedPoissonSampler._check_shard
 
 
 # ------------------------------------------------------------------ batch structure
@@ -537,6 +837,14 @@ class DPDataLoader(DataLoader):
     are global: q is the rate every rank samples its shard with, and
     ``expected_batch_size`` the expected size of the union of all ranks' batches.
     ``max_batch_size`` is K for fixed-shape batches (:class:`FixedShapeBatch`), else None.
+
+    ``privacy_unit`` is what the sampling includes or leaves out, ``"example"`` or ``"user"``.
+    For ``"user"`` (``poisson_loader(..., users=...)``), ``sample_rate`` is the probability that a
+    *user* is in a batch, ``num_users`` the number of distinct users, ``expected_batch_size`` the
+    expected number of users per batch (``q * num_users``), ``max_examples_per_user`` the cap m
+    (None: all of a user's examples), and ``dataset`` wraps the given dataset (its ``dataset``
+    attribute) to pair each example with its user. For ``"example"``, ``num_users`` and
+    ``max_examples_per_user`` are None.
     """
 
     def __init__(self, dataset: Dataset, sampler: PoissonSampler, **kwargs: Any):
@@ -544,6 +852,9 @@ class DPDataLoader(DataLoader):
         self.sample_rate = sampler.sample_rate
         self.expected_batch_size = sampler.sample_rate * sampler.num_samples
         self.max_batch_size = sampler.max_batch_size
+        self.privacy_unit = sampler.privacy_unit
+        self.num_users = getattr(sampler, "num_users", None)
+        self.max_examples_per_user = getattr(sampler, "max_examples_per_user", None)
         self._consumed: int | None = None  # batches handed out in the current epoch
 
     @property
@@ -583,6 +894,8 @@ def poisson_loader(
     num_replicas: int | None = None,
     rank: int | None = None,
     max_batch_size: int | None = None,
+    users: Any = None,
+    max_examples_per_user: int | None = None,
 ) -> DPDataLoader:
     """A ``DataLoader`` with Poisson sampling over a map-style ``dataset``.
 
@@ -612,6 +925,21 @@ def poisson_loader(
     ``dptrain.accounting.truncation_delta(len(dataset), q, K, steps)`` to delta, and
     ``dptrain.accounting.default_max_batch_size`` is the smallest K that keeps it below a
     tenth of delta. Not available with ``distributed=True`` yet.
+
+    ``users`` (one integer user id per dataset index: a list, numpy array or tensor) makes the
+    loader sample *users* for user-level privacy (:class:`UserPoissonSampler`): each distinct
+    user is in a batch independently with probability q = ``batch_size / number of users`` (or
+    ``sample_rate``), with up to ``max_examples_per_user`` = m of their examples, a uniformly
+    random m of them when they have more (``None``: all of them). Every batch is a
+    :class:`UserBatch` ``(data, users)``, ``users`` the ``[N]`` int64 user id of each row; train
+    with ``engine.backward(losses, users=users)`` and ``PrivacyEngine(..., privacy_unit="user",
+    sample_size=<number of users>, batch_size=<expected users per batch>)``. The guarantee holds
+    whatever m is, ``None`` included: the engine clips the sum of a user's gradients, so a user
+    moves the update by at most the clipping norm however many rows they have. m bounds the rows,
+    hence the memory and time, of a step (a prolific user otherwise brings all of their
+    examples). Epochs are ``round(1 / q)`` steps. With ``distributed=True`` the ranks own
+    disjoint sets of users, all of a user's examples on one rank
+    (:class:`DistributedUserPoissonSampler`). Not available with ``max_batch_size`` yet.
     """
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise ValueError(
@@ -621,6 +949,13 @@ def poisson_loader(
     num_samples = len(dataset)
     if num_samples == 0:
         raise ValueError("The dataset is empty: there is nothing to sample.")
+    if users is not None:
+        user_ids = _user_ids(users, num_samples)
+        num_samples = len(torch.unique(user_ids))  # the units q applies to
+    elif max_examples_per_user is not None:
+        raise ValueError(
+            "max_examples_per_user only applies to user-level sampling: pass users= (one user id per example) too"
+        )
     if (sample_rate is None) == (batch_size is None):
         raise ValueError(
             "Give exactly one of sample_rate (probability q that an example is in a batch) "
@@ -630,6 +965,9 @@ def poisson_loader(
         batch_size = checks.positive_int("batch_size", batch_size)
         if batch_size > num_samples:
             raise ValueError(
+                f"batch_size={batch_size} exceeds the number of users {num_samples}; with users=, batch_size is "
+                "the expected number of users per batch, at most the number of distinct users (sample rate <= 1)."
+                if users is not None else
                 f"batch_size={batch_size} exceeds the dataset size {num_samples}; the "
                 "expected batch size must be at most len(dataset) (sample rate <= 1)."
             )
@@ -644,8 +982,12 @@ def poisson_loader(
                 "max_batch_size is not supported with distributed=True yet: each rank would truncate its own "
                 "shard, which the accounting (one Binomial(N, q) draw per step) does not cover"
             )
-    if distributed:
-        sampler: PoissonSampler = DistributedPoissonSampler(
+    if distributed and users is not None:
+        sampler: PoissonSampler = DistributedUserPoissonSampler(
+            user_ids, sample_rate, num_replicas, rank, steps=steps, generator=generator,
+            max_examples_per_user=max_examples_per_user)
+    elif distributed:
+        sampler = DistributedPoissonSampler(
             num_samples, sample_rate, num_replicas, rank, steps=steps, generator=generator
         )
     elif num_replicas is not None or rank is not None:
@@ -653,9 +995,24 @@ def poisson_loader(
             "num_replicas / rank only apply to distributed sampling: pass distributed=True "
             "(without it, every process would sample the whole dataset)."
         )
+    elif users is not None:
+        sampler = UserPoissonSampler(user_ids, sample_rate, steps=steps, generator=generator,
+                                     max_examples_per_user=max_examples_per_user, max_batch_size=max_batch_size)
     else:
         sampler = PoissonSampler(num_samples, sample_rate, steps=steps, generator=generator,
                                  max_batch_size=max_batch_size)
+    if users is not None:
+        if max_batch_size is None:
+            collate = _UserCollate(collate_fn or default_collate, dataset[0])
+        else:
+            first_free_id = int(user_ids.max()) + 1  # ids of the empty slots: no real user's
+            if first_free_id + max_batch_size > torch.iinfo(torch.int64).max:
+                raise ValueError(f"user ids up to {first_free_id - 1} leave no int64 ids for the {max_batch_size} "
+                                 "empty slots of a fixed-shape batch; renumber the users from 0")
+            collate = _FixedShapeUserCollate(collate_fn or default_collate, dataset[0], max_batch_size,
+                                             max_examples_per_user, first_free_id)
+        return DPDataLoader(_ExamplesWithUsers(dataset, user_ids), sampler, num_workers=num_workers,
+                            collate_fn=collate, pin_memory=pin_memory)
     if max_batch_size is None:
         collate = _EmptyBatchCollate(collate_fn or default_collate, dataset[0])
     else:
@@ -672,7 +1029,42 @@ def is_poisson_loader(loader: Any) -> bool:
     )
 
 
+def _split_user_batch(batch: UserBatch | FixedShapeUserBatch, max_physical_batch_size: int) -> list[Any]:
+    """Physical batches of at most ``max_physical_batch_size`` rows that never cut a user's rows apart
+    (the engine clips a user's summed gradient, so all of a user's rows go to one backward)."""
+    users = batch.users
+    if len(users) == 0:
+        return [batch]
+    run_starts = torch.cat([torch.tensor([True]), users[1:] != users[:-1]]).nonzero().flatten().tolist()
+    if len(run_starts) != len(torch.unique(users)):
+        raise ValueError(
+            "a UserBatch's rows of one user are not next to each other, so it cannot be cut into physical batches "
+            "without splitting a user; keep each user's rows together (poisson_loader(..., users=...) does)"
+        )
+    run_ends = run_starts[1:] + [len(users)]
+    longest = max(end - start for start, end in zip(run_starts, run_ends))
+    if longest > max_physical_batch_size:
+        raise ValueError(
+            f"a user has {longest} rows in this batch, more than max_physical_batch_size={max_physical_batch_size}, "
+            "and a user's rows cannot be split across physical batches; raise max_physical_batch_size or build "
+            f"the loader with max_examples_per_user <= {max_physical_batch_size}"
+        )
+    cuts, start = [], 0  # greedy: fill a physical batch with whole users
+    for run_start, run_end in zip(run_starts, run_ends):
+        if run_end - start > max_physical_batch_size:
+            cuts.append((start, run_start))
+            start = run_start
+    cuts.append((start, len(users)))
+    # Every field after data (users, and mask for fixed shapes) is a [N] tensor, cut like the data.
+    return [
+        type(batch)(_map_batch(batch.data, lambda leaf, a=a, b=b: leaf[a:b]), *(rows[a:b] for rows in batch[1:]))
+        for a, b in cuts
+    ]
+
+
 def _split_batch(batch: Any, max_physical_batch_size: int) -> list[Any]:
+    if isinstance(batch, (UserBatch, FixedShapeUserBatch)):
+        return _split_user_batch(batch, max_physical_batch_size)
     size = _batch_size(batch)
     if size == 0:
         return [batch]  # one empty physical batch, so the step still happens
@@ -694,7 +1086,22 @@ def split_batches(loader: Any, max_physical_batch_size: int) -> Iterator[list[An
                 engine.backward(F.cross_entropy(model(x), y, reduction="none"))
             optimizer.step()
             optimizer.zero_grad()
+
+    A :class:`UserBatch` (user-level sampling) is cut only between users: each physical batch is
+    a ``UserBatch`` of whole users, at most ``max_physical_batch_size`` rows, so that
+    ``engine.backward(losses, users=users)`` sees all of a user's rows at once. Its
+    ``max_examples_per_user`` must not exceed ``max_physical_batch_size``. A
+    :class:`FixedShapeUserBatch` is cut between slots the same way, with its mask; a physical size
+    that is a multiple of m and divides K * m gives physical batches of one shape.
     """
     # Checked here, not inside a generator, so a bad value fails at the call site.
     max_physical_batch_size = checks.positive_int("max_physical_batch_size", max_physical_batch_size)
+    sampler = getattr(loader, "batch_sampler", None)
+    if isinstance(sampler, UserPoissonSampler) and sampler.max_rows_per_user > max_physical_batch_size:
+        raise ValueError(
+            f"the loader can put {sampler.max_rows_per_user} rows of one user in a batch (max_examples_per_user="
+            f"{sampler.max_examples_per_user}), more than max_physical_batch_size={max_physical_batch_size}, and a "
+            "user's rows cannot be split across physical batches; build the loader with max_examples_per_user <= "
+            f"{max_physical_batch_size}"
+        )
     return (_split_batch(batch, max_physical_batch_size) for batch in loader)

@@ -154,3 +154,18 @@ def test_users_are_required_with_user_level_privacy_and_refused_without(float64)
     example_level.detach()
     with pytest.raises(ValueError, match="unknown privacy_unit 'person'; valid: example, user"):
         dptrain.PrivacyEngine(model, batch_size=1, sample_size=50, noise_multiplier=0.0, privacy_unit="person")
+
+
+def test_a_loader_of_another_privacy_unit_is_refused_at_attach(float64):
+    from torch.utils.data import TensorDataset
+
+    model = _model()
+    ids, y = _batch(12, seed=7)
+    users = torch.arange(12) // 3
+    user_loader = dptrain.data.poisson_loader(TensorDataset(ids, y), batch_size=2, users=users)
+    example_level = dptrain.PrivacyEngine(model, batch_size=2, sample_size=4, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="the loader samples users but the engine's privacy_unit is 'example'"):
+        example_level.attach(torch.optim.SGD(model.parameters(), lr=0.1), data_loader=user_loader)
+    user_level = dptrain.PrivacyEngine(model, batch_size=2, sample_size=4, noise_multiplier=1.0, privacy_unit="user")
+    user_level.attach(torch.optim.SGD(model.parameters(), lr=0.1), data_loader=user_loader)  # q = 2 / 4 users
+    user_level.detach()

@@ -282,6 +282,14 @@ class PrivacyEngine:
 
     def _check_loader(self, loader) -> None:
         if data.is_poisson_loader(loader):
+            unit = getattr(loader, "privacy_unit", "example")
+            if unit != self.privacy_unit:
+                raise ValueError(
+                    f"the loader samples {unit}s but the engine's privacy_unit is {self.privacy_unit!r}: the "
+                    "guarantee is about the unit that is sampled and clipped. Build both for the same unit "
+                    "(PrivacyEngine(privacy_unit='user', sample_size=<number of users>) with "
+                    "poisson_loader(..., users=...))"
+                )
             if not math.isclose(loader.sample_rate, self.sample_rate, rel_tol=1e-9):
                 raise ValueError(
                     f"the loader samples with q={loader.sample_rate:.6g} but the engine accounts for "

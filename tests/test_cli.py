@@ -582,6 +582,23 @@ def test_noise_multiplier_for_a_target_epsilon(capsys):
     assert 0.99 * 3 <= epsilon <= 3 * (1 + 1e-3)  # printed to 4 digits
 
 
+def test_epsilon_of_fixed_shape_batches_includes_the_truncation_term(capsys):
+    argv = ["epsilon", "--sigma", "1.0", "--batch-size", "64", "--sample-size", "1000", "--steps", "100",
+            "--max-batch-size", "120", "--accountant", "pld"]
+    status, out, err = run(argv, capsys)
+    assert status == 0, err
+    assert "batches truncated to 120 rows (truncation term" in out
+    expected = accounting.compute_epsilon(1.0, 0.064, 100, 1e-5, "pld", sample_size=1000, max_batch_size=120)
+    assert _printed(out, "epsilon")["pld"] == pytest.approx(expected, rel=1e-3)
+    no_size = ["epsilon", "--sigma", "1.0", "--sample-rate", "0.064", "--steps", "100", "--max-batch-size", "120"]
+    status, _, err = run(no_size, capsys)
+    assert status != 0 and "--max-batch-size needs --sample-size" in err
+    too_small = ["epsilon", "--sigma", "1.0", "--batch-size", "64", "--sample-size", "1000", "--steps", "100",
+                 "--max-batch-size", "70"]
+    status, _, err = run(too_small, capsys)
+    assert status != 0 and "truncates too often" in err
+
+
 def test_bench_subcommand_hands_over_to_the_benchmark_harness(capsys):
     assert main(["bench", "--list", "--scale", "cpu"]) == 0
     listed = capsys.readouterr().out

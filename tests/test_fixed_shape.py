@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+import dptrain
 from dptrain import accounting
 from dptrain.data import FixedShapeBatch, PoissonSampler, masked_losses, poisson_loader, split_batches
 
@@ -205,6 +206,32 @@ def test_padded_rows_contribute_nothing_to_the_clipped_sum(float64, mode, case_n
     assert got.keys() == plain.keys()
     scale = max(float(g.abs().max()) for g in plain.values())
     for name in plain:  # the same up to summation order: float64 rounding only
+        assert float((got[name] - plain[name]).abs().max()) <= 1e-12 * scale, (name, mode)
+
+
+@pytest.mark.parametrize("case_name", sorted(CASES))
+@pytest.mark.parametrize("mode", MODES)
+def test_a_mask_given_to_the_engine_is_exact_and_lets_the_layout_be_cached(float64, mode, case_name):
+    """engine.backward(losses, mask=mask): the padded rows count as 0, as with masked_losses, but their unmasked
+    losses tag them, so every sample shows its rows and the layouts are cached after the first step."""
+    case = CASES[case_name]()
+    plain = run_engine(case.model, case.losses_fn, case.batch, mode=mode, max_grad_norm=0.5)
+    *padded, mask = _padded(case.batch, 3)
+    engine = dptrain.PrivacyEngine(case.model, batch_size=1, sample_size=100, max_grad_norm=0.5,
+                                   noise_multiplier=0.0, clipping_mode=mode)
+    optimizer = torch.optim.SGD(case.model.parameters(), lr=0.0)
+    engine.attach(optimizer)
+    try:
+        for _ in range(2):  # the second step takes the layouts the first one read
+            engine.backward(case.losses_fn(case.model, *padded), mask=mask)
+            optimizer.step()
+            got = {n: p.grad.clone() for n, p in case.model.named_parameters()}
+            assert engine._rows.layouts, "nothing was cached: every step would run the tag passes"
+        assert not engine._capture.rows.watch_next  # the second forward had nothing left to read
+    finally:
+        engine.detach()
+    scale = max(float(g.abs().max()) for g in plain.values())
+    for name in plain:
         assert float((got[name] - plain[name]).abs().max()) <= 1e-12 * scale, (name, mode)
 
 

@@ -169,3 +169,21 @@ def test_a_loader_of_another_privacy_unit_is_refused_at_attach(float64):
     user_level = dptrain.PrivacyEngine(model, batch_size=2, sample_size=4, noise_multiplier=1.0, privacy_unit="user")
     user_level.attach(torch.optim.SGD(model.parameters(), lr=0.1), data_loader=user_loader)  # q = 2 / 4 users
     user_level.detach()
+
+
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost", "per-sample"])
+def test_user_level_with_a_mask_counts_padding_as_nothing(float64, mode):
+    model = _model()
+    ids, y = _batch(len(USERS), seed=8)
+    reference = reference_user_clipped_gradient(model, _losses, (ids, y), USERS, max_grad_norm=R)
+    padded_ids = torch.cat([ids, torch.zeros(3, ids.shape[1], dtype=ids.dtype)])
+    padded_y = torch.cat([y, torch.zeros(3, dtype=y.dtype)])
+    users = torch.cat([USERS, torch.tensor([7, 100, 101])])  # a padding row in user 7's slot, two empty slots
+    mask = torch.arange(len(users)) < len(USERS)
+    engine = _engine(model, mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    engine.backward(_losses(model, padded_ids, padded_y), users=users, mask=mask)
+    opt.step()
+    engine.detach()
+    assert_matches({n: p.grad for n, p in model.named_parameters()}, reference, what=f"user-level, padded, {mode}")

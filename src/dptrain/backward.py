@@ -95,6 +95,9 @@ class Backward:
         self.forwards: set[int] = set()
         #: a plain backward's graph task (its end-of-backward callback is queued on it)
         self.task = -1
+        #: what the tag passes weight instead of the losses (a fixed-shape batch's unmasked losses: its padded rows
+        #: then show their layout too)
+        self.tag_losses: torch.Tensor | None = None
         setup.sums.begin()
 
     # ------------------------------------------------------------------ engine.backward
@@ -141,7 +144,7 @@ class Backward:
             passes = tag_passes(losses.shape[0]) if needs_tags(self.trainable, self.setup.rows,
                                                                capture.forward_batch) else 0
         if passes:
-            self._tag_pass(losses, factor, passes)
+            self._tag_pass(losses if self.tag_losses is None else self.tag_losses, factor, passes)
         capture.new_pass()
         if self.recipe.two_pass:
             self._two_pass_backward(losses, objective, factor, kappa)
@@ -186,7 +189,10 @@ class Backward:
         each call's tagged output gradients show which sample each of its rows belongs to
         (``rows.read_rows``). Nothing is reduced."""
         dtype = torch.promote_types(losses.dtype, torch.float32)
-        self.rows.begin_tags(self.setup.rows.new_tags(losses.shape[0], passes))
+        tags = self.setup.rows.new_tags(losses.shape[0], passes)
+        if self.tag_losses is not None:  # a reference pass of the unmasked losses: padded rows show their layout
+            tags, self.rows.reference_pass = [*tags, torch.ones_like(tags[0])], True
+        self.rows.begin_tags(tags)
         for k, tags in enumerate(self.rows.tags):
             self.rows.tagging, self.rows.tag_pass = True, k
             self.setup.capture.new_pass()

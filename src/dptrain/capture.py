@@ -237,10 +237,12 @@ class StateWrites:
                                   for path, m in self.model.named_modules() if m._parameters]
         return self._holders
 
+    @torch._dynamo.disable  # (version counters move at every step: traced, each step would recompile)
     def before(self) -> None:
         self._before = [(d, name, t, t._version) for _, _, d in self._current_holders()
                         for name, t in d.items() if t is not None]
 
+    @torch._dynamo.disable
     def check(self) -> None:
         before, self._before = self._before, None
         if before is None:
@@ -405,6 +407,7 @@ class Capture:
         self._switched.clear()
 
     # ------------------------------------------------------------------ the model's own call
+    @torch._dynamo.disable  # (bookkeeping by counters: traced, every model call would recompile)
     def _model_pre_hook(self, module, args, kwargs):
         if in_backward() or not self._tracking() or in_replay() or self.paused:
             return None  # a recomputation (checkpointing), evaluation, a fallback's replay, or paused
@@ -427,10 +430,7 @@ class Capture:
         self._end_watch()
         if self.rows.watch_next and not self.dry and self.forward_batch:
             inputs = [t for t in tensors_in((args, kwargs)) if t.dim() > dim and t.shape[dim] == self.forward_batch]
-            record = self.on_input_grad
-            self._watch = ReorderWatch(self.forward_batch, inputs, dim, self._anchor,
-                                       None if record is None else lambda reading, grad: record(reading, grad))
-            self._watch.__enter__()
+            self._watch = _start_watch(self.forward_batch, inputs, dim, self._anchor, self.on_input_grad)
         if torch.is_grad_enabled() and not self.dry:
             self.state_writes.before()
         return None
@@ -459,6 +459,7 @@ class Capture:
         """A backward pass starts: recomputed calls are numbered afresh (they match the tag pass's by number)."""
         self._recomputed_ordinals.clear()
 
+    @torch._dynamo.disable
     def _model_post_hook(self, module, args, output):
         if in_backward() or self._open_forward is None or in_replay() or self.paused:
             return None
@@ -759,6 +760,16 @@ class Capture:
             return None
 
         node.register_prehook(pre_hook)
+
+
+@torch._dynamo.disable
+def _start_watch(batch: int, inputs: list, axis: int, anchor, record) -> ReorderWatch:
+    """A verifying model call's watch (``rows.ReorderWatch``), entered; run eagerly under torch.compile, whose
+    tracing would rebuild the mode without its state."""
+    watch = ReorderWatch(batch, inputs, axis, anchor,
+                         None if record is None else lambda reading, grad: record(reading, grad))
+    watch.__enter__()
+    return watch
 
 
 def outside_model_call(state: LayerState) -> ValueError:

@@ -739,9 +739,12 @@ class FixedShapeBatch(NamedTuple):
     ``[K]``, True for real rows.
 
     Unpack it as ``for (x, y), mask in loader`` (or ``batch.data`` / ``batch.mask``) and
-    give the engine the masked losses, ``engine.backward(masked_losses(losses, mask))``:
-    a padded row's loss is then 0, its per-sample gradient 0 and its clipped contribution
-    exactly 0. Padded rows are never counted as samples: the engine divides the noisy sum
+    give the engine the mask, ``engine.backward(losses, mask=mask)``: a padded row's loss
+    then counts as 0, its per-sample gradient 0 and its clipped contribution exactly 0,
+    while its unmasked loss still shows the engine where its rows are, so each layer's
+    layout is read once and cached. (``engine.backward(masked_losses(losses, mask))`` is
+    exact too, but a padded row without a gradient hides its layout: it is read at every
+    step.) Padded rows are never counted as samples: the engine divides the noisy sum
     by the *expected* batch size, ``q * len(dataset)``, not by a number of rows. (For a
     plain ``loss.backward()`` with ``loss_reduction="mean"``, take the mean over all K
     rows, ``masked_losses(losses, mask).mean()``, not over the real ones.)
@@ -920,7 +923,7 @@ def poisson_loader(
     ``data`` has exactly K rows (tensors ``[K, ...]``), ``mask`` is a ``[K]`` bool tensor,
     True for the real rows, which come first. A Poisson draw of more than K examples keeps
     a uniformly random K of them; a smaller one is padded with zero rows. Fixed shapes
-    let a compiled model compile once. Train on ``masked_losses(losses, mask)``, and
+    let a compiled model compile once. Train on ``engine.backward(losses, mask=mask)``, and
     account with ``PrivacyEngine(..., max_batch_size=K)``: truncation adds
     ``dptrain.accounting.truncation_delta(len(dataset), q, K, steps)`` to delta, and
     ``dptrain.accounting.default_max_batch_size`` is the smallest K that keeps it below a

@@ -352,12 +352,16 @@ class PrivacyEngine:
             self._capture.paused = previous
 
     # ------------------------------------------------------------------ backwards
-    def backward(self, losses: torch.Tensor, users: torch.Tensor | None = None) -> None:
+    def backward(self, losses: torch.Tensor, users: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None) -> None:
         """Back-propagate per-sample losses ``[B]`` (or ``[B, ...]``, summed per sample).
 
         Valid in every clipping mode; micro-batches accumulate until ``optimizer.step()``.
         ``users`` (``privacy_unit="user"``): each row's user id ``[B]``; the clipped unit is then the
         sum of a user's per-example gradients, and all of a user's rows of a step must come in one call.
+        ``mask`` (a ``FixedShapeBatch``'s ``[B]`` bool mask): the padded rows' losses count as 0, exactly as
+        ``masked_losses(losses, mask)``; given this way, the engine still reads the padded rows' layout
+        (their unmasked losses tag them), so a structural layout is cached once instead of read every step.
         """
         if self._runner is None:
             raise RuntimeError("call engine.attach(optimizer) before engine.backward(losses)")
@@ -377,7 +381,13 @@ class PrivacyEngine:
                                   or users.is_floating_point()):
             raise ValueError(f"users must be an integer tensor of shape [{losses.shape[0]}] (one user id per loss), "
                              f"got {type(users).__name__}{tuple(users.shape) if isinstance(users, torch.Tensor) else ''}")
-        self._runner.run(losses, users)
+        tag_losses = None
+        if mask is not None:
+            masked = data.masked_losses(losses, mask)  # (checks the mask)
+            # a padded row's loss tags its rows, unless it is not finite (zero inputs can give that)
+            tag_losses = torch.where(losses.detach().isfinite(), losses, masked)
+            losses = masked
+        self._runner.run(losses, users, tag_losses)
 
     def _on_model_call(self) -> None:
         self._runner.settle()

@@ -402,6 +402,7 @@ class ReorderWatch(TorchFunctionMode):
                 found.append(known[1])
         return found
 
+    @torch._dynamo.disable  # (its bookkeeping by tensor identity is not for tracing; only verifying forwards)
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.seen and func in _INDEXING and args:
@@ -513,6 +514,9 @@ class BackwardRows:
 
         #: the model input's rows seen in this backward (``InputRows``), by identity
         self.inputs: dict[int, InputRows] = {}
+        #: the last tag pass weights every sample 1 (of the unmasked losses of a fixed-shape batch): rows are read
+        #: against it rather than the real gradient, in which the padded rows have none
+        self.reference_pass = False
 
     def begin_tags(self, tags: list[torch.Tensor]) -> None:
         self.tags = tags
@@ -537,6 +541,8 @@ class BackwardRows:
         the trainable layers for the message."""
         for reading in self.inputs.values():
             tags = reading.tags
+            if self.reference_pass and tags is not None and len(reading.tagged) == len(tags):
+                reading.real, reading.tagged, tags = reading.tagged[-1], reading.tagged[:-1], tags[:-1]
             if reading.real is None or tags is None or len(reading.tagged) != len(tags) or tags[0].numel() != reading.batch:
                 continue
             if not any(_one_sample_per_row(reading, axis, tags) for axis in reading.axes):
@@ -591,8 +597,11 @@ class BackwardRows:
                     "the model, or a loss computed inside the model). Return per-sample outputs from model(...) "
                     "and use engine.backward(per_sample_losses)"
                 )
+            reference = call.grad
+            if self.reference_pass:  # the last pass tagged every sample 1: the reference, padded rows included
+                reference, tagged, tags = tagged[-1], tagged[:-1], tags[:-1]
             try:
-                rowmap = read_rows(call.grad, tagged, tags, batch,
+                rowmap = read_rows(reference, tagged, tags, batch,
                                    two_axes=getattr(state.rule, "rows_fold_into_tokens", False))
             except RowsMixSamples as err:
                 raise RowsMixSamples(

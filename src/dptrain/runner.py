@@ -81,8 +81,10 @@ class BackwardRunner:
         self.samples_per_step.add_backward(backward.batch)
 
     # ------------------------------------------------------------------ engine.backward
-    def run(self, losses: torch.Tensor, users: torch.Tensor | None = None) -> None:
-        """``engine.backward(losses[, users])``, the losses checked and ``[B]`` (``users``: each row's user id)."""
+    def run(self, losses: torch.Tensor, users: torch.Tensor | None = None,
+            tag_losses: torch.Tensor | None = None) -> None:
+        """``engine.backward(losses[, users])``, the losses checked and ``[B]`` (``users``: each row's user id;
+        ``tag_losses``: what the tag passes weight, the unmasked losses of a fixed-shape batch)."""
         self.settle()
         self.capture.settle_open_forward()
         parallel = self.parallel
@@ -118,6 +120,7 @@ class BackwardRunner:
         units = self._units(users) if users is not None else None
         self.before_backward()
         backward = self.current = Backward(self.setup, self.trainable(), Phase.SINGLE, samples=B, units=units)
+        backward.tag_losses = tag_losses
         step_users = set(users.tolist()) if users is not None else set()
         can_retry = scaling is not None and scaling.can_retry(scaling.scale(), self.recipe.two_pass,
                                                               parallel is not None)

@@ -34,16 +34,25 @@ def run(args: argparse.Namespace) -> int:
     if args.sample_size is not None and delta >= 1 / args.sample_size:
         warnings.warn(f"delta {delta:g} >= 1/sample size: such a guarantee allows publishing a whole record; "
                       f"use delta well below {1 / args.sample_size:.2g}")
+    k = args.max_batch_size
+    if k is not None and args.sample_size is None:
+        raise CLIError("--max-batch-size needs --sample-size (the truncation term depends on the dataset size)")
+    truncation = {"sample_size": args.sample_size, "max_batch_size": k} if k is not None else {}
+    if k is not None:
+        length_text += (f", batches truncated to {k} rows (truncation term "
+                        f"{accounting.truncation_delta(args.sample_size, q, k, steps):.3g} of delta)")
     names = args.accountant or list(accounting.ACCOUNTANTS)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", accounting.GDPApproximationWarning)  # said once, in the output
         if args.sigma is not None:
             print(f"noise multiplier {args.sigma:g}, {rate_text}, {length_text}, delta {delta:g}")
-            results = {n: accounting.compute_epsilon(args.sigma, q, steps, delta, accountant=n) for n in names}
+            results = {n: accounting.compute_epsilon(args.sigma, q, steps, delta, accountant=n, **truncation)
+                       for n in names}
             label = "epsilon"
         else:
             print(f"target epsilon {args.target_epsilon:g} at delta {delta:g}, {rate_text}, {length_text}")
-            results = {n: accounting.calibrate_noise_multiplier(args.target_epsilon, delta, q, steps, accountant=n)
+            results = {n: accounting.calibrate_noise_multiplier(args.target_epsilon, delta, q, steps, accountant=n,
+                                                                **truncation)
                        for n in names}
             label = "noise multiplier"
     for name, value in results.items():

@@ -211,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"delta (default {TRAIN_DEFAULTS['delta']:g}, as dptrain train)")
     eps.add_argument("--accountant", choices=accounting.ACCOUNTANTS, action="append",
                      help="only this accountant (repeatable; default: all)")
+    eps.add_argument("--max-batch-size", type=positive_int, metavar="K",
+                     help="fixed-shape batches of K rows (with --sample-size): epsilon holds at --delta including "
+                          "the truncation term steps * P[Binomial(N, q) >= K]")
 
     # Defaults live in dptrain.audit.AUDIT_DEFAULTS (absent options fall back to them); the help
     # repeats them so that `dptrain --help` need not import torch (tests/test_audit.py checks both agree).

@@ -354,13 +354,12 @@ class TrainingRun:
         for (x, y), mask in logical:
             x, y = self.data.preprocess(x.to(self.device)), y.to(self.device)
             losses = F.cross_entropy(self.model(x), y, reduction="none")
-            if self.max_batch_size is not None:  # padded rows get a loss of exactly 0: they add nothing
-                losses = masked_losses(losses, mask)
-            loss_total += float(losses.detach().sum())
-            if self.private:
-                self.engine.backward(losses)  # an empty batch still gets its noise at the step
+            padded = self.max_batch_size is not None  # padded rows count as a loss of exactly 0: they add nothing
+            loss_total += float(masked_losses(losses, mask).detach().sum() if padded else losses.detach().sum())
+            if self.private:  # (an empty batch still gets its noise at the step)
+                self.engine.backward(losses, mask=mask if padded else None)
             elif size:
-                (losses.sum() / size).backward()
+                (masked_losses(losses, mask).sum() / size).backward()
         if self.private or size:  # DP steps on empty batches too: Poisson sampling's analysis counts them
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -18,12 +18,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture
 def float64():
     """Run a test with float64 as torch's default dtype, restoring the previous default after."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    from helpers import default_dtype
+
+    with default_dtype(torch.float64):
         yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,7 @@ from it, so every case is random but reproducible. Build cases under float64 (th
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
@@ -45,6 +46,18 @@ class Case:
     @property
     def batch_size(self) -> int:
         return self.batch[0].shape[0]
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to ``dtype`` inside, restored after (the ``float64`` fixture; hypothesis tests,
+    which cannot take function-scoped fixtures, use it directly)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def free_port() -> int:

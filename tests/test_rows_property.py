@@ -21,7 +21,6 @@ here: see ``test_a_mean_over_the_batch_before_the_trainable_layers_is_refused`` 
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 import math
 import random
@@ -36,7 +35,8 @@ from torch import nn
 from dptrain.nn import DPLSTM, DPMultiheadAttention
 
 from helpers import (
-    MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, engine_clipped_sum, reference, split_batch, with_oracle,
+    MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, default_dtype, engine_clipped_sum, reference, split_batch,
+    with_oracle,
 )
 
 D = 4  # features
@@ -302,14 +302,6 @@ def _losses(model, x, y, weights):
     return F.cross_entropy(model(x), y, reduction="none") * weights
 
 
-@contextlib.contextmanager
-def _float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _oracle(case: Case) -> tuple[float, dict]:
@@ -318,7 +310,7 @@ def _oracle(case: Case) -> tuple[float, dict]:
     if int((case.batch[2] != 0).sum()) > 1:
         _, R, ref = with_oracle(lambda: case)
         return R, ref
-    with _float64():
+    with default_dtype(torch.float64):
         grads = reference(case, max_grad_norm=math.inf)
         R = 0.5 * math.sqrt(sum(float(g.square().sum()) for g in grads.values())) or 1.0
         return R, reference(case, max_grad_norm=R)
@@ -348,7 +340,7 @@ SEEDS = st.integers(0, 2 ** 32 - 1)
 def test_random_layouts_are_exact_or_refused_in_every_mode_and_path(seed):
     case, micro, mixes, what = random_model(seed)
     R, ref = (None, None) if mixes else _oracle(case)
-    with _float64():
+    with default_dtype(torch.float64):
         for mode, path in PATHS:
             run = lambda: engine_clipped_sum(case, quiet=True, mode=mode, path=path, micro_batches=micro,  # noqa: E731
                                              max_grad_norm=R if R is not None else 1.0)
@@ -378,7 +370,7 @@ def test_one_sample_moves_the_model_by_at_most_R(seed, mode_path):
     case = Case(case.model, _one_sample_contributes(case.losses_fn), case.batch)
     mode, path = mode_path
     R = 1e-3  # far below the sample's gradient norm
-    with _float64():
+    with default_dtype(torch.float64):
         try:
             got = engine_clipped_sum(case, quiet=True, mode=mode, path=path, max_grad_norm=R)
         except (ValueError, RuntimeError) as refusal:

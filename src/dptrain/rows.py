@@ -371,9 +371,9 @@ class ReorderWatch(TorchFunctionMode):
         self.anchor, self.record = anchor, record
         # floating-point inputs (and views of them), with the axes where their batch may sit
         self._floats = {id(t): (t, (axis,)) for t in inputs if t.is_floating_point()}
-        # integer inputs (ids), and the ids derived from them (a view, a shift, a transpose): whether each is an
-        # input itself, whose batch axis is known
-        self._ids = {id(t): (t, True) for t in inputs if not t.is_floating_point() and not t.is_complex()}
+        # integer inputs (ids), and the ids derived from them (a shift, a view that keeps the batch axis, a
+        # transpose), with the axes where their batch may sit
+        self._ids = {id(t): (t, (axis,)) for t in inputs if not t.is_floating_point() and not t.is_complex()}
         self._copies: dict[int, torch.Tensor] = {}  # each floating-point input's copy, used by all its uses
         self.readings: list[InputRows] = []
 
@@ -393,14 +393,13 @@ class ReorderWatch(TorchFunctionMode):
             return type(obj)(self._substitute(o) for o in obj)
         return obj
 
-    def _ids_in(self, args, kwargs) -> list[bool]:
-        """For each (derived) input ids tensor among the arguments: whether it is a model input itself."""
-        found = []
+    def _ids_in(self, args, kwargs) -> tuple[torch.Tensor, tuple[int, ...]] | None:
+        """The first (derived) input ids tensor among the arguments, with its batch axes."""
         for a in (*args, *kwargs.values()):
             known = self._ids.get(id(a)) if isinstance(a, torch.Tensor) else None
             if known is not None and known[0] is a:
-                found.append(known[1])
-        return found
+                return known
+        return None
 
     @torch._dynamo.disable  # (its bookkeeping by tensor identity is not for tracing; only verifying forwards)
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -417,25 +416,29 @@ class ReorderWatch(TorchFunctionMode):
                 # it copied (indexing by a tensor, a reshape of a non-contiguous tensor): computed from the input
                 # (these functions only read their arguments: called again on its copy)
                 return func(*(self._substitute(a) for a in args), **kwargs)
-            if isinstance(out, torch.Tensor) and out.is_floating_point():
-                axes = tuple(a for a in (0, 1) if out.dim() > a and out.shape[a] == self.batch)
-                if axes:  # (where the batch went is known only if the leading axis was not moved or resized)
-                    keeps = func not in _MOVES_AXES and out.shape[:1] == args[0].shape[:1]
-                    self._floats[id(out)] = (out, self._floats[id(args[0])][1] if keeps else axes)
+            if isinstance(out, torch.Tensor) and out.is_floating_point() and out is not args[0]:
+                if func in _MOVES_AXES or out.shape[:1] != args[0].shape[:1]:
+                    # the batch axis moved or was folded: where it went is not guessed from sizes (one may equal
+                    # B); the copy is made of the input itself, whose axis is known
+                    return func(*(self._substitute(a) for a in args), **kwargs)
+                self._floats[id(out)] = (out, self._floats[id(args[0])][1])
             return out
         if self._floats and _computes(func):
             args = tuple(self._substitute(a) for a in args)
             kwargs = {k: self._substitute(v) for k, v in kwargs.items()}
-        ids = self._ids_in(args, kwargs) if self._ids else []
+        ids = self._ids_in(args, kwargs) if self._ids else None
         out = func(*args, **kwargs)
-        if ids and isinstance(out, torch.Tensor):
-            if out.is_floating_point():
-                axes = (self.axis,) if all(ids) else tuple(a for a in (0, 1) if out.dim() > a and
-                                                          out.shape[a] == self.batch)
-                if func in _EMBEDDINGS and axes and out.dim() > max(axes) and out.shape[axes[0]] == self.batch:
+        if ids is not None and isinstance(out, torch.Tensor):
+            source, axes = ids
+            if func in _MOVES_AXES:  # (XLNet runs sequence-first: its ids transposed; either axis, read both)
+                axes = tuple(a for a in (0, 1) if out.dim() > a and out.shape[a] == self.batch)
+            elif out.shape[:max(axes) + 1] != source.shape[:max(axes) + 1]:
+                axes = ()  # folded or resized: where the batch went is not guessed from sizes (one may equal B)
+            if axes and out.is_floating_point():
+                if func in _EMBEDDINGS:  # an embedding keeps the ids' leading axes
                     out = self._carry(out, axes)
-            elif not out.is_complex() and any(out.dim() > a and out.shape[a] == self.batch for a in (0, 1)):
-                self._ids[id(out)] = (out, False)  # ids derived from the input's: their embedding too
+            elif axes and not out.is_complex():
+                self._ids[id(out)] = (out, axes)  # ids derived from the input's: their embedding too
         return out
 
 

@@ -229,7 +229,14 @@ class FallbackRule(LayerRule):
         raise NotImplementedError("FallbackRule keeps whole calls: use capture_call")
 
     def expand_batch(self, module, activation, output, batch):
-        """A call with batch size 1 whose output broadcasts over the batch: every input is shared."""
+        """A call with batch size 1 whose output broadcasts over the batch: every input is shared.
+
+        A call with no tensor argument at all (a table computed from parameters alone, Swin's relative position
+        bias) is not expanded: how the model broadcasts it is unknown (over the batch, or over the batch times
+        its windows), so it stays as it is and its one row, shared by every sample, is refused by the rows'
+        reading, naming the module."""
+        if not any(isinstance(leaf, torch.Tensor) for leaf in activation.leaves):
+            return None
         activation.batched = []
         activation.batch = batch
         return activation, output.expand(batch, *output.shape[1:])

@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from dptrain import rows
+from dptrain import plan, rows
 from dptrain.testing import reference_clipped_gradient
 from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches
 from test_hazards import R, _backward, _engine
@@ -362,3 +362,20 @@ def test_a_table_returned_by_the_model_is_refused_on_the_plain_path_when_C_diffe
 @pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
 def test_a_table_returned_by_the_model_is_refused_on_the_plain_path_when_C_equals_B(float64, mode):
     _refused_on_the_plain_path(B=4, C=4, mode=mode)
+
+
+def test_last_decisions_show_each_layers_layout(float64):
+    """identity for a batch-first layer, the regrouped layout for one run sequence-first; plan() runs no backward
+    and reads none."""
+    torch.manual_seed(0)
+    model = SequenceFirstInside().double()
+    x, y = _data(4, 3, seed=1)
+    engine = _engine(model, "bk-mixopt", loss_reduction="sum")
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    try:
+        engine.backward(_losses(model, x, y))
+        layouts = {d.name: d.layout for d in engine.last_decisions()}
+    finally:
+        engine.detach()
+    assert layouts == {"inp": "identity", "mid": "transposed over 2 axes", "head": "identity"}
+    assert all(d.layout is None for d in plan(model, x))

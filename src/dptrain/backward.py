@@ -28,7 +28,7 @@ from .pipeline import (
 )
 from .planning import LayerDecision
 from .precision import LossScaling
-from .rows import BackwardRows, NonFiniteRows, RowMap, RowReader, tag_passes
+from .rows import BackwardRows, NonFiniteRows, RowMap, RowReader, describe_layouts, tag_passes
 from .trainable import TrainableSet
 
 
@@ -313,7 +313,10 @@ class Backward:
             self.consumed.extend((state, c) for c in calls)
         batch = self._batch_of(state, calls)
         ops, dims = layer_operands(state, calls, batch, self._row_map)
-        self._ready[id(state)] = ReadyLayer(state, ops, dims, batch)
+        layout = describe_layouts(c.rowmap for c in calls)
+        if self.units is not None:
+            layout = f"per user ({layout} per example)"
+        self._ready[id(state)] = ReadyLayer(state, ops, dims, batch, layout)
         for c in calls:  # the operands hold what is needed; a second pass sets new gradients
             c.grad = None
             if not self.recipe.two_pass and self.consumed is None:

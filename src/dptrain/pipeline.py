@@ -118,6 +118,7 @@ class ReadyLayer:
     ops: tuple
     dims: LayerDims
     batch_size: int
+    layout: str = "identity"  # how its calls' rows map to samples (rows.describe_layouts)
 
 
 @dataclass
@@ -202,7 +203,7 @@ def parameter_norm(p: nn.Parameter, parts: list[tuple[ReadyLayer, str]], recipe:
 def layer_decision(ready: ReadyLayer, norm: Norm, grad: Grad) -> LayerDecision:
     d = ready.dims
     return LayerDecision(ready.state.name, type(ready.state.module).__name__, d.T, d.p, d.d * d.blocks,
-                         d.ghost_cost, d.instantiate_cost, norm, grad)
+                         d.ghost_cost, d.instantiate_cost, norm, grad, ready.layout)
 
 
 # ---------------------------------------------------------------------- stage 4: the clipped sum

@@ -68,6 +68,11 @@ class LayerDecision:
     instantiate_cost: int
     norm: Norm  # ghost, instantiate, or fallback (instantiated by replaying the call, torch.func)
     grad: Grad  # book-keeping, weighted-sum or second-pass
+    #: how the layer's rows mapped to samples in the last backward: identity, a regrouped layout (tokens folded
+    #: in blocks or interleaved, transposed, rows picked by the data), per user; None in plan(), which runs no
+    #: backward (layouts are read from the gradient, at the first backward). An observation, not part of the
+    #: decision: plan() and the engine compare equal without it
+    layout: str | None = dataclasses.field(default=None, compare=False)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -631,9 +631,17 @@ class BackwardRows:
 
 
 def _describe(rowmap: RowMap) -> str:
+    """How a call's rows map to samples, in words (``LayerDecision.layout``)."""
+    if rowmap.identity:
+        return "identity"
     if rowmap.layout is not None:
-        return f"{rowmap.layout.kind} over {rowmap.layout.axes} axes"
+        return f"{rowmap.layout.kind} over {rowmap.layout.axes} ax{'is' if rowmap.layout.axes == 1 else 'es'}"
     return "rows picked by the data"
+
+
+def describe_layouts(rowmaps) -> str:
+    """The layouts of a layer's calls in one backward, each named once, in the order met."""
+    return ", ".join(dict.fromkeys(_describe(m) for m in rowmaps if m is not None)) or "identity"
 
 
 # ---------------------------------------------------------------------- tagged outputs (plain backward)

@@ -766,8 +766,7 @@ class Capture:
 def _start_watch(batch: int, inputs: list, axis: int, anchor, record) -> ReorderWatch:
     """A verifying model call's watch (``rows.ReorderWatch``), entered; run eagerly under torch.compile, whose
     tracing would rebuild the mode without its state."""
-    watch = ReorderWatch(batch, inputs, axis, anchor,
-                         None if record is None else lambda reading, grad: record(reading, grad))
+    watch = ReorderWatch(batch, inputs, axis, anchor, record)
     watch.__enter__()
     return watch
 

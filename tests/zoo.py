@@ -28,7 +28,6 @@ import math
 import re
 import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 
@@ -212,7 +211,6 @@ def _params(model) -> int:
 
 def discover_timm_family(family: str, budget_s: float = 60.0) -> dict:
     """The first candidate and argument set that builds and runs a forward and backward quickly."""
-    import timm
     errors = []
     start = time.monotonic()
     for name in timm_candidates(family):
@@ -319,6 +317,22 @@ def discover_timm(families=None) -> None:
         save_table("timm", table)
 
 
+def _classify_and_save(lib: str, table: dict, spec: dict, make_case, label: str) -> None:
+    """Run one model's sweep (or mark it too large), record its outcome and time, and save the table."""
+    if spec.get("params", 0) > TOO_LARGE:
+        spec["result"] = {"status": "unbuilt", "detail": f"{spec['params']:,} parameters at the smallest size found"}
+    else:
+        t0 = time.monotonic()
+        try:
+            result = classify_case(make_case(spec))
+        except Exception as err:  # noqa: BLE001
+            result = {"status": "unbuilt", "detail": _first_line(err)}
+        result["seconds"] = round(time.monotonic() - t0, 2)
+        spec["result"] = result
+        print(label, result, flush=True)
+    save_table(lib, table)
+
+
 def classify_timm(families=None) -> None:
     table = load_table("timm")
     if families == ["refused"]:  # again, the families refused last time
@@ -328,19 +342,7 @@ def classify_timm(families=None) -> None:
             continue
         if spec.get("status") == "unbuilt" and "name" not in spec:
             continue
-        if spec.get("params", 0) > TOO_LARGE:
-            spec["result"] = {"status": "unbuilt", "detail": f"{spec['params']:,} parameters at the smallest size found"}
-            save_table("timm", table)
-            continue
-        t0 = time.monotonic()
-        try:
-            result = classify_case(timm_case(spec))
-        except Exception as err:  # noqa: BLE001
-            result = {"status": "unbuilt", "detail": _first_line(err)}
-        result["seconds"] = round(time.monotonic() - t0, 2)
-        spec["result"] = result
-        print(family, spec["name"], result, flush=True)
-        save_table("timm", table)
+        _classify_and_save("timm", table, spec, timm_case, f"{family} {spec['name']}")
 
 
 # --------------------------------------------------------------------------- Hugging Face
@@ -548,19 +550,7 @@ def classify_hf(types=None) -> None:
     for model_type, spec in sorted(table.items()):
         if (types and model_type not in types) or spec.get("status") == "unbuilt":
             continue
-        if spec.get("params", 0) > TOO_LARGE:
-            spec["result"] = {"status": "unbuilt", "detail": f"{spec['params']:,} parameters at the smallest size found"}
-            save_table("hf", table)
-            continue
-        t0 = time.monotonic()
-        try:
-            result = classify_case(hf_case(spec))
-        except Exception as err:  # noqa: BLE001
-            result = {"status": "unbuilt", "detail": _first_line(err)}
-        result["seconds"] = round(time.monotonic() - t0, 2)
-        spec["result"] = result
-        print(model_type, spec["class"], result, flush=True)
-        save_table("hf", table)
+        _classify_and_save("hf", table, spec, hf_case, f"{model_type} {spec['class']}")
 
 
 # --------------------------------------------------------------------------- the table in docs/models.md

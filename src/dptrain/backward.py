@@ -69,7 +69,7 @@ class Backward:
     """One backward (both passes, the tag passes and fp16 retries included); see the module docstring."""
 
     def __init__(self, setup: BackwardSetup, trainable: TrainableSet, phase: Phase, samples: int | None = None,
-                 units: torch.Tensor | None = None):
+                 units: torch.Tensor | None = None, tag_losses: torch.Tensor | None = None):
         self.setup = setup
         self.recipe = setup.recipe
         self.trainable = trainable
@@ -97,7 +97,7 @@ class Backward:
         self.task = -1
         #: what the tag passes weight instead of the losses (a fixed-shape batch's unmasked losses: its padded rows
         #: then show their layout too)
-        self.tag_losses: torch.Tensor | None = None
+        self.tag_losses = tag_losses
         setup.sums.begin()
 
     # ------------------------------------------------------------------ engine.backward

@@ -389,7 +389,7 @@ class ReorderWatch(TorchFunctionMode):
             if copy is None:
                 copy = self._copies[id(obj)] = self._carry(obj, known[1])
             return copy
-        if isinstance(obj, (list, tuple)) and any(isinstance(o, torch.Tensor) for o in obj):
+        if type(obj) in (list, tuple) and any(isinstance(o, torch.Tensor) for o in obj):  # (not named tuples)
             return type(obj)(self._substitute(o) for o in obj)
         return obj
 

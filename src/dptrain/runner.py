@@ -117,11 +117,10 @@ class BackwardRunner:
                 raise ValueError("the losses do not depend on any trainable parameter (did the forward run under no_grad?)")
             self.after_backward(False)
             return  # an empty batch contributes nothing; the step still adds noise and counts
-        units = self._units(users) if users is not None else None
+        units, step_users = self._units(users) if users is not None else (None, set())
         self.before_backward()
-        backward = self.current = Backward(self.setup, self.trainable(), Phase.SINGLE, samples=B, units=units)
-        backward.tag_losses = tag_losses
-        step_users = set(users.tolist()) if users is not None else set()
+        backward = self.current = Backward(self.setup, self.trainable(), Phase.SINGLE, samples=B, units=units,
+                                           tag_losses=tag_losses)
         can_retry = scaling is not None and scaling.can_retry(scaling.scale(), self.recipe.two_pass,
                                                               parallel is not None)
         try:
@@ -144,12 +143,13 @@ class BackwardRunner:
             self.current = None
         self.after_backward(overflow)
 
-    def _units(self, users: torch.Tensor) -> torch.Tensor:
-        """Each row's unit (0..U-1, the step's users in order of their ids); refuses a user whose rows of this
-        step came in an earlier backward: each backward clips its own rows, so a user split over two would move
-        the model by up to 2R."""
+    def _units(self, users: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
+        """(each row's unit, 0..U-1 in the order of the users' ids; the users' ids). Refuses a user whose rows of
+        this step came in an earlier backward: each backward clips its own rows, so a user split over two would
+        move the model by up to 2R."""
         ids, units = torch.unique(users.detach().cpu(), return_inverse=True)
-        again = set(ids.tolist()) & self.users_in_step
+        ids = set(ids.tolist())
+        again = ids & self.users_in_step
         if again:
             raise ValueError(
                 f"users {sorted(again)[:5]} already had rows in an earlier engine.backward of this step: with "
@@ -157,7 +157,7 @@ class BackwardRunner:
                 "step must come in one engine.backward call (split micro-batches by user, e.g. "
                 "dptrain.data.poisson_loader(..., users=...) batches). Nothing of this call was accumulated"
             )
-        return units
+        return units, ids
 
     def new_step(self) -> None:
         """The optimizer stepped: model calls and users start afresh."""

@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import accounting, data, distributed
+from . import accounting, attached, data, distributed
 from .algorithms import DEFAULT_CLIPPING_MODE
 from .backward import BackwardSetup
 from .budget import Budget, PrivacyBudgetExceeded
@@ -30,34 +29,11 @@ from .planning import DEFAULT_DECISION_RULE, LayerDecision
 from .precision import LossScaling
 from .rows import RowReader
 from .runner import BackwardRunner
-from .step import GivenGradients, PendingMarker, apply_private_gradient, held_trainable
+from .step import PrivateStep
 from .trainable import TrainableKey, TrainableSet, build_trainable_set
 from .validation import frozen_batchnorm_checks, validate
 
 __all__ = ["EngineConfig", "PrivacyBudgetExceeded", "PrivacyEngine"]
-
-# Engines attached right now, by the model they hook: a second engine on the same model (or on a part
-# of it) would see the first one's ghost-differentiated backward as ordinary gradients.
-_ATTACHED: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
-_OPTIMIZER_GUARD: list = []  # torch's global optimizer step pre-hook, while an engine is attached
-
-
-def _guard_optimizers() -> None:
-    """Every optimizer's step passes the attached engines' check (``_refuse_foreign_optimizer``) while any
-    engine is attached: an optimizer built after attach, or a second one, is seen before it applies anything."""
-    attached = any(ref() is not None for ref in _ATTACHED.values())
-    if attached and not _OPTIMIZER_GUARD:
-        _OPTIMIZER_GUARD.append(register_optimizer_step_pre_hook(_refuse_foreign_optimizers))
-    elif not attached and _OPTIMIZER_GUARD:
-        _OPTIMIZER_GUARD.pop().remove()
-
-
-def _refuse_foreign_optimizers(optimizer, args, kwargs) -> None:
-    for ref in list(_ATTACHED.values()):
-        engine = ref()
-        if engine is not None:
-            engine._refuse_foreign_optimizer(optimizer)
-
 
 class PrivacyEngine:
     """Makes an ordinary PyTorch training loop differentially private.
@@ -136,13 +112,8 @@ class PrivacyEngine:
         # Set by attach: the hooks, the optimizer, the GradScaler protocol, what every backward works with.
         self._capture: Capture | None = None
         self._scaling: LossScaling | None = None
-        self._optimizer: torch.optim.Optimizer | None = None
         self._runner: BackwardRunner | None = None  # which backward runs (made at attach, with the hooks)
-        self._step_handle = None
         self._grad_handles: dict[nn.Parameter, Any] = {}
-        self._given = GivenGradients()
-        self._marker = PendingMarker()
-        self._marker_key, self._marker_on = None, None
 
         # Long-lived parts: the step's clipped sums, the row layouts read so far, the budget, the trainable set.
         self._sums = StepSums()
@@ -152,6 +123,9 @@ class PrivacyEngine:
         self._trainable: TrainableSet | None = None
         self._warned_fallback: set[str] = set()
         self._follow_trainable()
+        # the private step and its lifecycle (zero_grad, closures, the GradScaler's skip, the step count)
+        self._step = PrivateStep(self.config, self.accountant, self._noise, self._budget, self._sums, self._parallel,
+                                 lambda: self._trainable)
         if not self._trainable.layers:
             raise ValueError("the model has no trainable parameters: nothing to train privately")
         if self.recipe.two_pass and self._trainable.num_groups > 1:
@@ -163,8 +137,16 @@ class PrivacyEngine:
                 stacklevel=2,
             )
 
-        self.steps_taken = 0
         self._warned_loader = False
+
+    @property
+    def steps_taken(self) -> int:
+        """Private steps applied (and counted in the accountant) so far, a resumed checkpoint's included."""
+        return self._step.steps_taken
+
+    @steps_taken.setter
+    def steps_taken(self, value: int) -> None:
+        self._step.steps_taken = int(value)
 
     # ------------------------------------------------------------------ the trainable set
     def _follow_trainable(self) -> None:
@@ -225,14 +207,14 @@ class PrivacyEngine:
         """
         if data_loader is not None:
             self._check_loader(data_loader)
-        if self._optimizer is not None:
+        if self._step.optimizer is not None:
             raise RuntimeError("this engine is already attached; call detach() first")
         distributed.refuse_deepspeed(optimizer)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "is_enabled")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
-        self._refuse_second_engine()
+        attached.refuse_second(self.model, self._step)
         self._follow_trainable()
         model_params = set(self.model.parameters())
         held = [p for group in optimizer.param_groups for p in group["params"]]
@@ -251,34 +233,18 @@ class PrivacyEngine:
         setup = BackwardSetup(self.recipe, self.decision_rule, self.clipping_fn, self.clipping_gamma,
                               self._sums, self._rows, capture, overflow_skippable=enabled)
         self._runner = runner = BackwardRunner(self.config, setup, lambda: self._trainable, self._scaling,
-                                               self._parallel, self._before_backward, self._after_backward)
+                                               self._parallel, self._step.before_backward, self._step.after_backward)
         capture.on_grad, capture.on_output_grad = runner.on_output_grad, runner.on_model_output_grad
         capture.on_tag_outputs, capture.on_scalar_output_grad = runner.tag_outputs, runner.refuse_loss_inside_model
         capture.on_input_grad = runner.on_input_grad
         capture.install(list(self._trainable.layers), extra_checks=frozen_batchnorm_checks(self.model))
         self._sync_grad_hooks()
-        self._step_handle = optimizer.register_step_pre_hook(self._before_step)
-        self._optimizer = optimizer
-        self._given.clear()
-        _ATTACHED[self.model] = weakref.ref(self)
-        _guard_optimizers()
+        self._step.attach(optimizer, self._scaling, runner, self._prepare_step)
+        attached.add(self.model, self._step)
         TrainableKey.watch()
         if self._parallel is not None:
             self._parallel.attach()
         return self
-
-    def _refuse_second_engine(self) -> None:
-        mine = set(self.model.modules())
-        for root, ref in list(_ATTACHED.items()):
-            other = ref()
-            if other is None or other is self or other._optimizer is None:
-                continue
-            if root in mine or self.model in set(root.modules()):
-                raise RuntimeError(
-                    f"another PrivacyEngine is attached to this model ({type(root).__name__}): two engines on one model "
-                    "would each see the other's backward as ordinary gradients. Use one engine (one optimizer with "
-                    "several parameter groups), or call detach() on the other first"
-                )
 
     def _check_loader(self, loader) -> None:
         if data.is_poisson_loader(loader):
@@ -318,20 +284,15 @@ class PrivacyEngine:
             self._runner.abort()
         if self._capture is not None:
             self._capture.remove()
-        if self._step_handle is not None:
-            self._step_handle.remove()
         for handle in self._grad_handles.values():
             handle.remove()
         self._grad_handles = {}
-        if self._parallel is not None and self._optimizer is not None:
+        if self._parallel is not None and self._step.optimizer is not None:
             self._parallel.detach()
-        if _ATTACHED.get(self.model) is not None and _ATTACHED[self.model]() is self:
-            del _ATTACHED[self.model]
-            _guard_optimizers()
+        if attached.remove(self.model, self._step):
             TrainableKey.unwatch()
-        self._capture, self._step_handle, self._optimizer = None, None, None
-        self._marker.forget()
-        self._discard_step()
+        self._capture = None
+        self._step.detach()
 
     @contextlib.contextmanager
     def paused(self):
@@ -394,12 +355,6 @@ class PrivacyEngine:
         if torch.is_grad_enabled():
             self._follow_trainable()
 
-    def _discard_step(self) -> None:
-        """Drop the step's clipped sums and every call still waiting for a backward (the step is over)."""
-        self._sums.clear()
-        for state in self._trainable.layers:
-            state.calls.clear()
-
     def _on_accumulated_grad(self, p: nn.Parameter) -> None:
         """Autograd reached a covered parameter: it was used outside its own layer's forward call."""
         name = self._trainable.param_name(p)
@@ -410,142 +365,11 @@ class PrivacyEngine:
             "module itself, tie it to another covered layer (shared parameters are exact), or freeze it"
         )
 
-    # ------------------------------------------------------------------ the private step
-    def _loss_scale(self) -> float:
-        """The GradScaler's current scale (the factor on this step's loss), or 1."""
-        return self._scaling.scale() if self._scaling is not None else 1.0
-
-    def _marker_param(self) -> nn.Parameter:
-        """The smallest covered trainable parameter the optimizer holds: the one that shows ``PendingMarker``."""
-        key = (self._trainable, sum(len(g["params"]) for g in self._optimizer.param_groups))
-        if self._marker_key != key:
-            users = self._trainable.users
-            held = [p for group in self._optimizer.param_groups for p in group["params"]
-                    if p in users and p.requires_grad]
-            self._marker_key, self._marker_on = key, (min(held, key=lambda q: q.numel()) if held
-                                                      else next(iter(users)))
-        return self._marker_on
-
-    def _before_backward(self) -> None:
-        """A backward is about to add to the step: a ``zero_grad()`` since the last one discarded the batches
-        back-propagated before it (``PendingMarker``)."""
-        if self._marker.cleared():
-            self._sums.clear()
-            self._marker.forget()
-
-    def _after_backward(self, overflow: bool) -> None:
-        """Show the marker (``PendingMarker``): zero_grad() is seen, and with a GradScaler the scaler checks it
-        (inf makes it skip the step).
-
-        A skipped step (the plain ``loss.backward()`` path, or data parallelism, where the engine
-        cannot run the backward again) counts in the accountant right away: skipping is a decision
-        that looked at the data, and ``optimizer.step()`` (where steps are counted otherwise) will
-        not run.
-        """
-        marker_param = self._marker_param()
-        if self._scaling is None:
-            self._marker.place(marker_param)
-            return
-        if self._parallel is not None:  # every rank skips, or none
-            overflow = self._parallel.any(overflow, marker_param.device)
-        first, skipped = self._scaling.show(overflow, self._marker.skips)
-        self._marker.place(marker_param, skip=skipped)
-        if skipped:
-            self._sums.clear()  # nothing of a skipped step is ever applied
-        if first:
-            self._budget.check(self.steps_taken + 1)
-            self._count_step()
-            warnings.warn(
-                "fp16 overflow: this step is skipped and still counts in the privacy accountant. Through "
-                "engine.backward(scaler.scale(losses)) in one process the engine finds a working scale without "
-                "skipping", stacklevel=3)
-
-    def _before_step(self, optimizer, args, kwargs):
-        """The attached optimizer's step pre-hook: the private gradient into ``p.grad``. With a closure
-        (``optimizer.step(closure)``) that happens after the closure's backward, once per step."""
-        # (args: the optimizer itself, then step's own arguments)
-        closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
-        if closure is None:
-            self._private_step()
-            return None
-        evaluated = False
-
-        def private_closure():
-            nonlocal evaluated
-            if evaluated:
-                raise RuntimeError(
-                    f"{type(optimizer).__name__} evaluated its closure a second time in one step: a private step "
-                    "releases one noisy gradient per batch, and each further evaluation would be another release "
-                    "on the same batch. The first evaluation's private update was applied and counted. Use an "
-                    "optimizer that evaluates the closure once per step (torch.optim.LBFGS with max_iter=1, or a "
-                    "first-order optimizer)"
-                )
-            evaluated = True
-            with torch.enable_grad():
-                loss = closure()
-            self._private_step()
-            return loss
-
-        if "closure" in kwargs:
-            return args, {**kwargs, "closure": private_closure}
-        return (args[0], private_closure, *args[2:]), kwargs
-
-    def _private_step(self) -> None:
+    def _prepare_step(self) -> None:
+        """Before the private step: a failed plain backward is dropped, the trainable set read again."""
         self._runner.settle()
         self._capture.settle_open_forward()
         self._follow_trainable()
-        self._runner.new_step()
-        marker = self._marker.tensor
-        if self._scaling is not None and self._scaling.overflowed:
-            # optimizer.step() without scaler.step(): the counted, overflowed step applies nothing
-            for p in held_trainable(self._optimizer, self._trainable):
-                p.grad = None
-            self._scaling.overflowed = False
-            self._marker.forget()
-            self._discard_step()
-            return
-        if self._marker.cleared():  # zero_grad() after the last backward: its batches are discarded
-            self._sums.clear()
-        step_params = held_trainable(self._optimizer, self._trainable)  # refuses raw gradients it does not cover
-        self._given.leave_frozen_untouched(self._optimizer, marker)
-        if self._parallel is not None:
-            self._given.refuse_foreign(step_params, self._trainable, marker)
-        try:
-            self._budget.check(self.steps_taken + 1)
-        except PrivacyBudgetExceeded:
-            for p in step_params:
-                p.grad = None
-            self._marker.forget()
-            self._discard_step()
-            raise
-        self._marker.forget()
-        apply_private_gradient(step_params, self._sums, self._noise.sample, self.noise_multiplier * self.max_grad_norm,
-                               self.batch_size, self._parallel, self._given)
-        self._discard_step()
-        self._count_step()
-
-    def _refuse_foreign_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Any optimizer's step (torch's global step pre-hook): one other than the attached optimizer (or a
-        wrapper of it) that holds covered trainable parameters would apply gradients the engine never gave."""
-        mine = self._optimizer
-        if (optimizer is mine or mine is None or optimizer.param_groups is mine.param_groups
-                or getattr(optimizer, "optimizer", None) is mine):
-            return
-        held = {p for group in optimizer.param_groups for p in group["params"]}
-        private = [self._trainable.param_name(p) for p in self._trainable.users if p.requires_grad and p in held]
-        if private:
-            raise RuntimeError(
-                f"{type(optimizer).__name__} is not the optimizer this PrivacyEngine is attached to, but it holds "
-                f"trainable parameters of the private model ({private[:3]}{' ...' if len(private) > 3 else ''}): "
-                "the engine gives private gradients only to the optimizer it is attached to, so this one would "
-                "apply nothing, or gradients that are not private. Nothing was applied. Attach the engine to this "
-                "optimizer (engine.detach(); engine.attach(optimizer)), or build the optimizer before attach"
-            )
-
-    def _count_step(self) -> None:
-        self.accountant.step(self.noise_multiplier, self.sample_rate)
-        self.steps_taken += 1
-        self._runner.samples_per_step.end_step()
 
     # ------------------------------------------------------------------ reports
     def last_decisions(self) -> list[LayerDecision]:

@@ -1,4 +1,5 @@
-"""The private step: the step's clipped sums, the Gaussian noise and the divisor, into the optimizer's ``p.grad``.
+"""The private step: the step's clipped sums, the Gaussian noise and the divisor, into the optimizer's ``p.grad``;
+the step's lifecycle around it (``PrivateStep``: zero_grad, closures, the GradScaler's skip, the count).
 
 Also what the step refuses: trainable parameters the optimizer does not hold (their private gradient
 would be lost), parameters it holds that carry a gradient the engine did not give (unclipped), and a
@@ -15,6 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .budget import PrivacyBudgetExceeded
 from .pipeline import StepSums, sum_dtype
 from .trainable import TrainableSet
 
@@ -173,6 +175,187 @@ class PendingMarker:
         if self.tensor is not None and self.param.grad is self.tensor:
             self.param.grad = None
         self.param, self.tensor, self._version, self._skip = None, None, -1, False
+
+
+class PrivateStep:
+    """The attached optimizer's private step, and the lifecycle of a step around it.
+
+    Between a backward and the step, ``PendingMarker`` makes ``zero_grad()`` visible (it discards the batches
+    back-propagated before it) and carries the GradScaler's skip. At ``optimizer.step()`` (its pre-hook; with a
+    closure, after the closure's backward, once per step): the budget check, then the step's clipped sums plus
+    the noise over the divisor into ``p.grad`` (``apply_private_gradient``), then the count in the accountant.
+
+    Long-lived, like the step count it keeps (``steps_taken`` spans detach and attach); ``attach`` binds an
+    optimizer, the GradScaler protocol and the backward runner. ``prepare`` is the engine's part before a step
+    (a failed backward dropped, the trainable set read again).
+    """
+
+    def __init__(self, config, accountant, noise, budget, sums: StepSums, parallel,
+                 trainable: Callable[[], TrainableSet]):
+        self.config = config
+        self.accountant, self.noise, self.budget, self.sums, self.parallel = accountant, noise, budget, sums, parallel
+        self.trainable = trainable
+        self.steps_taken = 0
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scaling = None
+        self.runner = None
+        self._prepare: Callable[[], None] | None = None
+        self._handle = None
+        self._given = GivenGradients()
+        self._marker = PendingMarker()
+        self._marker_key, self._marker_on = None, None
+
+    def attach(self, optimizer: torch.optim.Optimizer, scaling, runner, prepare: Callable[[], None]) -> None:
+        self.optimizer, self.scaling, self.runner, self._prepare = optimizer, scaling, runner, prepare
+        self._handle = optimizer.register_step_pre_hook(self._before_step)
+        self._given.clear()
+
+    def detach(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+        self._handle, self.optimizer, self.scaling, self.runner, self._prepare = None, None, None, None, None
+        self._marker.forget()
+        self.discard()
+
+    def discard(self) -> None:
+        """Drop the step's clipped sums and every call still waiting for a backward (the step is over)."""
+        self.sums.clear()
+        for state in self.trainable().layers:
+            state.calls.clear()
+
+    # ------------------------------------------------------------------ around each backward
+    def _marker_param(self) -> nn.Parameter:
+        """The smallest covered trainable parameter the optimizer holds: the one that shows ``PendingMarker``."""
+        trainable = self.trainable()
+        key = (trainable, sum(len(g["params"]) for g in self.optimizer.param_groups))
+        if self._marker_key != key:
+            users = trainable.users
+            held = [p for group in self.optimizer.param_groups for p in group["params"]
+                    if p in users and p.requires_grad]
+            self._marker_key, self._marker_on = key, (min(held, key=lambda q: q.numel()) if held
+                                                      else next(iter(users)))
+        return self._marker_on
+
+    def before_backward(self) -> None:
+        """A backward is about to add to the step: a ``zero_grad()`` since the last one discarded the batches
+        back-propagated before it."""
+        if self._marker.cleared():
+            self.sums.clear()
+            self._marker.forget()
+
+    def after_backward(self, overflow: bool) -> None:
+        """Show the marker: zero_grad() is seen, and with a GradScaler the scaler checks it (inf makes it skip).
+
+        A skipped step (the plain ``loss.backward()`` path, or data parallelism, where the engine
+        cannot run the backward again) counts in the accountant right away: skipping is a decision
+        that looked at the data, and ``optimizer.step()`` (where steps are counted otherwise) will
+        not run.
+        """
+        marker_param = self._marker_param()
+        if self.scaling is None:
+            self._marker.place(marker_param)
+            return
+        if self.parallel is not None:  # every rank skips, or none
+            overflow = self.parallel.any(overflow, marker_param.device)
+        first, skipped = self.scaling.show(overflow, self._marker.skips)
+        self._marker.place(marker_param, skip=skipped)
+        if skipped:
+            self.sums.clear()  # nothing of a skipped step is ever applied
+        if first:
+            self.budget.check(self.steps_taken + 1)
+            self._count()
+            warnings.warn(
+                "fp16 overflow: this step is skipped and still counts in the privacy accountant. Through "
+                "engine.backward(scaler.scale(losses)) in one process the engine finds a working scale without "
+                "skipping", stacklevel=3)
+
+    # ------------------------------------------------------------------ the step
+    def _before_step(self, optimizer, args, kwargs):
+        """The attached optimizer's step pre-hook. With a closure (``optimizer.step(closure)``) the private
+        gradient is formed after the closure's backward, once per step."""
+        # (args: the optimizer itself, then step's own arguments)
+        closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
+        if closure is None:
+            self._step()
+            return None
+        evaluated = False
+
+        def private_closure():
+            nonlocal evaluated
+            if evaluated:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} evaluated its closure a second time in one step: a private step "
+                    "releases one noisy gradient per batch, and each further evaluation would be another release "
+                    "on the same batch. The first evaluation's private update was applied and counted. Use an "
+                    "optimizer that evaluates the closure once per step (torch.optim.LBFGS with max_iter=1, or a "
+                    "first-order optimizer)"
+                )
+            evaluated = True
+            with torch.enable_grad():
+                loss = closure()
+            self._step()
+            return loss
+
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": private_closure}
+        return (args[0], private_closure, *args[2:]), kwargs
+
+    def _step(self) -> None:
+        self._prepare()
+        self.runner.new_step()
+        trainable, marker = self.trainable(), self._marker.tensor
+        if self.scaling is not None and self.scaling.overflowed:
+            # optimizer.step() without scaler.step(): the counted, overflowed step applies nothing
+            for p in held_trainable(self.optimizer, trainable):
+                p.grad = None
+            self.scaling.overflowed = False
+            self._marker.forget()
+            self.discard()
+            return
+        if self._marker.cleared():  # zero_grad() after the last backward: its batches are discarded
+            self.sums.clear()
+        step_params = held_trainable(self.optimizer, trainable)  # refuses raw gradients it does not cover
+        self._given.leave_frozen_untouched(self.optimizer, marker)
+        if self.parallel is not None:
+            self._given.refuse_foreign(step_params, trainable, marker)
+        try:
+            self.budget.check(self.steps_taken + 1)
+        except PrivacyBudgetExceeded:  # nothing of this step is applied
+            for p in step_params:
+                p.grad = None
+            self._marker.forget()
+            self.discard()
+            raise
+        self._marker.forget()
+        c = self.config
+        apply_private_gradient(step_params, self.sums, self.noise.sample, c.noise_multiplier * c.max_grad_norm,
+                               c.batch_size, self.parallel, self._given)
+        self.discard()
+        self._count()
+
+    def _count(self) -> None:
+        self.accountant.step(self.config.noise_multiplier, self.config.sample_rate)
+        self.steps_taken += 1
+        self.runner.samples_per_step.end_step()
+
+    def refuse_foreign_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Any optimizer's step (torch's global step pre-hook, ``attached``): one other than the attached optimizer
+        (or a wrapper of it) that holds covered trainable parameters would apply gradients the engine never gave."""
+        mine = self.optimizer
+        if (optimizer is mine or mine is None or optimizer.param_groups is mine.param_groups
+                or getattr(optimizer, "optimizer", None) is mine):
+            return
+        held = {p for group in optimizer.param_groups for p in group["params"]}
+        trainable = self.trainable()
+        private = [trainable.param_name(p) for p in trainable.users if p.requires_grad and p in held]
+        if private:
+            raise RuntimeError(
+                f"{type(optimizer).__name__} is not the optimizer this PrivacyEngine is attached to, but it holds "
+                f"trainable parameters of the private model ({private[:3]}{' ...' if len(private) > 3 else ''}): "
+                "the engine gives private gradients only to the optimizer it is attached to, so this one would "
+                "apply nothing, or gradients that are not private. Nothing was applied. Attach the engine to this "
+                "optimizer (engine.detach(); engine.attach(optimizer)), or build the optimizer before attach"
+            )
 
 
 class SamplesPerStep:

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import dptrain
 from dptrain import plan, rows
 from dptrain.testing import reference_clipped_gradient
 from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches
@@ -379,3 +380,55 @@ def test_last_decisions_show_each_layers_layout(float64):
         engine.detach()
     assert layouts == {"inp": "identity", "mid": "transposed over 2 axes", "head": "identity"}
     assert all(d.layout is None for d in plan(model, x))
+
+
+# ------------------------------------------------------------------------------------------ rows that are not samples
+def _views_setup(mode, seed=0):
+    """A Poisson loader attached to the engine (batch_size 6, noise 0, lr 1) and one of its non-empty batches."""
+    from torch.utils.data import TensorDataset
+
+    torch.manual_seed(seed)
+    data = TensorDataset(torch.randn(30, 4, dtype=torch.float64), torch.randint(0, 3, (30,)))
+    loader = dptrain.data.poisson_loader(data, batch_size=6, generator=torch.Generator().manual_seed(seed))
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+    engine = dptrain.PrivacyEngine(model, batch_size=6, sample_size=30, noise_multiplier=0.0, max_grad_norm=R,
+                                   clipping_mode=mode, loss_reduction="sum")
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(opt, data_loader=loader)
+    batches = iter(loader)
+    x, y = next(b for b in batches if len(b[0]) > 1)
+    return model, engine, opt, x, y, batches
+
+
+@pytest.mark.parametrize("mode,path", [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES])
+def test_a_backward_over_more_rows_than_the_loaders_batch_is_refused(float64, mode, path):
+    """``model(torch.cat([x, x_aug]))``: each row would be clipped as a sample (a sample moving the model by 2R);
+    with a loader attached the engine knows the batch had fewer samples, refuses, and keeps nothing of it."""
+    model, engine, opt, x, y, _ = _views_setup(mode)
+    augmented = x + 0.1 * torch.randn_like(x)
+    with pytest.raises(ValueError, match=r"the attached loader's batch had \d+ samples"):
+        losses = F.cross_entropy(model(torch.cat([x, augmented])), torch.cat([y, y]), reduction="none")
+        if path == "engine":
+            engine.backward(losses)
+        else:
+            losses.sum().backward()
+    # one call per view, one loss per sample (the sum of its views'): exact, and nothing of the refused one stayed
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def both_views(m, xi, ai, yi):
+        return F.cross_entropy(m(xi), yi, reduction="none") + F.cross_entropy(m(ai), yi, reduction="none")
+
+    expected = reference_clipped_gradient(copy.deepcopy(model), both_views, (x, augmented, y), max_grad_norm=R)
+    engine.backward(both_views(model, x, augmented, y))
+    opt.step()
+    got = {n: (before[n] - p.detach()) * 6 for n, p in model.named_parameters()}  # the step divides by batch_size
+    assert_matches(got, expected, what=f"{mode}-{path}")
+
+
+def test_the_next_batch_fetched_before_the_backward_is_not_mistaken_for_the_current_one(float64):
+    """A loop that fetches batch k+1 before back-propagating batch k (prefetching) is not refused."""
+    model, engine, opt, x, y, batches = _views_setup("bk-mixopt", seed=3)
+    smaller = next(b for b in batches if len(b[0]) < len(x))  # handed out now, before x's backward
+    engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+    opt.step()
+    assert engine.steps_taken == 1 and len(smaller[0]) < len(x)

@@ -25,6 +25,8 @@ can be zero. A shuffled fixed-size ``DataLoader`` does not match that analysis.
 
 from __future__ import annotations
 
+import collections
+
 import itertools
 import numbers
 import os
@@ -859,6 +861,8 @@ class DPDataLoader(DataLoader):
         self.num_users = getattr(sampler, "num_users", None)
         self.max_examples_per_user = getattr(sampler, "max_examples_per_user", None)
         self._consumed: int | None = None  # batches handed out in the current epoch
+        # rows of the last two batches handed out (two: a loop may fetch the next batch before the last backward)
+        self._recent_rows: collections.deque[int] = collections.deque(maxlen=2)
 
     @property
     def poisson_sampler(self) -> PoissonSampler:
@@ -869,8 +873,15 @@ class DPDataLoader(DataLoader):
         self._consumed = sampler._position if sampler._resume_pending else 0
         for batch in super().__iter__():
             self._consumed += 1
+            self._recent_rows.append(batch_len(batch) or 0)
             yield batch
         self._consumed = None
+
+    @property
+    def recent_batch_rows(self) -> int | None:
+        """The most rows of the last two batches handed out (None before the first): a backward over more rows
+        than that treats rows as samples that are not (``torch.cat([x, x_augmented])``)."""
+        return max(self._recent_rows) if self._recent_rows else None
 
     def state_dict(self) -> dict:
         """Sampler checkpoint counting the batches *consumed*, not prefetched by workers."""

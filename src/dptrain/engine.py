@@ -239,6 +239,9 @@ class PrivacyEngine:
         capture.on_input_grad = runner.on_input_grad
         capture.install(list(self._trainable.layers), extra_checks=frozen_batchnorm_checks(self.model))
         self._sync_grad_hooks()
+        if data.is_poisson_loader(data_loader):
+            loader = weakref.ref(data_loader)
+            runner.loader_rows = lambda: getattr(loader(), "recent_batch_rows", None)
         self._step.attach(optimizer, self._scaling, runner, self._prepare_step)
         attached.add(self.model, self._step)
         TrainableKey.watch()

@@ -51,6 +51,8 @@ class BackwardRunner:
         self.users_in_step: set[int] = set()
         #: what each layer did in the last backward
         self.decisions: list[LayerDecision] = []
+        #: the most rows an attached Poisson loader handed out in its last batches (None: no loader attached)
+        self.loader_rows: Callable[[], int | None] = lambda: None
         #: samples reaching each step, against the batch size the accounting assumes (a warning when far off)
         self.samples_per_step = SamplesPerStep(
             config.batch_size, config.sample_rate, max_batch_size=config.max_batch_size,
@@ -117,6 +119,7 @@ class BackwardRunner:
                 raise ValueError("the losses do not depend on any trainable parameter (did the forward run under no_grad?)")
             self.after_backward(False)
             return  # an empty batch contributes nothing; the step still adds noise and counts
+        self._refuse_rows_beyond_loader(B, "engine.backward got", "per-sample losses")
         units, step_users = self._units(users) if users is not None else (None, set())
         self.before_backward()
         backward = self.current = Backward(self.setup, self.trainable(), Phase.SINGLE, samples=B, units=units,
@@ -158,6 +161,22 @@ class BackwardRunner:
                 "dptrain.data.poisson_loader(..., users=...) batches). Nothing of this call was accumulated"
             )
         return units, ids
+
+    def _refuse_rows_beyond_loader(self, rows: int | None, what: str, unit: str) -> None:
+        """More rows in one backward than the attached loader's batch had samples: some rows are not samples (a
+        model called on ``torch.cat([x, x_augmented])``), and clipping each row alone would let one sample move
+        the model by more than R."""
+        limit = self.loader_rows()
+        if rows is None or limit is None or rows <= limit:
+            return
+        self.forget_calls()
+        raise ValueError(
+            f"{what} {rows} {unit}, but the attached loader's batch had {limit} samples: the engine clips each "
+            "row as a sample, so rows that belong to one sample (views concatenated with torch.cat([x, x_aug])) "
+            "would each be clipped alone and move the model by up to (rows per sample) x R. Call the model once "
+            "per view and give engine.backward one loss per sample (the sum of its views' losses). Nothing of "
+            "this backward was accumulated"
+        )
 
     def new_step(self) -> None:
         """The optimizer stepped: model calls and users start afresh."""
@@ -276,6 +295,7 @@ class BackwardRunner:
                 "tensors (or tuples, dicts, dataclasses of tensors) from model(...), use "
                 "engine.backward(per_sample_losses), or checkpoint with use_reentrant=False"
             )
+        self._refuse_rows_beyond_loader(self.capture.forward_batch, "loss.backward() over a model call of", "rows")
         self.before_backward()
         backward = self.current = Backward(self.setup, self.trainable(), Phase.PLAIN)
         backward.task = task

@@ -368,7 +368,7 @@ class TinyTransformer(nn.Module):
 
     def forward(self, ids):
         B, T = ids.shape
-        positions = torch.arange(T).expand(B, T)  # an index of shape [B, T]
+        positions = torch.arange(T, device=ids.device).expand(B, T)  # an index of shape [B, T]
         x = self.tok(ids) + self.pos(positions)
         x = x + self.attn(self.ln1(x))
         x = x + self.mlp(self.ln2(x))

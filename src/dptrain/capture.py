@@ -35,7 +35,7 @@ from .distributed import is_dtensor
 from .layers.numerics import swap01
 from .layers.protocol import LayerDims, LayerRule
 from .layers.fallback import in_replay
-from .rows import ReorderWatch, RowReader, pattern_key, tensors_in
+from .rows import ReorderWatch, RowReader, computing_precision, pattern_key, tensors_in
 
 
 def in_backward() -> bool:
@@ -68,6 +68,7 @@ class Call:
     tagged: torch.Tensor | None = None  # its output gradient in a tag pass
     tags: torch.Tensor | None = None  # the per-sample tags of that pass
     rowmap: Any = None  # rows.RowMap, once read
+    precision: torch.dtype | None = None  # the lowest precision its model call computed in (rows.computing_precision)
 
 
 class CallList:
@@ -334,6 +335,9 @@ class Capture:
         self._view_outputs: list = []  # (output, its version, layer) of this model call's outputs that are views
         #: batch size of the model's current forward call, read from its first tensor argument
         self.forward_batch: int | None = None
+        #: the lowest precision the open model call computes in (``rows.computing_precision``), for reading rows
+        self.forward_precision: torch.dtype | None = None
+        self._param_dtypes: tuple[torch.dtype, ...] = ()
         self._forward_count = 0
         self._open_forward: int | None = None  # id of a model call that has not returned yet
         self._finished_forward = False
@@ -363,6 +367,7 @@ class Capture:
 
     def set_layers(self, layers: list[LayerState]) -> None:
         self.layers = layers
+        self._param_dtypes = tuple({p.dtype for s in layers for p in s.params.values()})
         self._state_of = {id(s.module): s for s in layers}
         for state in layers:
             if self._hooked.get(id(state.module)) is state.module:
@@ -428,9 +433,12 @@ class Capture:
         self._forward_needs_tags = False
         self._view_outputs = []
         self._end_watch()
+        device = next((t.device for t in tensors_in((args, kwargs))), None)
+        self.forward_precision = computing_precision(device, self._param_dtypes) if device is not None else None
         if self.rows.watch_next and not self.dry and self.forward_batch:
             inputs = [t for t in tensors_in((args, kwargs)) if t.dim() > dim and t.shape[dim] == self.forward_batch]
-            self._watch = _start_watch(self.forward_batch, inputs, dim, self._anchor, self.on_input_grad)
+            self._watch = _start_watch(self.forward_batch, inputs, dim, self._anchor, self.on_input_grad,
+                                       self.forward_precision)
         if torch.is_grad_enabled() and not self.dry:
             self.state_writes.before()
         return None
@@ -697,6 +705,7 @@ class Capture:
         forward_id = None if recomputed else self._open_forward
         call = Call(activation, dims, batch, version, forward_id, recomputed)
         call.shape = tuple(seen.shape)
+        call.precision = self.forward_precision
         if forward_batch is not None:
             ordinals = self._recomputed_ordinals if recomputed else self._ordinals
             call.ordinal = ordinals.get(id(module), 0)
@@ -763,10 +772,10 @@ class Capture:
 
 
 @torch._dynamo.disable
-def _start_watch(batch: int, inputs: list, axis: int, anchor, record) -> ReorderWatch:
+def _start_watch(batch: int, inputs: list, axis: int, anchor, record, precision) -> ReorderWatch:
     """A verifying model call's watch (``rows.ReorderWatch``), entered; run eagerly under torch.compile, whose
     tracing would rebuild the mode without its state."""
-    watch = ReorderWatch(batch, inputs, axis, anchor, record)
+    watch = ReorderWatch(batch, inputs, axis, anchor, record, precision)
     watch.__enter__()
     return watch
 

@@ -193,35 +193,57 @@ def can_regroup(rule, activation, grad: torch.Tensor, axes: int) -> bool:
     return axes == 1 or getattr(rule, "rows_fold_into_tokens", False)
 
 
+def computing_precision(device: torch.device, params) -> torch.dtype | None:
+    """The lowest floating-point precision the forward computes in now: autocast's dtype where autocast is on for
+    ``device``, and the (trainable) parameters' dtypes. A gradient's own dtype does not show it: a float32 input
+    of a bf16 model, or a LayerNorm's float32 output under autocast, gets a float32 gradient computed in bf16."""
+    lowest = None
+    try:
+        on = torch.is_autocast_enabled(device.type)
+        dtype = torch.get_autocast_dtype(device.type) if on else None
+    except TypeError:  # torch < 2.4: no device argument
+        on = torch.is_autocast_enabled() if device.type == "cuda" else torch.is_autocast_cpu_enabled()
+        dtype = (torch.get_autocast_gpu_dtype() if device.type == "cuda" else torch.get_autocast_cpu_dtype()) if on else None
+    for dt in ([dtype] if dtype is not None else []) + list(params):
+        if dt.is_floating_point and (lowest is None or torch.finfo(dt).eps > torch.finfo(lowest).eps):
+            lowest = dt
+    return lowest
+
+
 def read_rows(grad: torch.Tensor, tagged: list[torch.Tensor], tags: list[torch.Tensor], batch: int,
-              two_axes: bool) -> RowMap:
+              two_axes: bool, precision: torch.dtype | None = None) -> RowMap:
     """The row-to-sample map of one call from its real output gradient and those of the tag passes.
 
     Raises ``RowsMixSamples`` where some row's gradient is not one sample's (along dim 0, and, with
-    ``two_axes``, over dims 0 and 1 either).
+    ``two_axes``, over dims 0 and 1 either). ``precision``: the lowest precision the forward computed in
+    (``computing_precision``), whose rounding the reading allows for.
     """
     err = None
     for axes in ((1, 2) if two_axes and grad.dim() >= 3 else (1,)):
         try:
-            return _read(grad, tagged, tags, batch, axes)
+            return _read(grad, tagged, tags, batch, axes, precision)
         except RowsMixSamples as e:
             err = e
     raise err
 
 
-def _read(grad, tagged, tags, batch, axes) -> RowMap:
+def _read(grad, tagged, tags, batch, axes, precision=None) -> RowMap:
     rows = math.prod(grad.shape[:axes]) if grad.dim() >= axes else 1
     if not bool(torch.isfinite(grad).all()) or not all(bool(torch.isfinite(t).all()) for t in tagged):
         raise NonFiniteRows("a layer's output gradient is inf or NaN")
     dtype = torch.float64
     g = grad.detach().reshape(rows, -1).to(dtype)
     eps = torch.finfo(grad.dtype).eps if grad.is_floating_point() else 1e-12
+    if precision is not None:
+        eps = max(eps, torch.finfo(precision).eps)
     gg = g.square().sum(1)
     scale = gg.max().sqrt() if rows else gg.new_zeros(())
     # A row whose gradient is rounding noise next to the call's largest row says nothing about its sample.
     empty = gg.sqrt() <= 64 * eps * scale
     # The gradient's dtype does not tell the precision it was computed in (a float64 model may normalise in
-    # float32): float32's is the floor. A row that mixes samples misses by far more than rounding.
+    # float32): float32's is the floor, or the forward's lower one (``precision``: bf16 autocast allows 5 %,
+    # so a row mixing a few percent of another sample's gradient passes there). A row that mixes samples
+    # misses by far more than rounding.
     rel = min(1e3 * max(eps, torch.finfo(torch.float32).eps), 0.05)
     ids = torch.zeros(rows, dtype=torch.long)
     ok = torch.ones(rows, dtype=torch.bool)
@@ -297,10 +319,11 @@ class InputRows:
     of one sample fed to another) before any trainable layer, where no layer's output gradient can see it.
     """
 
-    def __init__(self, batch: int, axes: tuple[int, ...]):
+    def __init__(self, batch: int, axes: tuple[int, ...], precision: torch.dtype | None = None):
         #: where the batch may sit: the model's axis for its own inputs; for a tensor made from ids derived from
         #: an input (transposed, reshaped) either of the first two that has the batch's size
         self.batch, self.axes = batch, axes
+        self.precision = precision  # the lowest precision the forward computed in (``computing_precision``)
         self.real: torch.Tensor | None = None
         self.tagged: list[torch.Tensor] = []
         self.tags: list[torch.Tensor] | None = None  # the tags of the passes that made ``tagged``
@@ -310,7 +333,7 @@ def _one_sample_per_row(reading: InputRows, axis: int, tags: list[torch.Tensor])
     """Whether each row of the reading along ``axis`` carries the gradient of its own sample's loss only."""
     try:
         rowmap = read_rows(reading.real.movedim(axis, 0), [t.movedim(axis, 0) for t in reading.tagged], tags,
-                           reading.batch, two_axes=False)
+                           reading.batch, two_axes=False, precision=reading.precision)
     except RowsMixSamples:
         return False
     return rowmap.identity
@@ -363,9 +386,11 @@ class ReorderWatch(TorchFunctionMode):
     samples before the trainable layers (``InputRows``).
     """
 
-    def __init__(self, batch: int, inputs=(), axis: int = 0, anchor=None, record=None):
+    def __init__(self, batch: int, inputs=(), axis: int = 0, anchor=None, record=None,
+                 precision: torch.dtype | None = None):
         super().__init__()
         self.batch = batch
+        self.precision = precision
         self.seen = False
         self.axis = axis
         self.anchor, self.record = anchor, record
@@ -378,7 +403,7 @@ class ReorderWatch(TorchFunctionMode):
         self.readings: list[InputRows] = []
 
     def _carry(self, t: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
-        reading = InputRows(self.batch, axes)
+        reading = InputRows(self.batch, axes, self.precision)
         self.readings.append(reading)
         return _InputRowsNode.apply(self.anchor(t.device), t, reading, self.record)
 
@@ -605,7 +630,7 @@ class BackwardRows:
                 reference, tagged, tags = tagged[-1], tagged[:-1], tags[:-1]
             try:
                 rowmap = read_rows(reference, tagged, tags, batch,
-                                   two_axes=getattr(state.rule, "rows_fold_into_tokens", False))
+                                   two_axes=getattr(state.rule, "rows_fold_into_tokens", False), precision=call.precision)
             except RowsMixSamples as err:
                 raise RowsMixSamples(
                     f"{name}: {err} (output of shape {tuple(call.grad.shape)}, batch of {batch}): per-sample "

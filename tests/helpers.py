@@ -349,7 +349,7 @@ class SelfAttention(nn.Module):
         split = lambda t: t.reshape(B, T, self.heads, d // self.heads).transpose(1, 2)  # noqa: E731
         q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
         scores = q @ k.transpose(-1, -2) / math.sqrt(d // self.heads)
-        causal = torch.ones(T, T, dtype=torch.bool).triu(1)
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         att = torch.softmax(scores.masked_fill(causal, float("-inf")), dim=-1)
         return self.out((att @ v).transpose(1, 2).reshape(B, T, d))
 

@@ -27,6 +27,9 @@ def _version(distribution: str) -> str | None:
 def _git_commit() -> str | None:
     import dptrain
 
+    named = os.environ.get("DPTRAIN_BENCH_COMMIT")
+    if named:  # the caller names the tree it sent (a GPU machine's copy may carry a stale .git)
+        return named
     root = Path(dptrain.__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,

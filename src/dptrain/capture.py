@@ -434,7 +434,8 @@ class Capture:
         self._view_outputs = []
         self._end_watch()
         device = next((t.device for t in tensors_in((args, kwargs))), None)
-        self.forward_precision = computing_precision(device, self._param_dtypes) if device is not None else None
+        self.forward_precision = (computing_precision(device, self._param_dtypes)
+                                  if device is not None and not self.dry else None)
         if self.rows.watch_next and not self.dry and self.forward_batch:
             inputs = [t for t in tensors_in((args, kwargs)) if t.dim() > dim and t.shape[dim] == self.forward_batch]
             self._watch = _start_watch(self.forward_batch, inputs, dim, self._anchor, self.on_input_grad,

@@ -204,6 +204,8 @@ def computing_precision(device: torch.device, params) -> torch.dtype | None:
     except TypeError:  # torch < 2.4: no device argument
         on = torch.is_autocast_enabled() if device.type == "cuda" else torch.is_autocast_cpu_enabled()
         dtype = (torch.get_autocast_gpu_dtype() if device.type == "cuda" else torch.get_autocast_cpu_dtype()) if on else None
+    except RuntimeError:  # a device without autocast (meta: plan() without data)
+        dtype = None
     for dt in ([dtype] if dtype is not None else []) + list(params):
         if dt.is_floating_point and (lowest is None or torch.finfo(dt).eps > torch.finfo(lowest).eps):
             lowest = dt

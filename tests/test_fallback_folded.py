@@ -95,6 +95,39 @@ def test_as_many_samples_as_windows(order, mask):
     assert_rule_exact(Windowed(windows=3, order=order, mask=mask), _input(3, windows=3), allow_fallback=True)
 
 
+@pytest.mark.parametrize("mode,path", [("bk-mixopt", "engine"), ("bk-mixopt", "mean"), ("ghost", "engine")])
+def test_later_steps_with_a_checked_layout_are_exact(float64, mode, path):
+    """The replay's checks run once per layout: the steps after the first replay without them, exactly. A model
+    with equal rows per sample (one vmap) and one with rows picked by the data (one replay per sample)."""
+    for model, x in ((Windowed(mask=True), _input(3)), (Routed(), _input(4, windows=1, tokens=6, seed=1))):
+        torch.manual_seed(0)
+        model = spread_init(model)
+
+        def losses(m, x):
+            return m(x).square().flatten(1).sum(1)
+
+        grads = per_sample_gradients(model, losses, (x,))
+        norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in grads.values()))
+        R = float(norms.median())
+        expected = {n: torch.einsum("b,b...->...", torch.clamp(R / norms, max=1.0), g) for n, g in grads.items()}
+        engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=50, max_grad_norm=R, noise_multiplier=0.0,
+                                       clipping_mode=mode)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        engine.attach(optimizer)
+        try:
+            for step in range(3):
+                if path == "engine":
+                    engine.backward(losses(model, x))
+                else:
+                    losses(model, x).mean().backward()
+                optimizer.step()
+                got = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+                optimizer.zero_grad(set_to_none=True)
+                assert_matches(got, expected, what=f"{type(model).__name__}, step {step}, {mode} through {path}")
+        finally:
+            engine.detach()
+
+
 def test_a_mask_laid_out_for_another_order_of_the_rows_is_refused():
     """Windows-major rows with a mask that pairs row r with mask r % W: in the batch a row meets another window's
     mask than in its own sample's forward, so the batch's gradient is not the sum of the samples' (the oracle's).

@@ -456,7 +456,8 @@ class FallbackRule(LayerRule):
         def one_sample(sample_leaves, g_s):
             args, kwargs = call.arguments(dict(zip(call.batched, sample_leaves)))
             out, pullback = torch.func.vjp(lambda p: self._replay(module, args, kwargs, p), primals)
-            return pullback(g_s.to(out.dtype))[0], (out if check else None)
+            grads = pullback(g_s.to(out.dtype))[0]
+            return (grads, out) if check else grads  # the outputs only for the check (vmap returns tensors only)
 
         device, enabled, dtype = call.autocast
         try:
@@ -464,10 +465,10 @@ class FallbackRule(LayerRule):
                 if counts.numel() and int(counts.min()) == int(counts.max()) > 0:  # as many rows each: one vmap
                     index = order.reshape(rows.batch, -1)
                     leaves = [call.leaves[k][index.to(call.leaves[k].device)] for k in call.batched]
-                    grads, outs = torch.func.vmap(one_sample, randomness="error")(leaves, g[index.to(g.device)])
-                    outs = None if outs is None else outs.flatten(0, 1)
+                    got = torch.func.vmap(one_sample, randomness="error")(leaves, g[index.to(g.device)])
+                    grads, outs = (got[0], got[1].flatten(0, 1)) if check else (got, None)
                 else:  # samples with different numbers of rows (or none): one replay each
-                    grads, outs, parts, start = {n: [] for n in primals}, [], [], 0
+                    grads, outs, start = {n: [] for n in primals}, [], 0
                     for count in counts.tolist():
                         idx = order[start:start + count]
                         start += count
@@ -475,11 +476,13 @@ class FallbackRule(LayerRule):
                             for n, p in primals.items():
                                 grads[n].append(torch.zeros_like(p))
                             continue
-                        sample_grads, out = one_sample([call.leaves[k][idx.to(call.leaves[k].device)]
-                                                        for k in call.batched], g[idx.to(g.device)])
+                        got = one_sample([call.leaves[k][idx.to(call.leaves[k].device)] for k in call.batched],
+                                         g[idx.to(g.device)])
+                        sample_grads = got[0] if check else got
                         for n, t in sample_grads.items():
                             grads[n].append(t)
-                        outs.append(out)
+                        if check:
+                            outs.append(got[1])
                     grads = {n: torch.stack(ts) if ts else p.new_zeros(0, *p.shape)
                              for (n, ts), p in zip(grads.items(), primals.values())}
                     outs = torch.cat(outs) if check and outs else None

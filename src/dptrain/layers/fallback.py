@@ -18,6 +18,11 @@ module, input shapes and mode the rule checks this twice and refuses otherwise: 
 one sample's input and checks that no other sample's output moves (and that the replay
 reproduces the recorded output at all, which random operations such as dropout break), and
 it checks that the per-sample gradients sum to the gradient of the whole batch.
+
+A call whose rows are not the samples in order (windows or tokens folded into the batch, as window attention
+calls its modules on ``[B * windows, N, d]``) is regrouped by ``FallbackRule.regroup_call`` with the sample of
+each row (read by ``dptrain.rows``): each sample's rows are replayed alone, as the sample's own forward calls the
+module. The check above then perturbs one row of the call.
 """
 from __future__ import annotations
 
@@ -494,6 +499,8 @@ class FallbackRule(LayerRule):
             self._check_folded_outputs(module, call, order, outs)
             known = (rows.samples >= 0).to(g.device).reshape(-1, *([1] * (g.dim() - 1)))
             self._check_gradient_sum(module, call, g * known, primals, grads)
+            if len(self._folded_checked) >= 256:  # rows picked by the data: a new layout at most steps
+                self._folded_checked.clear()      # (checking again is always safe)
             self._folded_checked.add(key)
         return grads
 

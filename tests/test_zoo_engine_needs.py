@@ -73,11 +73,6 @@ class WindowScale(nn.Module):
         return self.head(torch.tanh(self.scaler(folded)).reshape(B, L, d))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "rows.py can_regroup refuses an activation that is not a tensor, so the fallback (whose activation is the "
-    "whole call) cannot take folded rows; needed: a rule hook `regroup_call(module, activation, grad, samples, "
-    "batch)` that RowMap.regroup calls when present, with which FallbackRule replays the call with the rows as "
-    "its batch (vmap over the N rows) and sums each sample's rows (index_add over samples) into [B, *param]"))
 def test_fallback_module_on_rows_folded_into_the_batch_is_exact():
     torch.manual_seed(0)
     assert_rule_exact(WindowScale(4, windows=2), torch.randn(3, 6, 4), allow_fallback=True)

@@ -148,8 +148,12 @@ class RowMap:
         """(operands, dims of each part) of this call with its rows regrouped by sample.
 
         Rules whose leading axes are all tokens take ``[B, K, ...]`` (K rows per sample, zero gradients
-        where a sample has fewer); other rules get K calls of ``[B, ...]`` joined along the token axis.
+        where a sample has fewer); other rules get K calls of ``[B, ...]`` joined along the token axis; a rule
+        with a ``regroup_call`` hook is handed the call and the sample of each row, and regroups it itself.
         """
+        hook = getattr(rule, "regroup_call", None)
+        if hook is not None:  # the rule regroups the call itself (the fallback replays each sample's rows)
+            return hook(module, activation, grad, self.samples, self.batch)
         act, g = activation, grad
         if self.axes == 2:
             act, g = act.flatten(0, 1), g.flatten(0, 1)
@@ -185,7 +189,10 @@ def _order(samples: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def can_regroup(rule, activation, grad: torch.Tensor, axes: int) -> bool:
-    """Whether a rule's activation can be regrouped row by row (a tensor sharing the output's leading axes)."""
+    """Whether a rule's activation can be regrouped row by row (a tensor sharing the output's leading axes), or
+    the rule regroups a call's rows along dim 0 itself (``LayerRule.regroup_call``)."""
+    if getattr(rule, "regroup_call", None) is not None:
+        return axes == 1 and grad.dim() >= 1
     if not isinstance(activation, torch.Tensor) or activation.dim() < axes:
         return False
     if activation.shape[:axes] != grad.shape[:axes]:

@@ -18,9 +18,15 @@ module, input shapes and mode the rule checks this twice and refuses otherwise: 
 one sample's input and checks that no other sample's output moves (and that the replay
 reproduces the recorded output at all, which random operations such as dropout break), and
 it checks that the per-sample gradients sum to the gradient of the whole batch.
+
+A call whose rows are not the samples in order (windows or tokens folded into the batch, as window attention
+calls its modules on ``[B * windows, N, d]``) is regrouped by ``FallbackRule.regroup_call`` with the sample of
+each row (read by ``dptrain.rows``): each sample's rows are replayed alone, as the sample's own forward calls the
+module. The check above then perturbs one row of the call.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 import threading
@@ -122,11 +128,39 @@ class FallbackCall:
 
 
 @dataclass
+class FoldedRows:
+    """A recorded call whose rows are not the samples in order (windows or tokens folded into the batch, rows
+    reordered or routed), with its output gradient and the sample of each row (``dptrain.rows``)."""
+
+    call: FallbackCall
+    grad: torch.Tensor
+    samples: torch.Tensor  # long, on the CPU: the sample of each row, -1 for a row with no gradient
+    batch: int
+
+    def chunks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, counts): the rows that have a sample, sample by sample and in the call's order within each
+        sample, and how many rows each sample has."""
+        known = self.samples >= 0
+        key = torch.where(known, self.samples, torch.full_like(self.samples, self.batch))
+        rows = torch.sort(key, stable=True).indices[: int(known.sum())]
+        return rows, torch.bincount(self.samples[known], minlength=self.batch)[: self.batch]
+
+    def row_factors(self, factor: torch.Tensor) -> torch.Tensor:
+        """Each row's sample's factor (``factor[samples[r]]``; 0 for a row with no sample)."""
+        samples = self.samples.to(factor.device)
+        known = samples >= 0
+        return torch.where(known, factor[samples.clamp(min=0)], torch.zeros((), dtype=factor.dtype,
+                                                                             device=factor.device))
+
+
+@dataclass
 class FallbackOperands:
     """The calls of one module in one backward with their output gradients; per-sample gradients once formed."""
 
     calls: list[tuple[FallbackCall, torch.Tensor]]
     per_sample: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: calls whose rows were regrouped by sample (``FallbackRule.regroup_call``)
+    folded: list[FoldedRows] = field(default_factory=list)
 
 
 def _tolerance(dtype: torch.dtype) -> float:
@@ -187,6 +221,7 @@ class FallbackRule(LayerRule):
         self.swapped = not batch_first
         self._forward_checked: set[tuple] = set()   # call signatures whose outputs were checked
         self._backward_checked: set[tuple] = set()  # ... whose per-sample gradients were checked
+        self._folded_checked: set[tuple] = set()  # ... with rows folded into the batch, by their samples
 
     # ------------------------------------------------------------------ forward: keep the call
     def capture_call(self, module, args, kwargs, output):
@@ -259,14 +294,18 @@ class FallbackRule(LayerRule):
 
     def concat_calls(self, calls):
         # Several calls of one module: the per-sample gradient is the sum over its calls.
-        return (FallbackOperands([c for ops in calls for c in ops[0].calls]),)
+        return (FallbackOperands([c for ops in calls for c in ops[0].calls],
+                                 folded=[f for ops in calls for f in ops[0].folded]),)
 
     def per_sample_grads(self, module, ops, names):
         store = ops[0]
         missing = set(names) - set(store.per_sample)
         if missing:
             wanted = sorted(missing | {n for n in self.param_names if module.get_parameter(n).requires_grad})
-            for name, grad in self._per_sample(module, store.calls, wanted).items():
+            grads = self._per_sample(module, store.calls, wanted)
+            for name, grad in self._per_sample_folded(module, store.folded, wanted).items():
+                grads[name] = grad if name not in grads else grads[name] + grad
+            for name, grad in grads.items():
                 store.per_sample.setdefault(name, grad)
         return {n: store.per_sample[n] for n in names}
 
@@ -287,6 +326,10 @@ class FallbackRule(LayerRule):
             primals = {n: module.get_parameter(n).detach() for n in names}
             for call, g in store.calls:
                 for n, t in self._scaled_batch_grads(module, call, g, factor, primals).items():
+                    out[n] = t if n not in out else out[n] + t
+            for rows in store.folded:  # each row scaled by its sample's factor, in one replay of the call
+                for n, t in self._scaled_batch_grads(module, rows.call, rows.grad, rows.row_factors(factor),
+                                                     primals).items():
                     out[n] = t if n not in out else out[n] + t
         return out
 
@@ -366,6 +409,118 @@ class FallbackRule(LayerRule):
             self._check_gradient_sum(module, call, g, primals, stacked)
             self._backward_checked.add(call.signature)
         return stacked
+
+    # ------------------------------------------------------------------ rows folded into the batch
+    def regroup_call(self, module, activation, grad, samples, batch):
+        """A call whose rows are the samples in another order or layout (``LayerRule.regroup_call``): windows or
+        tokens folded into the batch (``[B * windows, N, d]``), rows reordered or routed.
+
+        Its per-sample gradients replay, for each sample, that sample's rows alone (in the call's order) as the
+        call's batch, with the other arguments as recorded, and take the vjp of the module's own parameters with
+        the rows' output gradients: a vmap over the samples where each has as many rows, one replay per sample
+        otherwise. That is the module call a one-sample forward makes, row for row: a mask over the windows given
+        once for all images (Swin's shifted windows) pairs with each sample's windows as it does there. The rows'
+        independence is checked when the call is recorded (perturbing one row moves no other), and once per
+        layout that each sample's replay reproduces its rows of the call and that the per-sample gradients sum
+        to the call's gradient. The two-pass modes' second pass replays the whole call once, each row's output
+        gradient scaled by its sample's factor.
+        """
+        (store,) = self.operands(module, activation, grad)  # (its inputs unchanged since the call)
+        ((call, g),) = store.calls
+        if call.bags:
+            raise SampleMixingError(
+                f"{self._name(module)}: its bags are not the samples in order, which the per-sample fallback cannot "
+                "regroup; give it the batch's bags in order, or freeze its parameters")
+        if samples is None or samples.numel() != g.shape[0]:
+            raise ValueError(f"{self._name(module)}: {g.shape[0]} rows in the call, a sample for "
+                             f"{None if samples is None else samples.numel()} of them")
+        rows = FoldedRows(call, g, samples.to("cpu", torch.long), batch)
+        counts = rows.chunks()[1]
+        per_row = self.dims(module, call, g)
+        dims = dataclasses.replace(per_row, T=per_row.T * max(1, int(counts.max()) if counts.numel() else 0))
+        return (FallbackOperands([], folded=[rows]),), [dims]
+
+    def _per_sample_folded(self, module, folded: list[FoldedRows], names) -> dict[str, torch.Tensor]:
+        if not folded:
+            return {}
+        primals = {n: module.get_parameter(n).detach() for n in names}
+        total: dict[str, torch.Tensor] = {}
+        for rows in folded:
+            for n, t in self._per_sample_of_rows(module, rows, primals).items():
+                total[n] = t if n not in total else total[n] + t
+        return total
+
+    def _per_sample_of_rows(self, module, rows: FoldedRows, primals) -> dict[str, torch.Tensor]:
+        """[batch, *param] per-sample gradients of a call with rows folded into its batch: each sample's rows
+        replayed alone."""
+        call, g = rows.call, rows.grad
+        order, counts = rows.chunks()
+        key = (call.signature, rows.batch, hash(rows.samples.numpy().tobytes()))
+        check = key not in self._folded_checked
+
+        def one_sample(sample_leaves, g_s):
+            args, kwargs = call.arguments(dict(zip(call.batched, sample_leaves)))
+            out, pullback = torch.func.vjp(lambda p: self._replay(module, args, kwargs, p), primals)
+            grads = pullback(g_s.to(out.dtype))[0]
+            return (grads, out) if check else grads  # the outputs only for the check (vmap returns tensors only)
+
+        device, enabled, dtype = call.autocast
+        try:
+            with torch.autocast(device, dtype=dtype, enabled=enabled):
+                if counts.numel() and int(counts.min()) == int(counts.max()) > 0:  # as many rows each: one vmap
+                    index = order.reshape(rows.batch, -1)
+                    leaves = [call.leaves[k][index.to(call.leaves[k].device)] for k in call.batched]
+                    got = torch.func.vmap(one_sample, randomness="error")(leaves, g[index.to(g.device)])
+                    grads, outs = (got[0], got[1].flatten(0, 1)) if check else (got, None)
+                else:  # samples with different numbers of rows (or none): one replay each
+                    grads, outs, start = {n: [] for n in primals}, [], 0
+                    for count in counts.tolist():
+                        idx = order[start:start + count]
+                        start += count
+                        if count == 0:
+                            for n, p in primals.items():
+                                grads[n].append(torch.zeros_like(p))
+                            continue
+                        got = one_sample([call.leaves[k][idx.to(call.leaves[k].device)] for k in call.batched],
+                                         g[idx.to(g.device)])
+                        sample_grads = got[0] if check else got
+                        for n, t in sample_grads.items():
+                            grads[n].append(t)
+                        if check:
+                            outs.append(got[1])
+                    grads = {n: torch.stack(ts) if ts else p.new_zeros(0, *p.shape)
+                             for (n, ts), p in zip(grads.items(), primals.values())}
+                    outs = torch.cat(outs) if check and outs else None
+        except SampleMixingError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as err:
+            raise self._cannot_replay(module, err, " one sample's rows at a time") from err
+        if check:
+            self._check_folded_outputs(module, call, order, outs)
+            known = (rows.samples >= 0).to(g.device).reshape(-1, *([1] * (g.dim() - 1)))
+            self._check_gradient_sum(module, call, g * known, primals, grads)
+            if len(self._folded_checked) >= 256:  # rows picked by the data: a new layout at most steps
+                self._folded_checked.clear()      # (checking again is always safe)
+            self._folded_checked.add(key)
+        return grads
+
+    def _check_folded_outputs(self, module, call, order, outs):
+        """Each sample's rows replayed alone reproduce those rows of the call: the module pairs no row with
+        another input by its position in the whole call (a mask laid out for another order of the rows)."""
+        if outs is None:
+            return
+        device, enabled, dtype = call.autocast
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            whole = self._replay(module, *call.arguments())
+        if not _close(outs, whole[order.to(whole.device)]):
+            raise SampleMixingError(
+                f"{self._name(module)}: its rows are samples folded into the batch (windows, tokens), and replaying "
+                "each sample's rows alone does not reproduce them: the module treats a row by its place in the whole "
+                "call (an argument such as a mask laid out for another order of the rows, or rows that depend on the "
+                "number of rows), so the per-sample fallback cannot split it. Give the layer the batch as its first "
+                f"dimension, register a rule for {type(module).__name__} with dptrain.register_layer, or freeze its "
+                "parameters"
+            )
 
     # ------------------------------------------------------------------ checks, once per signature
     def _check_independence(self, module, call, output):

@@ -130,6 +130,15 @@ class LayerRule:
     #: the axis of the operands that holds the token positions
     token_dim: int = 1
 
+    #: Optional hook ``regroup_call(module, activation, grad, samples, batch) -> (operands, [LayerDims])`` for a
+    #: call whose rows along dim 0 are not the samples in order (windows or tokens folded into the batch, rows
+    #: reordered or routed): ``samples[r]`` (long, on the CPU) is the sample of row ``r`` (-1: a row with no
+    #: gradient, which contributes nothing), ``batch`` the number of samples, and the operands returned are those
+    #: of one call of ``batch`` samples. Rows are regrouped by ``dptrain.rows`` only through it where the rule has
+    #: it (the per-sample fallback, whose activation is the whole call, replays each sample's rows); without it,
+    #: only a tensor activation sharing the output's leading axes can be regrouped, and other calls are refused.
+    regroup_call = None
+
     def ghost_sq_norm(self, module: nn.Module, ops: tuple) -> torch.Tensor:
         """[B] squared norms of the weight's per-sample gradients (only if ghost_supported)."""
         raise NotImplementedError

@@ -39,7 +39,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..checks import first_line
-from .numerics import scale_samples, swap01, weighted_sum
+from .numerics import close, scale_samples, swap01, weighted_sum
 from .protocol import LayerDims, LayerRule
 from .registry import container_params
 
@@ -176,21 +176,7 @@ def _tolerance(dtype: torch.dtype) -> float:
 def _close(a: torch.Tensor, b: torch.Tensor, scale=None, tol: float | None = None) -> bool:
     """``a`` equals ``b`` up to ``tol`` (default: a few roundings of the less precise dtype), relative
     to ``scale`` (default: the largest entry of ``b``); non-finite entries must sit at the same places."""
-    if a.shape != b.shape:
-        return False
-    if a.numel() == 0:
-        return True
-    tol = _tolerance(min_dtype(a.dtype, b.dtype)) if tol is None else tol
-    acc = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
-    a, b = a.detach().to(acc), b.detach().to(acc)
-    finite = torch.isfinite(b)
-    if not torch.equal(finite, torch.isfinite(a)):
-        return False
-    if not bool(finite.any()):
-        return True
-    a, b = a[finite], b[finite]
-    scale = b.abs().max() if scale is None else scale
-    return bool((a - b).abs().max() <= tol * scale)
+    return close(a, b, _tolerance(min_dtype(a.dtype, b.dtype)) if tol is None else tol, scale)
 
 
 def min_dtype(*dtypes: torch.dtype) -> torch.dtype:

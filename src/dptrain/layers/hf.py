@@ -15,7 +15,7 @@ from .embedding import EmbeddingRule
 from .linear import LinearRule
 from .norms import AffineNormRule
 from .numerics import factor_weighted_sum
-from .protocol import LayerDims, LayerRule
+from .protocol import CaptureSite, LayerDims, LayerRule
 from .registry import reads_child_params, register_layer
 
 
@@ -124,8 +124,12 @@ class TokenParamsRule(LayerRule):
 
     captures_input = True
 
-    def hook_target(self, module):
+    def hook_target(self, module) -> nn.Module:
+        """The submodule at whose input the token sequence is read (subclasses name theirs)."""
         return module.dropout
+
+    def capture_sites(self, module):
+        return [CaptureSite(self.hook_target(module))]
 
     def slots(self, module, tokens: torch.Tensor) -> dict[str, slice | ValueError]:
         """{parameter name: the token positions it lands on} for one call, from the hooked tensor.

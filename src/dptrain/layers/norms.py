@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .numerics import accumulation_dtype, float32_at_least
+from .numerics import accumulation_dtype, close, float32_at_least
 from .protocol import LayerDims, LayerRule, positional_inputs
 from .registry import register_layer
 from .fallback import FallbackCall, FallbackOperands, autocast_state, replay
@@ -260,11 +260,11 @@ class RecognisedRMSNormRule(AffineNormRule):
             xf = float32_at_least(x)
             formula = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + _eps_of(module))
             tol = max(16 * torch.finfo(torch.float32).eps, 4 * torch.finfo(output.dtype).eps)
-            if not _close_to(xhat, formula, tol):
+            if not close(xhat, formula, tol):
                 problems.append("its normalised input is not x / sqrt(mean(x^2) + eps) over the last dim")
-            if one_plus and not _close_to(at_one, 2 * at_zero, tol):
+            if one_plus and not close(at_one, 2 * at_zero, tol):
                 problems.append("its output is not affine in the weight")
-            if not _close_to(output, expected, tol):
+            if not close(output, expected, tol):
                 problems.append(f"its output is not {'(1 + weight)' if one_plus else 'weight'} * that")
             if self.one_plus is not None and one_plus != self.one_plus:
                 problems.append("it scaled by weight on one call and by (1 + weight) on another")
@@ -325,21 +325,6 @@ class RecognisedRMSNormRule(AffineNormRule):
         identity = torch.zeros_like(w) if self.one_plus else torch.ones_like(w)
         with torch.no_grad():
             return replay(module, (x,), {}, {"weight": identity})
-
-
-def _close_to(a: torch.Tensor, b: torch.Tensor, tol: float) -> bool:
-    """max |a - b| <= tol * max |b|, in float32 or wider; shapes and non-finite entries must agree."""
-    if a.shape != b.shape:
-        return False
-    acc = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
-    a, b = a.to(acc), b.to(acc)
-    if not torch.equal(torch.isfinite(a), torch.isfinite(b)):
-        return False
-    finite = torch.isfinite(b)
-    if not bool(finite.any()):
-        return True
-    a, b = a[finite], b[finite]
-    return bool((a - b).abs().max() <= tol * b.abs().max())
 
 
 def _describe_inputs(inputs: tuple) -> str:

@@ -62,6 +62,25 @@ def float32_at_least(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
+def close(a: torch.Tensor, b: torch.Tensor, tol: float, scale=None) -> bool:
+    """max |a - b| <= tol * scale (default scale: max |b|), in float32 or wider; shapes and the places of
+    non-finite entries must agree."""
+    if a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    acc = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    a, b = a.detach().to(acc), b.detach().to(acc)
+    finite = torch.isfinite(b)
+    if not torch.equal(finite, torch.isfinite(a)):
+        return False
+    if not bool(finite.any()):
+        return True
+    a, b = a[finite], b[finite]
+    scale = b.abs().max() if scale is None else scale
+    return bool((a - b).abs().max() <= tol * scale)
+
+
 def accumulation_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """float32, or the widest of ``dtypes`` if wider: where norms, clipping factors and their
     products with low-precision (bf16/fp16) operands are formed."""

@@ -69,22 +69,19 @@ class LayerRule:
     #: descendant's rule's, and named by its dotted path in the operand methods.
     param_names: tuple[str, ...] = ("weight", "bias")
 
-    #: True: the gradient is read at the first input of ``hook_target(module)`` instead of the
+    #: True: the gradient is read at the input of a submodule (``capture_sites``) instead of the
     #: module's output (for parameters consumed inside a larger module, such as a ViT's
     #: class token and position embedding, whose contribution enters a dropout layer).
     captures_input: bool = False
 
-    def hook_target(self, module: nn.Module) -> nn.Module:
-        return module
-
     def capture_sites(self, module: nn.Module) -> list[CaptureSite]:
         """For ``captures_input`` rules: where each call's activation and gradient are read.
 
-        Default: one site whose gradient target is ``hook_target(module)``. A parameter that scales
-        the output of one submodule before it enters another (a layer scale ``x + gamma * f(x)``)
-        needs two points: the activation ``f(x)`` and the gradient of the product.
+        One site per point: the gradient at a submodule's first input (``CaptureSite(target)``). A
+        parameter that scales the output of one submodule before it enters another (a layer scale
+        ``x + gamma * f(x)``) needs two points: the activation ``f(x)`` and the gradient of the product.
         """
-        return [CaptureSite(self.hook_target(module))]
+        return [CaptureSite(module)]
 
     def capture_at(self, module: nn.Module, site: int, inputs: tuple, tensor: torch.Tensor) -> Any:
         """``capture`` for site ``site`` of ``capture_sites``.
@@ -120,15 +117,12 @@ class LayerRule:
 
     def concat_calls(self, calls: list[tuple]) -> tuple:
         """Operands of several calls of one module as if they were one call with more tokens."""
-        return tuple(torch.cat(parts, dim=self.token_dim) for parts in zip(*calls))
+        return tuple(torch.cat(parts, dim=1) for parts in zip(*calls))
 
     #: True: every leading axis of the call's input and output is a token axis in the same place (features
     #: last), so rows of several samples can be regrouped into one sample's tokens ([B, K, ...]), and a
     #: sequence-first call ([T, B, ...]) read over its two leading axes (``dptrain.rows``)
     rows_fold_into_tokens: bool = False
-
-    #: the axis of the operands that holds the token positions
-    token_dim: int = 1
 
     #: Optional hook ``regroup_call(module, activation, grad, samples, batch) -> (operands, [LayerDims])`` for a
     #: call whose rows along dim 0 are not the samples in order (windows or tokens folded into the batch, rows

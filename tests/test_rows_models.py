@@ -197,7 +197,10 @@ REFUSED = {
     ("deberta-v2", "full"): r"deberta\.encoder\.rel_embeddings\.weight.*or freeze it",
     ("deberta-v2", "lora"): r"query_proj\.lora_A\.default \(Linear\).*mix the gradients of several samples"
                             r".*Freeze this layer",
-    ("mixtral", "full"): r"model\.layers\.0\.mlp\.gate \(MixtralTopKRouter\).*or freeze it",
+    # the router's and the experts' calls take the tokens of all samples as their rows ([B * T, d]), which the
+    # fallback cannot regroup by sample yet
+    ("mixtral", "full"): r"model\.layers\.0\.mlp\.(experts \(MixtralExperts\)|gate \(MixtralTopKRouter\)): its rows "
+                         r"are samples in another order or layout.*cannot regroup.*or freeze it",
     # the relative position bias, computed from its table alone ([1, heads, N, N]) and broadcast over the batch
     # times the windows: one row shared by every sample
     ("swin", "full"): r"relative_position_bias \(\w+\).*mix the gradients of several samples.*Freeze this layer",

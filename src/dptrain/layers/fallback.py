@@ -9,6 +9,11 @@ the ``vjp`` of the replayed call with respect to those parameters, with cotangen
 Children take part in the replay as they are (their parameters used, not differentiated:
 their own rules handle them).
 
+An output that is a container (tuple, list, dict, Hugging Face ``ModelOutput``: anything
+``torch.utils._pytree`` flattens) is differentiated through its floating-point leaves that depend
+on those parameters (``capture_leaves``; the engine hands the call their gradients joined per row,
+zeros for a leaf the loss does not use): ``g_i`` is cut into the leaves' cotangents.
+
 This is instantiation only (modules 4 + 5 of the book-keeping paper): it costs one more
 forward of the module per call, vectorised over the batch, and a per-sample gradient of
 each of its own parameters (``B x`` their size), never a ghost norm.
@@ -664,14 +669,15 @@ def _describe(x) -> str:
 def fallback_refusal(module: nn.Module) -> str | None:
     """Why the fallback does not take ``module`` (``None``: it does).
 
-    torch's recurrent layers and ``nn.MultiheadAttention`` return tuples, which the engine's capture
-    does not record; ``dptrain.fix`` swaps them for versions built from layers with exact rules. A
-    parameter container (``nn.ParameterDict``, as PEFT's embedding adapters use) is never called.
+    torch's recurrent layers and ``nn.MultiheadAttention`` run sequence-first by default and return states
+    without the batch first (``h_n``), which the fallback cannot take; ``dptrain.fix`` swaps them for versions
+    built from layers with exact rules. A parameter container (``nn.ParameterDict``, as PEFT's embedding adapters
+    use) is never called.
     """
     if isinstance(module, (nn.RNNBase, nn.MultiheadAttention)):
         return (
-            f"its forward returns a tuple, which the per-sample fallback cannot replay; dptrain.fix(model) swaps "
-            f"{type(module).__name__} for a version with exact rules (dptrain.nn)"
+            f"the per-sample fallback does not take it (sequence-first by default, states without the batch first); "
+            f"dptrain.fix(model) swaps {type(module).__name__} for a version with exact rules (dptrain.nn)"
         )
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return "it normalises with statistics of the whole batch in training, which mixes samples"

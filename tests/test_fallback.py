@@ -565,8 +565,9 @@ def test_fallback_warning_names_the_modules():
     assert "and 2 more" in fallback_warning([f"m{k}" for k in range(10)])
 
 
+# --------------------------------------------------------------------------- container outputs
 class PairOutput(nn.Module):
-    """A parameter of its own and a tuple output: no output tensor to differentiate the layer through."""
+    """A parameter of its own and a tuple output: the scaled input, and the input itself (no parameter in it)."""
 
     def __init__(self, d):
         super().__init__()
@@ -585,11 +586,244 @@ class PairNet(nn.Module):
         return self.head(self.pair(x)[0])
 
 
-def test_fallback_layer_with_a_tuple_output_is_refused_not_dropped():
+def test_fallback_layer_with_a_tuple_output_is_exact_not_dropped():
     torch.manual_seed(0)
-    x, y = _batch()
-    with pytest.raises(ValueError, match="PairOutput.*batch as its first dimension"):
-        _one_step(PairNet(), x, y)
+    dptrain.testing.assert_rule_exact(PairNet(), torch.randn(4, 3, 4), allow_fallback=True)
+
+
+class ManyOutputs(nn.Module):
+    """Own parameters (a gate, a temperature) and a child in several outputs of a container: features, attention
+    weights, a second output of the gate (which the nets below leave unused), integer ids and None."""
+
+    def __init__(self, d, kind):
+        super().__init__()
+        self.kind = kind
+        self.proj = nn.Linear(d, d)
+        self.gate = nn.Parameter(torch.randn(d))
+        self.temperature = nn.Parameter(torch.tensor([0.7]))
+
+    def forward(self, x):  # [B, T, d]
+        h = self.proj(x) * torch.sigmoid(self.gate)
+        weights = torch.softmax(self.temperature * x @ x.transpose(1, 2), -1)
+        extra = torch.tanh(h) * self.gate
+        ids = x.argmax(-1)
+        if self.kind == "tuple":
+            return h, weights, extra, ids, None
+        if self.kind == "list":
+            return [h, [weights, extra], ids]
+        if self.kind == "dict":
+            return {"ids": ids, "weights": weights, "h": h, "extra": extra}
+        if self.kind == "twice":  # the same tensor in two places: each gets its own gradient
+            return h, h, weights
+        from transformers.modeling_outputs import BaseModelOutput  # a dict subclass, flattened by torch's pytree
+
+        return BaseModelOutput(last_hidden_state=h, hidden_states=(extra,), attentions=(weights,))
+
+
+class ManyOutputsNet(nn.Module):
+    def __init__(self, kind, d=4):
+        super().__init__()
+        self.kind = kind
+        self.block, self.head = ManyOutputs(d, kind), nn.Linear(d, 3)
+
+    def forward(self, x):
+        out = self.block(torch.tanh(x))
+        if self.kind == "tuple":
+            h, weights = out[0], out[1]  # out[2] (it depends on the gate) unused
+        elif self.kind == "list":
+            h, weights = out[0], out[1][0]
+        elif self.kind == "dict":
+            h, weights = out["h"], out["weights"]
+        elif self.kind == "twice":
+            h, weights = out[0] + 2 * torch.tanh(out[1]), out[2]
+        else:
+            h, weights = out.last_hidden_state, out.attentions[0]
+        return self.head(weights @ h + h)
+
+
+@pytest.mark.parametrize("kind", ["tuple", "list", "dict", "twice", "model-output"])
+def test_fallback_layer_with_a_container_output_is_exact(kind):
+    """Every leaf that depends on the layer's parameters is differentiated (one unused: its gradient is zero),
+    in every mode and through both backward paths."""
+    if kind == "model-output":
+        pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    dptrain.testing.assert_rule_exact(ManyOutputsNet(kind), torch.randn(4, 3, 4), allow_fallback=True)
+
+
+class WithTable(nn.Module):
+    """Its features, and a table made of its own parameters alone, broadcast over the batch ([1, T, T]) as T5's
+    position bias is."""
+
+    def __init__(self, d, T):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+        self.table = nn.Parameter(torch.randn(T, T))
+
+    def forward(self, x):
+        return x * self.weight, torch.tanh(self.table)[None]
+
+
+class TableNet(nn.Module):
+    def __init__(self, use, d=4, T=3):
+        super().__init__()
+        self.use = use
+        self.first, self.block, self.head = nn.Linear(d, d), WithTable(d, T), nn.Linear(d, 3)
+
+    def forward(self, x):
+        h, table = self.block(torch.tanh(self.first(x)))
+        if self.use == "table":
+            h = table @ h
+        elif self.use == "detached":
+            h = h * table.detach().sum()
+        return self.head(h)
+
+
+@pytest.mark.parametrize("path", ["engine.backward", "loss.backward"])
+def test_output_without_the_batch_that_depends_on_the_parameters_is_refused(path):
+    torch.manual_seed(0)
+    model = TableNet("table").double()
+    x = torch.randn(4, 3, 4, dtype=torch.float64)
+    engine = dptrain.PrivacyEngine(model, batch_size=4, sample_size=100, noise_multiplier=0.0, max_grad_norm=1.0)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        losses = model(x).square().sum((1, 2))
+        with pytest.raises(ValueError, match=r"block \(WithTable\): its output \[1\] depends on the layer's trainable "
+                                             r"parameters but does not lead with the call's 4 rows.*register a rule"):
+            engine.backward(losses) if path == "engine.backward" else losses.mean().backward()
+    finally:
+        engine.detach()
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("use", ["unused", "detached"])
+def test_output_without_the_batch_that_no_gradient_reaches_is_left_alone(use):
+    torch.manual_seed(0)
+    dptrain.testing.assert_rule_exact(TableNet(use), torch.randn(4, 3, 4), allow_fallback=True)
+
+
+class Holder:
+    """An object torch's pytree does not look into."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class HidesATensor(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * self.weight, Holder(torch.tanh(x) * self.weight)
+
+
+def test_output_hidden_in_an_object_that_depends_on_the_parameters_is_refused():
+    """Its graph does not reach the parameter (switched off during the layer's call): it would be dropped."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), HidesATensor(4))
+    with pytest.raises(ValueError, match=r"1 \(HidesATensor\): its output \[1\] is a Holder holding tensors that "
+                                         r"depend on its trainable parameters.*register a rule"):
+        _one_step(nn.Sequential(model, Pick(0), nn.Linear(4, 3)), *_batch())
+
+
+class Pick(nn.Module):
+    def __init__(self, k):
+        super().__init__()
+        self.k = k
+
+    def forward(self, out):
+        return out[self.k]
+
+
+class MixesInSecond(nn.Module):
+    """Samples apart in its first output, the batch mean in its second."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        h = x * self.weight
+        return h, h.mean(0, keepdim=True).expand_as(h)
+
+
+class Swapped(nn.Module):
+    """Samples apart in both outputs; the model feeds the second one's rows to other samples."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * self.weight, torch.tanh(x) * self.weight.square()
+
+
+class SecondOutputNet(nn.Module):
+    def __init__(self, block, d=4):
+        super().__init__()
+        self.first, self.block, self.head = nn.Linear(d, d), block, nn.Linear(d, 3)
+
+    def forward(self, x):
+        a, b = self.block(torch.tanh(self.first(x)))
+        if isinstance(self.block, Swapped):
+            b = b.flip(0)
+        return self.head(a + b)
+
+
+@pytest.mark.parametrize("path", ["engine.backward", "loss.backward"])
+@pytest.mark.parametrize("block, why", [
+    (MixesInSecond, r"block \(MixesInSecond\) mixes the samples of a batch: changing one sample's input"),
+    (Swapped, r"block \(Swapped\): .*rows along the first axis mix the gradients of several samples"),
+])
+def test_samples_mixed_in_any_output_are_refused(block, why, path):
+    """The forward check replays every output that depends on the parameters; the rows of the joined gradient
+    are read from tag passes, so an output whose rows the model hands to other samples shows too."""
+    torch.manual_seed(0)
+    model = SecondOutputNet(block(4)).double()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    engine = dptrain.PrivacyEngine(model, batch_size=4, sample_size=100, noise_multiplier=0.0, max_grad_norm=1.0)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        with pytest.raises(RuntimeError if block is MixesInSecond else ValueError, match=why):
+            losses = model(x).square().sum(1)
+            engine.backward(losses) if path == "engine.backward" else losses.mean().backward()
+    finally:
+        engine.detach()
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("mode, path", [(m, "engine.backward") for m in MODES]
+                         + [(m, "loss.backward") for m in SINGLE_BACKWARD_MODES])
+def test_one_sample_through_a_container_output_moves_the_model_by_at_most_R(mode, path):
+    """A batch of one (noise 0, SGD lr 1): each step moves the model by R exactly, never more."""
+    torch.manual_seed(0)
+    model, R = ManyOutputsNet("tuple").double(), 0.05  # far below the gradient norm: every step is clipped
+    x = torch.randn(1, 3, 4, dtype=torch.float64)
+    engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, noise_multiplier=0.0, clipping_mode=mode,
+                                   max_grad_norm=R)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    engine.attach(optimizer)
+    try:
+        for _ in range(2):
+            before = [p.detach().clone() for p in model.parameters()]
+            losses = 10 * model(x).square().sum((1, 2))
+            engine.backward(losses) if path == "engine.backward" else losses.mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            update = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+            assert update.norm() <= R * (1 + 1e-9), f"{mode}: one sample moved the model by {update.norm():.4g} > {R}"
+            assert update.norm() >= R * (1 - 1e-9)  # clipped to R, not dropped
+            assert not torch.equal(model.block.gate.detach(), before[1])
+    finally:
+        engine.detach()
+
+
+def test_plan_counts_a_container_output_layer_as_fallback():
+    torch.manual_seed(0)
+    planned = {d.name: d for d in dptrain.plan(ManyOutputsNet("dict"), torch.randn(4, 3, 4))}
+    assert planned["block"].norm == "fallback" and planned["block"].instantiate_cost == 4 + 1
+    assert planned["block.proj"].norm != "fallback"
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -140,14 +140,14 @@ MODELS = {
 # The parameters each model's full fine-tuning is refused for (below), frozen in its "full-but" variant, which
 # puts the rest of the model to the test at B = T.
 REFUSED_IN_FULL = {
-    # XLNetRelativeAttention: no rule, and it returns a tuple (no fallback); mask_emb: held by XLNetModel itself
+    # XLNetRelativeAttention: no rule, and its outputs are sequence-first (the fallback refuses them as mixing);
+    # mask_emb: held by XLNetModel itself
     "xlnet": ["rel_attn.", "mask_emb"],
     "mpnet": ["relative_attention_bias"],  # an Embedding on [T, T] bucket ids, shared by every sample
     # the relative position table, its LayerNorm and the projections it goes through: rows shared by all samples
     "deberta-v2": ["rel_embeddings", "encoder.LayerNorm", "query_proj", "key_proj"],
     "swin": ["relative_position_bias_table"],
-    # MixtralTopKRouter returns a tuple (no fallback); MixtralExperts runs on the tokens folded into the batch,
-    # which the fallback cannot regroup
+    # MixtralTopKRouter and MixtralExperts run on the tokens folded into the batch, which the fallback cannot regroup
     "mixtral": ["mlp.gate.", "mlp.experts."],
 }
 # DeBERTa's attention runs query_proj and key_proj on its relative position table as well (share_att_key):
@@ -197,7 +197,10 @@ REFUSED = {
     ("deberta-v2", "full"): r"deberta\.encoder\.rel_embeddings\.weight.*or freeze it",
     ("deberta-v2", "lora"): r"query_proj\.lora_A\.default \(Linear\).*mix the gradients of several samples"
                             r".*Freeze this layer",
-    ("mixtral", "full"): r"model\.layers\.0\.mlp\.gate \(MixtralTopKRouter\).*or freeze it",
+    # the router's and the experts' calls take the tokens of all samples as their rows ([B * T, d]), which the
+    # fallback cannot regroup by sample yet
+    ("mixtral", "full"): r"model\.layers\.0\.mlp\.(experts \(MixtralExperts\)|gate \(MixtralTopKRouter\)): its rows "
+                         r"are samples in another order or layout.*cannot regroup.*or freeze it",
     # the relative position bias, computed from its table alone ([1, heads, N, N]) and broadcast over the batch
     # times the windows: one row shared by every sample
     ("swin", "full"): r"relative_position_bias \(\w+\).*mix the gradients of several samples.*Freeze this layer",

@@ -30,10 +30,11 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _module_globals
 from torch.nn.utils.rnn import PackedSequence
+from torch.utils import _pytree as pytree
 
 from .distributed import is_dtensor
 from .layers.numerics import swap01
-from .layers.protocol import LayerDims, LayerRule
+from .layers.protocol import LayerDims, LayerRule, OutputLeaves
 from .layers.fallback import in_replay
 from .rows import ReorderWatch, RowReader, computing_precision, pattern_key, tensors_in
 
@@ -205,6 +206,27 @@ class _Origin(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return None, None
+
+
+class _OutputLeaves(torch.autograd.Function):
+    """Identity (a copy of each) on the output leaves of a covered call that its rule differentiates
+    (``LayerRule.capture_leaves``): one node, so its backward receives every leaf's gradient at once, after every
+    tensor hook on them, the user's included, and ``None`` for a leaf that no gradient reaches in this backward (an
+    output the model does not use): autograd runs a node once all the gradients it will get have arrived. ``read``
+    takes them and gives back what flows on to the leaves. ``anchor`` makes the copies require grad where the leaves
+    do not (the layer's parameters are switched off during its call).
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, read, *leaves):
+        ctx.read = read
+        ctx.set_materialize_grads(False)
+        return tuple(t.clone() for t in leaves)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        grads = ctx.read(grads)
+        return (None, None, *(g if needed else None for g, needed in zip(grads, ctx.needs_input_grad[2:])))
 
 
 class StateWrites:
@@ -607,14 +629,18 @@ class Capture:
                 return None
             if self.paused:  # not recorded; a gradient penalty through this call is refused all the same
                 state = self._state_of.get(id(module))
-                if state is not None and torch.is_grad_enabled() and isinstance(output, torch.Tensor):
-                    if output.grad_fn is not None:
-                        self._on_gradient(output, state, lambda g: None)
+                if state is not None and torch.is_grad_enabled():
+                    leaves = [output] if isinstance(output, torch.Tensor) else pytree.tree_leaves(output)
+                    for leaf in leaves:
+                        if isinstance(leaf, torch.Tensor) and leaf.grad_fn is not None:
+                            self._on_gradient(leaf, state, lambda g: None)
                 return None
             self._restore(module)
             state = self._state_of.get(id(module))
             if state is None or state.rule.captures_input or not self._tracking() or output is None:
                 return None  # (None: the forward raised, and this always-called hook runs on its way out)
+            if not isinstance(output, torch.Tensor) and state.rule.takes_output_leaves:
+                return self._record_leaves(state, module, args, kwargs, output)
             if not isinstance(output, torch.Tensor):
                 state.rule.capture_call(module, args, kwargs, output)  # a rule may refuse with its own reason
                 raise ValueError(
@@ -699,18 +725,29 @@ class Capture:
             if expanded is not None:
                 activation, tensor = expanded
                 seen = tensor
+        call = self._new_call(state, activation, state.rule.dims(module, activation, seen), tuple(seen.shape),
+                              forward_batch, recomputed)
+        if self.dry:
+            return tensor
+        if output_swapped:
+            self._on_gradient(tensor, state, lambda g: self.on_grad(state, call, swap01(g)))
+        else:
+            self._on_gradient(tensor, state, lambda g: self.on_grad(state, call, g))
+        return tensor
+
+    def _new_call(self, state: LayerState, activation, dims: LayerDims, shape: tuple, forward_batch: int | None,
+                  recomputed: bool) -> Call:
+        """A layer call waiting for its output gradient, numbered in its model call (or its recomputation)."""
         # Which sample each row belongs to is read from the gradient (rows.py), never taken from the shape.
-        batch = forward_batch
-        dims = state.rule.dims(module, activation, seen)
         version = activation._version if isinstance(activation, torch.Tensor) else None
         forward_id = None if recomputed else self._open_forward
-        call = Call(activation, dims, batch, version, forward_id, recomputed)
-        call.shape = tuple(seen.shape)
+        call = Call(activation, dims, forward_batch, version, forward_id, recomputed)
+        call.shape = shape
         call.precision = self.forward_precision
         if forward_batch is not None:
             ordinals = self._recomputed_ordinals if recomputed else self._ordinals
-            call.ordinal = ordinals.get(id(module), 0)
-            ordinals[id(module)] = call.ordinal + 1
+            call.ordinal = ordinals.get(id(state.module), 0)
+            ordinals[id(state.module)] = call.ordinal + 1
             call.key = pattern_key(call.shape, forward_batch)
             call.cacheable = (self.rows.forward_clean if recomputed
                               else self._watch is not None and not self._watch.seen)
@@ -722,12 +759,68 @@ class Capture:
             state.calls.hold(call)
             if len(state.calls) == 1:
                 self.called.append(state)
-            return tensor
-        if output_swapped:
-            self._on_gradient(tensor, state, lambda g: self.on_grad(state, call, swap01(g)))
-        else:
-            self._on_gradient(tensor, state, lambda g: self.on_grad(state, call, g))
-        return tensor
+        return call
+
+    def _record_leaves(self, state: LayerState, module: nn.Module, args: tuple, kwargs: dict, output):
+        """A call whose output is a container of tensors (tuple, list, dict, Hugging Face ModelOutput), for a rule that
+        takes it whole (the per-sample fallback): the leaves that depend on the layer's trainable parameters
+        (``OutputLeaves``) pass through one ``_OutputLeaves`` node, whose backward hands the call their gradients,
+        joined ``[rows, ...]``, zeros for a leaf without one. The rows of the joined gradient are read like a tensor
+        output's (tag passes). A leaf that depends on the parameters without leading with the call's rows (a table
+        broadcast over the batch, a scalar) is refused if a gradient reaches it; leaves that do not depend on them
+        are left as they are (their gradients reach the layers that made them)."""
+        recomputed = in_backward()
+        forward_batch = self.forward_batch if self._open_forward is not None or recomputed else None
+        taken = state.rule.capture_leaves(module, args, kwargs, output, forward_batch)
+        if taken is None:
+            return None  # nothing in the output depends on the layer's trainable parameters
+        activation, picked = taken
+        leaves, spec = pytree.tree_flatten(output)
+        call = None
+        if picked.per_sample:
+            first = leaves[picked.per_sample[0]]
+            call = self._new_call(state, activation, state.rule.dims(module, activation, first),
+                                  (picked.rows, picked.width), forward_batch, recomputed)
+        if self.dry:
+            return None
+        gathered = (*picked.per_sample, *picked.shared)
+        device = leaves[gathered[0]].device
+        copies = _OutputLeaves.apply(self._anchor(device), self._leaves_reader(state, call, picked),
+                                     *(leaves[k] for k in gathered))
+        for k, copy in zip(gathered, copies):
+            leaves[k] = copy
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _leaves_reader(self, state: LayerState, call: Call | None, picked: OutputLeaves):
+        """What the ``_OutputLeaves`` node of a call does with its leaves' gradients (see ``_record_leaves``)."""
+        count = len(picked.per_sample)
+        where = f"{state.path} ({type(state.module).__name__})"
+        capture = weakref.ref(self)  # (the graph holds this: not the capture)
+
+        def read(grads: tuple) -> tuple:
+            self = capture()
+            if self is None:
+                return grads
+            if self.paused:  # as _on_gradient: nothing is read, and a gradient penalty is marked
+                if not torch.is_grad_enabled():
+                    return grads
+                return tuple(g if g is None else _GradientPenalty.apply(g, where, capture) for g in grads)
+            for k, g in zip(picked.shared, grads[count:]):
+                if g is not None:
+                    raise ValueError(
+                        f"{where}: its output {picked.paths[k] or '(the whole output)'} depends on the layer's "
+                        f"trainable parameters but does not lead with the call's {picked.rows} rows (one per sample), "
+                        "and the loss depends on it: which sample its gradient comes from cannot be told, so the "
+                        "per-sample fallback cannot clip it. Give that output the batch as its first dimension "
+                        "(expand a table broadcast over the batch to it), compute it from the parameters outside "
+                        f"this module, register a rule for {type(state.module).__name__} with "
+                        "dptrain.register_layer, or freeze its parameters"
+                    )
+            if call is not None and any(g is not None for g in grads[:count]):
+                self.on_grad(state, call, picked.join(grads[:count]))
+            return grads
+
+        return read
 
     def _on_gradient(self, tensor: torch.Tensor, state: LayerState, read: Callable[[torch.Tensor], None]) -> None:
         """Call ``read`` with the gradient of ``tensor`` as the node that made it receives it.

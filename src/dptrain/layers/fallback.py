@@ -9,6 +9,11 @@ the ``vjp`` of the replayed call with respect to those parameters, with cotangen
 Children take part in the replay as they are (their parameters used, not differentiated:
 their own rules handle them).
 
+An output that is a container (tuple, list, dict, Hugging Face ``ModelOutput``: anything
+``torch.utils._pytree`` flattens) is differentiated through its floating-point leaves that depend
+on those parameters (``capture_leaves``; the engine hands the call their gradients joined per row,
+zeros for a leaf the loss does not use): ``g_i`` is cut into the leaves' cotangents.
+
 This is instantiation only (modules 4 + 5 of the book-keeping paper): it costs one more
 forward of the module per call, vectorised over the batch, and a per-sample gradient of
 each of its own parameters (``B x`` their size), never a ghost norm.
@@ -27,6 +32,7 @@ module. The check above then perturbs one row of the call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import math
 import threading
@@ -40,7 +46,7 @@ from torch.utils import _pytree as pytree
 
 from ..checks import first_line
 from .numerics import close, scale_samples, swap01, weighted_sum
-from .protocol import LayerDims, LayerRule
+from .protocol import LayerDims, LayerRule, OutputLeaves
 from .registry import container_params
 
 _state = threading.local()
@@ -119,6 +125,8 @@ class FallbackCall:
     #: the samples are segments of a flat input, not a dimension of the arguments (an EmbeddingBag's bags
     #: given as 1-D ids with offsets): each sample's arguments are cut out of the call (``bag_arguments``)
     bags: bool = False
+    #: a container output (tuple, dict, ModelOutput): the leaves replayed and differentiated; None: a tensor output
+    outputs: OutputLeaves | None = None
 
     def arguments(self, replaced: dict[int, torch.Tensor] | None = None) -> tuple[tuple, dict]:
         leaves = list(self.leaves)
@@ -196,6 +204,7 @@ class FallbackRule(LayerRule):
     """
 
     fallback = True
+    takes_output_leaves = True
 
     def __init__(self, module: nn.Module, name: str | None = None, batch_first: bool = True):
         # its own parameters, and those it reads from its parameter containers (by dotted name)
@@ -208,6 +217,8 @@ class FallbackRule(LayerRule):
         self._forward_checked: set[tuple] = set()   # call signatures whose outputs were checked
         self._backward_checked: set[tuple] = set()  # ... whose per-sample gradients were checked
         self._folded_checked: set[tuple] = set()  # ... with rows folded into the batch, by their samples
+        #: container outputs: which leaves depend on the trainable parameters, per call signature and trainable set
+        self._depends: dict[tuple, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ forward: keep the call
     def capture_call(self, module, args, kwargs, output):
@@ -216,6 +227,56 @@ class FallbackRule(LayerRule):
                 f"{self._name(module)}: the per-sample fallback needs an output with the batch as its first "
                 f"dimension, got {_describe(output)}; register a rule for it with dptrain.register_layer, or freeze it"
             )
+        self._refuse_output_hooks(module, output)
+        call = self._keep_call(module, args, kwargs, output.device)
+        self._set_rows(module, args, kwargs, call, output.shape[0])
+        if call.signature not in self._forward_checked and call.batch > 1 and not output.is_meta:  # meta: plan
+            self._check_independence(module, call, output)
+            self._forward_checked.add(call.signature)
+        return call
+
+    def capture_leaves(self, module, args, kwargs, output, batch):
+        """A call whose output is a container (tuple, list, dict, ModelOutput): the leaves its per-sample gradients
+        come from are the floating-point ones that depend on its trainable parameters (read from a replay that
+        differentiates them, once per call signature); those that lead with the call's rows (the model's batch
+        size where one of them does, else the first one's leading size) are per-sample, the others shared
+        (``OutputLeaves``). ``None``: no leaf depends on them."""
+        if self.swapped:
+            raise ValueError(
+                f"{self._name(module)} returns {type(output).__name__} in a sequence-first model (batch_first=False): "
+                "the per-sample fallback takes a container output only from a batch-first model. Register a rule for "
+                f"{type(module).__name__} with dptrain.register_layer, or freeze its parameters"
+            )
+        flat, _ = pytree.tree_flatten_with_path(output)
+        paths, leaves = tuple(pytree.keystr(path) for path, _ in flat), [leaf for _, leaf in flat]
+        floats = [k for k, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        if not floats:
+            return None
+        for k in floats:
+            self._refuse_output_hooks(module, leaves[k])
+        call = self._keep_call(module, args, kwargs, leaves[floats[0]].device)
+        meta = any(leaves[k].is_meta for k in floats)  # (plan on the meta device: shapes only, every leaf counts)
+        depends = floats if meta else self._depending(module, call, leaves, floats, paths)
+        if not depends:
+            return None
+        leading = [leaves[k].shape[0] for k in depends if leaves[k].dim() > 0]
+        rows = batch if batch in leading else leading[0] if leading else None
+        per_sample = tuple(k for k in depends if leaves[k].dim() > 0 and leaves[k].shape[0] == rows)
+        picked = OutputLeaves(
+            count=len(leaves), rows=rows, per_sample=per_sample,
+            shapes=tuple(tuple(leaves[k].shape[1:]) for k in per_sample),
+            dtypes=tuple(leaves[k].dtype for k in per_sample),
+            shared=tuple(k for k in depends if k not in per_sample), paths=paths,
+        )
+        call.outputs = picked
+        call.signature = (*call.signature, ("rows", rows, per_sample, picked.shared))
+        self._set_rows(module, args, kwargs, call, rows or 0)
+        if call.signature not in self._forward_checked and call.batch > 1 and per_sample and not meta:
+            self._check_independence(module, call, output)
+            self._forward_checked.add(call.signature)
+        return call, picked
+
+    def _refuse_output_hooks(self, module, output: torch.Tensor) -> None:
         if output._backward_hooks:
             # The engine reads the output gradient after these hooks, and the replay's vjp would run them again.
             raise ValueError(
@@ -223,28 +284,74 @@ class FallbackRule(LayerRule):
                 "the per-sample fallback, replaying the forward, would apply twice. Register that hook on the output "
                 "outside the module's forward, or register a rule for it with dptrain.register_layer"
             )
+
+    @staticmethod
+    def _keep_call(module, args, kwargs, device: torch.device) -> FallbackCall:
+        """The call's arguments, the tensors detached (``batched`` and ``batch`` are set by ``_set_rows``)."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        batch = output.shape[0]
-        kept, batched, versions = [], [], []
+        kept, versions = [], []
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 versions.append((k, leaf._version))
-                if leaf.dim() > 0 and leaf.shape[0] == batch:
-                    batched.append(k)
                 leaf = leaf.detach()
             kept.append(leaf)
-        autocast = autocast_state(output.device.type)
+        autocast = autocast_state(device.type)
         signature = (
             module.training, autocast,
             tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in kept),
         )
-        bags = _flat_bag_arguments(module, args, kwargs) is not None
+        return FallbackCall(kept, spec, [], 0, versions, autocast, signature)
+
+    @staticmethod
+    def _set_rows(module, args, kwargs, call: FallbackCall, batch: int) -> None:
+        """The call's rows: its argument tensors that lead with ``batch`` rows are replayed one row at a time."""
+        call.batch = batch
+        call.bags = _flat_bag_arguments(module, args, kwargs) is not None
         # A flat input's samples are not a dimension: no argument is "batched" (the offsets only look like it).
-        call = FallbackCall(kept, spec, [] if bags else batched, batch, versions, autocast, signature, bags)
-        if signature not in self._forward_checked and batch > 1 and not output.is_meta:  # meta: shapes only (plan)
-            self._check_independence(module, call, output)
-            self._forward_checked.add(signature)
-        return call
+        call.batched = [] if call.bags else [
+            k for k, t in enumerate(call.leaves) if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch
+        ]
+
+    def _depending(self, module, call: FallbackCall, leaves: list, floats: list[int],
+                   paths: tuple[str, ...]) -> tuple[int, ...]:
+        """The positions among ``floats`` of the output leaves that depend on the module's trainable parameters: a
+        replay with those parameters requiring grad (and nothing else) says which leaves require grad. Read once per
+        call signature, trainable set and output structure (its leaves' kinds and shapes, which grad they need).
+
+        A parameter the engine cannot follow is refused: a tensor that depends on one inside an object the output
+        holds but torch's pytree does not flatten (a class of its own), or a leaf that is not floating point."""
+        names = tuple(n for n in self.param_names if module.get_parameter(n).requires_grad)
+        structure = tuple((tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else type(t)
+                          for t in leaves)
+        key = (call.signature, names, structure)
+        known = self._depends.get(key)
+        if known is not None:
+            return known
+        primals = {n: module.get_parameter(n).detach().requires_grad_(True) for n in names}
+        device, enabled, dtype = call.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            try:
+                out = self._replay(module, *call.arguments(), primals)
+            except (RuntimeError, ValueError, TypeError) as err:
+                raise self._cannot_replay(module, err) from err
+        replayed = pytree.tree_leaves(out)
+        if len(replayed) != len(leaves):
+            raise self._not_reproduced(module)
+        for k, leaf in enumerate(replayed):
+            hidden = k not in floats and any(t.requires_grad for t in _tensors_within(leaf))
+            if hidden:
+                what = (f"a {leaf.dtype} tensor that depends" if isinstance(leaf, torch.Tensor)
+                        else f"a {type(leaf).__name__} holding tensors that depend")
+                raise ValueError(
+                    f"{self._name(module)}: its output {paths[k] or '(the whole output)'} is {what} on its "
+                    "trainable parameters, which the per-sample fallback cannot differentiate: it takes "
+                    "floating-point tensors in tuples, lists, dicts, Hugging Face ModelOutputs and other containers "
+                    "registered with torch.utils._pytree. Return such tensors, register a rule for "
+                    f"{type(module).__name__} with dptrain.register_layer, or freeze its parameters"
+                )
+        known = tuple(k for k in floats if replayed[k].requires_grad)
+        self._depends[key] = known
+        return known
 
     def capture(self, module, inputs, output):  # everything goes through capture_call
         raise NotImplementedError("FallbackRule keeps whole calls: use capture_call")
@@ -323,13 +430,38 @@ class FallbackRule(LayerRule):
         device, enabled, dtype = call.autocast
         args, kwargs = call.arguments()
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            out, pullback = torch.func.vjp(lambda p: self._replay(module, args, kwargs, p), primals)
-            cotangent = scale_samples(g, factor)
-            if out.shape[0] != cotangent.shape[0]:  # an output broadcast over the batch
-                cotangent = cotangent.sum(0, keepdim=True)
-            return pullback(cotangent.to(out.dtype))[0]
+            out, pullback = torch.func.vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
+            return pullback(self._cotangent(call, out, scale_samples(g, factor)))[0]
 
     # ------------------------------------------------------------------ the replay
+    def _replay_out(self, module, call: FallbackCall, args, kwargs, params=None):
+        """What the call's vjp differentiates: its output tensor, or the per-sample leaves of a container output."""
+        out = self._replay(module, args, kwargs, params)
+        if call.outputs is None:
+            return out
+        try:
+            return call.outputs.pick(out)
+        except ValueError:
+            raise self._not_reproduced(module) from None
+
+    @staticmethod
+    def _cotangent(call: FallbackCall, out, g: torch.Tensor):
+        """The cotangent of ``out`` (``_replay_out``'s) from the call's output gradient ``g`` (rows first): for a
+        container output, the joined gradient cut into its leaves."""
+        if call.outputs is not None:
+            return tuple(c.to(o.dtype) for c, o in zip(call.outputs.split(g), out))
+        if out.shape[0] != g.shape[0]:  # an output broadcast over the batch: its gradient sums over it
+            g = g.sum(0, keepdim=True)
+        return g.to(out.dtype)
+
+    @staticmethod
+    def _joined(call: FallbackCall, out) -> torch.Tensor:
+        """``_replay_out``'s output as one tensor with its rows first (a container's leaves flattened per row)."""
+        if call.outputs is None:
+            return out
+        dtype = functools.reduce(torch.promote_types, [o.dtype for o in out])
+        return torch.cat([o.reshape(o.shape[0], -1).to(dtype) for o in out], 1)
+
     def _replay(self, module, args, kwargs, params=None):
         """``replay`` of a call kept as the engine handed it: batch first, as its output and gradient."""
         if not self.swapped:
@@ -356,10 +488,10 @@ class FallbackRule(LayerRule):
             args, kwargs = call.arguments({k: t.unsqueeze(0) for k, t in zip(batched, batched_leaves)})
 
             def forward(p):
-                return self._replay(module, args, kwargs, p)
+                return self._replay_out(module, call, args, kwargs, p)
 
             out, pullback = torch.func.vjp(forward, primals)
-            return pullback(g_i.unsqueeze(0).to(out.dtype))[0]
+            return pullback(self._cotangent(call, out, g_i.unsqueeze(0)))[0]
 
         device, enabled, dtype = call.autocast
         try:
@@ -446,19 +578,25 @@ class FallbackRule(LayerRule):
 
         def one_sample(sample_leaves, g_s):
             args, kwargs = call.arguments(dict(zip(call.batched, sample_leaves)))
-            out, pullback = torch.func.vjp(lambda p: self._replay(module, args, kwargs, p), primals)
-            grads = pullback(g_s.to(out.dtype))[0]
-            return (grads, out) if check else grads  # the outputs only for the check (vmap returns tensors only)
+            out, pullback = torch.func.vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
+            grads = pullback(self._cotangent(call, out, g_s))[0]
+            # the outputs only for the check (vmap returns tensors only)
+            return (grads, self._joined(call, out)) if check else grads
 
         device, enabled, dtype = call.autocast
         try:
             with torch.autocast(device, dtype=dtype, enabled=enabled):
+                vmapped = None
                 if counts.numel() and int(counts.min()) == int(counts.max()) > 0:  # as many rows each: one vmap
                     index = order.reshape(rows.batch, -1)
                     leaves = [call.leaves[k][index.to(call.leaves[k].device)] for k in call.batched]
-                    got = torch.func.vmap(one_sample, randomness="error")(leaves, g[index.to(g.device)])
-                    grads, outs = (got[0], got[1].flatten(0, 1)) if check else (got, None)
-                else:  # samples with different numbers of rows (or none): one replay each
+                    try:
+                        vmapped = torch.func.vmap(one_sample, randomness="error")(leaves, g[index.to(g.device)])
+                    except RuntimeError:  # control flow on the data (experts picked by a router): replays below
+                        vmapped = None
+                if vmapped is not None:
+                    grads, outs = (vmapped[0], vmapped[1].flatten(0, 1)) if check else (vmapped, None)
+                else:  # samples with different numbers of rows (or none), or no vmap: one replay each
                     grads, outs, start = {n: [] for n in primals}, [], 0
                     for count in counts.tolist():
                         idx = order[start:start + count]
@@ -497,7 +635,8 @@ class FallbackRule(LayerRule):
             return
         device, enabled, dtype = call.autocast
         with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            whole = self._replay(module, *call.arguments())
+            args, kwargs = call.arguments()
+            whole = self._joined(call, self._replay_out(module, call, args, kwargs))
         if not _close(outs, whole[order.to(whole.device)]):
             raise SampleMixingError(
                 f"{self._name(module)}: its rows are samples folded into the batch (windows, tokens), and replaying "
@@ -512,29 +651,33 @@ class FallbackRule(LayerRule):
     def _check_independence(self, module, call, output):
         """Forward check: the replay reproduces the output, and perturbing sample 0 moves no other sample."""
         device, enabled, dtype = call.autocast
+        picked = call.outputs
         with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
             try:
                 again = self._replay(module, *call.arguments())
             except (RuntimeError, ValueError, TypeError) as err:
                 raise self._cannot_replay(module, err) from err
-            if not isinstance(again, torch.Tensor) or not _close(again, output):
-                raise SampleMixingError(
-                    f"{self._name(module)}: replaying this call does not reproduce its output (random operations "
-                    "such as dropout in training mode, state that changes from call to call, or inputs whose batch "
-                    "is not their first dimension), so the per-sample "
-                    f"fallback cannot compute its per-sample gradients. Register a rule for {type(module).__name__} "
-                    "with dptrain.register_layer, or freeze its parameters"
-                )
+            if picked is None:
+                if not isinstance(again, torch.Tensor) or not _close(again, output):
+                    raise self._not_reproduced(module)
+                again = [again]
+            else:  # every leaf that depends on the parameters is reproduced; the per-sample ones are checked below
+                recorded, replayed = pytree.tree_leaves(output), pytree.tree_leaves(again)
+                if len(replayed) != picked.count or not all(
+                        isinstance(replayed[k], torch.Tensor) and _close(replayed[k], recorded[k])
+                        for k in (*picked.per_sample, *picked.shared)):
+                    raise self._not_reproduced(module)
+                again = [replayed[k] for k in picked.per_sample]
             perturbed = {k: _perturb_first(call.leaves[k]) for k in call.batched}
             if not perturbed:
                 return
             try:
                 moved = self._replay(module, *call.arguments(perturbed))
+                moved = [moved] if picked is None else list(picked.pick(moved))
             except (RuntimeError, ValueError, TypeError) as err:
                 raise self._cannot_replay(module, err, " with one sample changed") from err
             # the same computation on the same shapes: other samples' rows move by no more than a rounding
-            same = 4 * torch.finfo(min_dtype(again.dtype, torch.float32)).eps
-            if moved.shape != again.shape or not _close(moved[1:], again[1:], again[1:].abs().max(), same):
+            if not all(_rows_kept(m, a) for m, a in zip(moved, again)):
                 raise SampleMixingError(
                     f"{self._name(module)} mixes the samples of a batch: changing one sample's input changed the "
                     "outputs of the others (batch statistics, as BatchNorm in training mode computes), so per-sample "
@@ -547,15 +690,13 @@ class FallbackRule(LayerRule):
         device, enabled, dtype = call.autocast
         args, kwargs = call.arguments()
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            out, pullback = torch.func.vjp(lambda p: self._replay(module, args, kwargs, p), primals)
-            if out.shape[0] != g.shape[0]:  # an output broadcast over the batch: its gradient sums over it
-                g = g.sum(0, keepdim=True)
-            whole = pullback(g.to(out.dtype))[0]
+            out, pullback = torch.func.vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
+            whole = pullback(self._cotangent(call, out, g))[0]
             # the same sums with a random sign on each term: their size is that of the terms each gradient entry
             # adds up (an RMS estimate), the scale its rounding errors are relative to when the terms cancel
             gen = torch.Generator(device=g.device).manual_seed(12345)  # never the user's random stream
             signs = torch.randint(0, 2, g.shape, generator=gen, device=g.device).to(g.dtype) * 2 - 1
-            terms = pullback((g * signs).to(out.dtype))[0]
+            terms = pullback(self._cotangent(call, out, g * signs))[0]
         computed_in = min_dtype(g.dtype, *(t.dtype for t in whole.values()), *([dtype] if enabled else []))
         # One scale for the whole module, absolute rather than relative to each entry: the largest of its
         # per-sample gradient magnitudes and of the terms its gradients sum. A parameter whose true gradient is 0
@@ -575,6 +716,15 @@ class FallbackRule(LayerRule):
                     "so per-sample clipping would be wrong. Use a per-sample normalisation (nn.GroupNorm, "
                     "nn.LayerNorm), register a rule for it with dptrain.register_layer, or freeze its parameters"
                 )
+
+    def _not_reproduced(self, module) -> SampleMixingError:
+        return SampleMixingError(
+            f"{self._name(module)}: replaying this call does not reproduce its output (random operations "
+            "such as dropout in training mode, state that changes from call to call, or inputs whose batch "
+            "is not their first dimension), so the per-sample "
+            f"fallback cannot compute its per-sample gradients. Register a rule for {type(module).__name__} "
+            "with dptrain.register_layer, or freeze its parameters"
+        )
 
     def _cannot_replay(self, module, err: BaseException, how: str = "") -> RuntimeError:
         return RuntimeError(
@@ -619,6 +769,34 @@ def _flat_bag_arguments(module: nn.Module, args: tuple, kwargs: dict):
     return ids, offsets, bound.get("per_sample_weights")
 
 
+def _tensors_within(obj, depth: int = 0):
+    """The tensors in ``obj``: itself, or those its containers and attributes hold (a few levels deep)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < 4 and not isinstance(obj, (str, bytes, type, nn.Module)):
+        if isinstance(obj, dict):
+            items = list(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            items = list(obj)
+        else:
+            items = list(getattr(obj, "__dict__", {}).values())
+            items += [getattr(obj, n, None) for n in getattr(type(obj), "__slots__", ()) if isinstance(n, str)]
+        for item in items:
+            yield from _tensors_within(item, depth + 1)
+
+
+def _rows_kept(moved: torch.Tensor, again: torch.Tensor) -> bool:
+    """Whether rows 1.. of a replay with sample 0 changed are those of the replay as it was, to a few roundings
+    (the same computation on the same shapes)."""
+    if moved.shape != again.shape:
+        return False
+    rest = again[1:]
+    if rest.numel() == 0:
+        return True
+    same = 4 * torch.finfo(min_dtype(again.dtype, torch.float32)).eps
+    return _close(moved[1:], rest, rest.abs().max(), same)
+
+
 def _perturb_first(t: torch.Tensor) -> torch.Tensor:
     """``t`` with sample 0 changed: shifted by noise of the data's scale (floats), or set to sample 1 (ids)."""
     out = t.clone()
@@ -648,14 +826,15 @@ def _describe(x) -> str:
 def fallback_refusal(module: nn.Module) -> str | None:
     """Why the fallback does not take ``module`` (``None``: it does).
 
-    torch's recurrent layers and ``nn.MultiheadAttention`` return tuples, which the engine's capture
-    does not record; ``dptrain.fix`` swaps them for versions built from layers with exact rules. A
-    parameter container (``nn.ParameterDict``, as PEFT's embedding adapters use) is never called.
+    torch's recurrent layers and ``nn.MultiheadAttention`` run sequence-first by default and return states
+    without the batch first (``h_n``), which the fallback cannot take; ``dptrain.fix`` swaps them for versions
+    built from layers with exact rules. A parameter container (``nn.ParameterDict``, as PEFT's embedding adapters
+    use) is never called.
     """
     if isinstance(module, (nn.RNNBase, nn.MultiheadAttention)):
         return (
-            f"its forward returns a tuple, which the per-sample fallback cannot replay; dptrain.fix(model) swaps "
-            f"{type(module).__name__} for a version with exact rules (dptrain.nn)"
+            f"the per-sample fallback does not take it (sequence-first by default, states without the batch first); "
+            f"dptrain.fix(model) swaps {type(module).__name__} for a version with exact rules (dptrain.nn)"
         )
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return "it normalises with statistics of the whole batch in training, which mixes samples"

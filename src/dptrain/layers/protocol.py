@@ -18,7 +18,9 @@ The weight factors may be a :class:`~dptrain.layers.numerics.OneHot` (token ids)
 """
 from __future__ import annotations
 
+import functools
 import inspect
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +29,7 @@ from torch import nn
 
 from .numerics import OneHot, factor_weighted_sum, weighted_sum
 
-__all__ = ["CaptureSite", "LayerDims", "LayerRule", "OneHot", "positional_inputs"]
+__all__ = ["CaptureSite", "LayerDims", "LayerRule", "OneHot", "OutputLeaves", "positional_inputs"]
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,18 @@ class LayerRule:
         forward's positional order (``layer(input=x)`` is ``layer(x)``). A rule that needs the whole
         call (the per-sample fallback, which replays it) overrides this."""
         return self.capture(module, positional_inputs(module, args, kwargs), output)
+
+    #: True: a call whose output is a container of tensors (tuple, list, dict, Hugging Face ``ModelOutput``) is taken
+    #: by ``capture_leaves``, and its output gradient is that of the leaves the rule picks (``OutputLeaves``), all at
+    #: once. False: such a call is refused, naming the module (the engine differentiates a layer through its output)
+    takes_output_leaves: bool = False
+
+    def capture_leaves(self, module: nn.Module, args: tuple, kwargs: dict, output: Any,
+                       batch: int | None) -> tuple[Any, OutputLeaves] | None:
+        """(activation, the output's leaves to differentiate) of a call whose output is a container (only for a rule
+        with ``takes_output_leaves``); ``batch``: the model call's batch size, if known. ``None``: no leaf of the
+        output depends on the rule's trainable parameters (the call adds nothing to their gradients)."""
+        raise NotImplementedError
 
     def dims(self, module: nn.Module, activation: Any, output: torch.Tensor) -> LayerDims:
         raise NotImplementedError
@@ -188,6 +202,55 @@ class LayerRule:
         output gradient; expanding the output to the batch keeps them, at no copy.
         """
         return None
+
+
+@dataclass(frozen=True)
+class OutputLeaves:
+    """The leaves of a container output (in ``torch.utils._pytree`` order) that a rule differentiates.
+
+    ``per_sample``: the positions of the leaves that depend on the rule's trainable parameters and lead with the call's
+    ``rows`` (one per sample, or rows that the engine maps to samples from the gradient like a tensor output's); the
+    call's output gradient is theirs, each flattened per row and joined: ``[rows, sum of their sizes]`` (``join``), in
+    the widest of their dtypes, zeros for a leaf that no gradient reached. ``shared``: the positions of leaves that
+    depend on those parameters without leading with the rows (a table broadcast over the batch, a scalar): which
+    sample a gradient on them comes from cannot be told, so one that receives a gradient is refused. ``paths``:
+    every leaf's key path (``[1]``, ``.attentions[0]``), which refusals name.
+    """
+
+    count: int
+    rows: int | None
+    per_sample: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]  # each per-sample leaf's shape after its rows
+    dtypes: tuple[torch.dtype, ...]
+    shared: tuple[int, ...]
+    paths: tuple[str, ...]
+
+    @property
+    def width(self) -> int:
+        """The size of one row of the joined gradient."""
+        return sum(math.prod(s) for s in self.shapes)
+
+    def join(self, grads) -> torch.Tensor:
+        """The joined gradient ``[rows, width]`` of the per-sample leaves' gradients (``None``: zeros)."""
+        dtype = functools.reduce(torch.promote_types, self.dtypes)
+        like = next(g for g in grads if g is not None)
+        parts = [(g if g is not None else like.new_zeros(self.rows, *shape, dtype=dtype)).reshape(self.rows, -1)
+                 for g, shape in zip(grads, self.shapes)]
+        return torch.cat([part.to(dtype) for part in parts], 1)
+
+    def split(self, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """A joined gradient ``[..., width]`` (rows or one row) cut into the leaves' ``[..., *shape]``."""
+        sizes = [math.prod(s) for s in self.shapes]
+        return tuple(part.reshape(*g.shape[:-1], *shape) for part, shape in zip(g.split(sizes, -1), self.shapes))
+
+    def pick(self, output) -> tuple[torch.Tensor, ...]:
+        """The per-sample leaves of an output of the same call (a replay's)."""
+        from torch.utils import _pytree as pytree
+
+        leaves = pytree.tree_leaves(output)
+        if len(leaves) != self.count:
+            raise ValueError(f"the call's output has {len(leaves)} leaves, the recorded one {self.count}")
+        return tuple(leaves[k] for k in self.per_sample)
 
 
 @dataclass(frozen=True)

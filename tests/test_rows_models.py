@@ -147,8 +147,6 @@ REFUSED_IN_FULL = {
     # the relative position table, its LayerNorm and the projections it goes through: rows shared by all samples
     "deberta-v2": ["rel_embeddings", "encoder.LayerNorm", "query_proj", "key_proj"],
     "swin": ["relative_position_bias_table"],
-    # MixtralTopKRouter and MixtralExperts run on the tokens folded into the batch, which the fallback cannot regroup
-    "mixtral": ["mlp.gate.", "mlp.experts."],
 }
 # DeBERTa's attention runs query_proj and key_proj on its relative position table as well (share_att_key):
 # with LoRA on them their rows mix samples; value_proj sees only the tokens.
@@ -197,10 +195,6 @@ REFUSED = {
     ("deberta-v2", "full"): r"deberta\.encoder\.rel_embeddings\.weight.*or freeze it",
     ("deberta-v2", "lora"): r"query_proj\.lora_A\.default \(Linear\).*mix the gradients of several samples"
                             r".*Freeze this layer",
-    # the router's and the experts' calls take the tokens of all samples as their rows ([B * T, d]), which the
-    # fallback cannot regroup by sample yet
-    ("mixtral", "full"): r"model\.layers\.0\.mlp\.(experts \(MixtralExperts\)|gate \(MixtralTopKRouter\)): its rows "
-                         r"are samples in another order or layout.*cannot regroup.*or freeze it",
     # the relative position bias, computed from its table alone ([1, heads, N, N]) and broadcast over the batch
     # times the windows: one row shared by every sample
     ("swin", "full"): r"relative_position_bias \(\w+\).*mix the gradients of several samples.*Freeze this layer",

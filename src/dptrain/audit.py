@@ -28,6 +28,13 @@ The auditor observes the noisy gradient of the probe after every step, and score
 canary by the log-likelihood ratio of "included" against "excluded" under the
 Poisson-subsampled Gaussian, summed over the steps. It does not use which steps sampled
 a canary: the accountant's epsilon includes the amplification by subsampling.
+
+With ``privacy_unit="user"`` the canaries are *users*: canary user ``i`` has ``k`` examples
+(``examples_per_canary``), all reading probe row ``i``, included or excluded together with
+probability 1/2. Its summed gradient, ``k * 64 R`` on that coordinate, is clipped as one unit
+by ``engine.backward(losses, users=...)`` and adds exactly ``R``; the real examples belong to
+real users (``users``, default: consecutive groups of ``k``), the loader samples users, and
+the bound is compared with the user-level epsilon (q = the user sampling rate).
 """
 from __future__ import annotations
 
@@ -80,8 +87,12 @@ AUDIT_DEFAULTS: dict[str, Any] = {
     "max_grad_norm": 1.0,
     "lr": 0.01,
     "accountant": "pld",
+    "privacy_unit": "example",
+    "examples_per_canary": 4,  # with privacy_unit="user": the examples of each canary user
 }
 
+# What a canary is, and what the audited epsilon protects (PrivacyEngine's privacy_unit).
+_PRIVACY_UNITS = ("example", "user")
 # A canary's gradient norm, in units of R: far above R, so that a canary that escaped
 # clipping would stand out 64-fold, and a power of two, so that the clipping factor 1/64
 # and the clipped contribution R are exact in float32.
@@ -306,6 +317,10 @@ class AuditResult:
     train_size: int                 # real training samples
     seed: int
     wall_time_s: float
+    privacy_unit: str = "example"   # what a canary is, and what epsilon protects: "example" or "user"
+    examples_per_canary: int = 1    # rows of each canary (> 1 only for canary users)
+    clipped_unit: str = "example"   # what the engine clipped: the privacy unit, unless deliberately broken
+    train_users: int | None = None  # real users (privacy_unit="user"), None for example-level audits
 
     @property
     def consistent(self) -> bool:
@@ -339,6 +354,39 @@ def _checked_data(data) -> tuple[torch.Tensor, torch.Tensor]:
     return inputs.cpu(), labels.cpu()
 
 
+def _checked_users(users, n: int) -> torch.Tensor:
+    """The real examples' user ids as dense ids 0..U-1 (int64 [n]), or a ValueError that says what is wrong."""
+    if isinstance(users, (str, bytes)) or not hasattr(users, "__len__"):
+        raise ValueError(f"users must be a sequence of integer user ids, one per training example, got "
+                         f"{type(users).__name__}")
+    try:
+        ids = users.detach().cpu() if isinstance(users, torch.Tensor) else torch.as_tensor(np.asarray(users))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"users must be a sequence of integer user ids, one per training example ({error})") from None
+    if ids.dim() != 1 or len(ids) != n:
+        raise ValueError(f"users must hold one user id per training example: the data has {n} examples, users has "
+                         f"shape {tuple(ids.shape)}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise ValueError(f"users must hold integer user ids, got {ids.dtype}")
+    return torch.unique(ids, return_inverse=True)[1].long()
+
+
+def _checked_unit(privacy_unit: str, examples_per_canary, users, clip_per_example: bool) -> int:
+    """The examples of each canary (1 at the example level), after checking the user-level options."""
+    if privacy_unit not in _PRIVACY_UNITS:
+        raise ValueError(f"privacy_unit must be one of {', '.join(map(repr, _PRIVACY_UNITS))}, got {privacy_unit!r}")
+    if privacy_unit == "example":
+        given = [name for name, value in (("examples_per_canary", examples_per_canary), ("users", users))
+                 if value is not None] + (["clip_per_example"] if clip_per_example else [])
+        if given:
+            raise ValueError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for canary users, with "
+                             "privacy_unit='user'; with privacy_unit='example' every canary is one example")
+        return 1
+    if examples_per_canary is None:
+        return AUDIT_DEFAULTS["examples_per_canary"]
+    return checks.positive_int("examples_per_canary", examples_per_canary)
+
+
 def run_audit(
     *,
     epsilon: float = AUDIT_DEFAULTS["epsilon"],
@@ -357,6 +405,10 @@ def run_audit(
     data: tuple[torch.Tensor, torch.Tensor] | None = None,
     seed: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    privacy_unit: str = AUDIT_DEFAULTS["privacy_unit"],
+    examples_per_canary: int | None = None,
+    users: Sequence[int] | np.ndarray | torch.Tensor | None = None,
+    clip_per_example: bool = False,
 ) -> AuditResult:
     """Train ``model`` with ``canaries`` gradient canaries, privately, and audit the run.
 
@@ -375,6 +427,16 @@ def run_audit(
     data's image shape) or your own classifier module, of which a deep copy is trained
     (yours is left alone). ``data`` is ``(inputs, labels)`` for cross-entropy
     classification (default: scikit-learn's 1797 digits); a canary's input is all zeros.
+
+    ``privacy_unit="user"`` audits user-level privacy: each canary is a *user* of
+    ``examples_per_canary`` examples (default 4), in or out as a whole, each example with a
+    gradient of ``64 R`` on the canary's coordinate; the engine (``privacy_unit="user"``) clips
+    each user's summed gradient to R, the loader samples users with rate ``sample_rate`` (over
+    real users plus all potential canary users), and the epsilon is the user-level one. ``users``
+    gives each real example's user id (any integers; default: consecutive groups of
+    ``examples_per_canary`` examples). A third deliberately broken run, only at the user level:
+    ``clip_per_example`` gives the engine a distinct user id for every row, so it clips each
+    example instead of each user (a canary user then adds ``examples_per_canary`` x R).
     """
     started = time.perf_counter()
     epsilon = checks.positive("epsilon", epsilon)
@@ -384,6 +446,7 @@ def run_audit(
     sample_rate = checks.rate("sample_rate", sample_rate)
     confidence = checks.open_unit("confidence", confidence)
     noise_scale = checks.non_negative("noise_scale", noise_scale)
+    per_canary = _checked_unit(privacy_unit, examples_per_canary, users, clip_per_example)
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
     from . import accounting
@@ -397,6 +460,12 @@ def run_audit(
     else:
         images, labels = _checked_data(data)
         data_name = "custom data"
+    n = len(labels)
+    if privacy_unit == "user":
+        real_users = (torch.arange(n) // per_canary if users is None else _checked_users(users, n))
+        population = int(real_users.max()) + 1  # real users, ids 0 .. population - 1
+    else:
+        population = n
     if isinstance(model, nn.Module):
         base, model_name = copy.deepcopy(model), type(model).__name__
     elif isinstance(model, str):
@@ -413,16 +482,16 @@ def run_audit(
 
     coins = np.random.default_rng(seed)
     included = coins.random(canaries) < 0.5  # each canary in with probability 1/2, independently
-    n = len(labels)
     member_ids = torch.as_tensor(np.flatnonzero(included), dtype=torch.long)
+    member_rows = member_ids.repeat_interleave(per_canary)  # a canary user's rows: all of them, or none
     dataset = torch.utils.data.TensorDataset(
-        torch.cat([images, images.new_zeros((len(member_ids), *images.shape[1:]))]),
-        torch.cat([labels, labels.new_zeros(len(member_ids))]),
-        torch.cat([torch.full((n,), -1, dtype=torch.long), member_ids]),
+        torch.cat([images, images.new_zeros((len(member_rows), *images.shape[1:]))]),
+        torch.cat([labels, labels.new_zeros(len(member_rows))]),
+        torch.cat([torch.full((n,), -1, dtype=torch.long), member_rows]),
     )
-    # q is fixed by the pool of every potential member, not by the coins: neighbouring
-    # datasets (one canary in or out) are then sampled with the same q, as the accounting assumes.
-    pool = n + canaries
+    # q is fixed by the pool of every potential member (unit: example or user), not by the coins:
+    # neighbouring datasets (one canary in or out) are then sampled with the same q, as the accounting assumes.
+    pool = population + canaries
     batch_size = max(1, round(sample_rate * pool))
 
     audited = CanaryModel(base, canaries).to(device)
@@ -434,10 +503,16 @@ def run_audit(
     engine = PrivacyEngine(
         audited, batch_size=batch_size, sample_size=pool, max_grad_norm=threshold,
         noise_multiplier=sigma * noise_scale * (max_grad_norm / threshold),  # the noise drawn: sigma R noise_scale
-        clipping_mode=clipping_mode, accountant=accountant, seed=seed + 1,
+        clipping_mode=clipping_mode, accountant=accountant, seed=seed + 1, privacy_unit=privacy_unit,
     )
-    loader = poisson_loader(dataset, sample_rate=engine.sample_rate, steps=steps,
-                            generator=torch.Generator().manual_seed(seed + 2))
+    loader_generator = torch.Generator().manual_seed(seed + 2)
+    if privacy_unit == "user":
+        # Canary user i has the id population + i: distinct from every real user's.
+        row_users = torch.cat([real_users, population + member_rows])
+        loader = poisson_loader(dataset, sample_rate=engine.sample_rate, steps=steps, generator=loader_generator,
+                                users=row_users)
+    else:
+        loader = poisson_loader(dataset, sample_rate=engine.sample_rate, steps=steps, generator=loader_generator)
     engine.attach(optimizer, data_loader=loader)
 
     # What the auditor sees: the private gradient of the probe after each step, times the
@@ -448,13 +523,20 @@ def run_audit(
         observations.append(audited.probe_gradient().detach().double().cpu().numpy() * engine.batch_size)
 
     handle = optimizer.register_step_post_hook(observe)
-    canary_norm = CANARY_NORM_OVER_R * max_grad_norm
+    canary_norm = CANARY_NORM_OVER_R * max_grad_norm  # of each of a canary's examples
     try:
         audited.train()
         for step, batch in enumerate(loader, 1):
+            if privacy_unit == "user":
+                batch, batch_users = batch
+                if clip_per_example:  # deliberately broken: every row its own user, so every example is clipped
+                    batch_users = torch.arange(len(batch_users))
+                unit = {"users": batch_users.to(device)}
+            else:
+                unit = {}
             x, y, canary_id = (t.to(device) for t in batch)
             logits, probe_output = audited(x, canary_id)
-            engine.backward(canary_losses(logits, probe_output, y, canary_id, canary_norm))
+            engine.backward(canary_losses(logits, probe_output, y, canary_id, canary_norm), **unit)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if progress is not None:
@@ -465,10 +547,12 @@ def run_audit(
     if len(observations) != steps:
         raise RuntimeError(f"observed {len(observations)} of {steps} steps")  # a bug, not a user error
 
-    # White-box knowledge of the claimed mechanism: a clipped canary adds exactly R to its
-    # coordinate (abadi clipping of a 64 R gradient), and the noise claimed is sigma * R.
-    # The auditor uses the claimed noise, not the noise drawn: it tests the promise.
-    contribution = canary_norm * min(1.0, max_grad_norm / canary_norm)
+    # White-box knowledge of the claimed mechanism: a clipped canary (all of its examples
+    # together) adds exactly R to its coordinate (abadi clipping of a per_canary x 64 R
+    # gradient), and the noise claimed is sigma * R. The auditor uses the claimed mechanism,
+    # not the one run: it tests the promise.
+    canary_sum = canary_norm * per_canary
+    contribution = canary_sum * min(1.0, max_grad_norm / canary_sum)
     scores = subsampled_gaussian_scores(
         np.stack(observations), contribution=contribution,
         noise_std=sigma * max_grad_norm, sample_rate=engine.sample_rate,
@@ -482,27 +566,37 @@ def run_audit(
         guesses_out=bound.guesses_out, correct_guesses=bound.correct, noise_multiplier=sigma,
         sample_rate=engine.sample_rate, max_grad_norm=max_grad_norm, accountant=accountant, model=model_name,
         data=data_name, train_size=n, seed=seed, wall_time_s=round(time.perf_counter() - started, 3),
+        privacy_unit=privacy_unit, examples_per_canary=per_canary,
+        clipped_unit="example" if clip_per_example else privacy_unit,
+        train_users=population if privacy_unit == "user" else None,
     )
 
 
 def format_report(result: AuditResult) -> str:
     """The text output of ``dptrain audit``: the two numbers and what they mean."""
     r = result
-    lines = []
-    if r.noise_scale != 1:
-        lines.append(_broken_promise_warning(r.noise_scale))
+    warnings_ = _broken_promise_warnings(r)
+    samples = "images" if r.data == "digits" else "samples"
+    if r.privacy_unit == "user":
+        real = f"{r.train_size} {samples} of {r.train_users} users"
+        planted = (f"{r.canaries} canary users of {r.examples_per_canary} "
+                   f"example{'s' if r.examples_per_canary != 1 else ''} each")
+        who = "one user (all of their examples together)"
+    else:
+        real, planted, who = f"{r.train_size} {samples}", f"{r.canaries} gradient canaries", "one training example"
+    lines = list(warnings_)
     lines += [
-        f"audit: {r.model} on {r.data} ({r.train_size} {'images' if r.data == 'digits' else 'samples'}) + "
-        f"{r.canaries} gradient canaries "
-        f"({r.included_canaries} included at random), {r.steps} steps at sample rate {r.sample_rate:.4g}, "
+        f"audit: {r.model} on {r.data} ({real}) + {planted} "
+        f"({r.included_canaries} included at random), {r.steps} steps at sample rate {r.sample_rate:.4g}"
+        f"{' per user' if r.privacy_unit == 'user' else ''}, "
         f"clipping {r.clipping_mode}, max grad norm {r.max_grad_norm:g}",
-        f"claimed:  epsilon = {r.epsilon:.3f} at delta = {r.delta:g} ({r.accountant} accountant, "
-        f"noise multiplier {r.noise_multiplier:.4g})",
+        f"claimed:  epsilon = {r.epsilon:.3f} at delta = {r.delta:g}{' per user' if r.privacy_unit == 'user' else ''} "
+        f"({r.accountant} accountant, noise multiplier {r.noise_multiplier:.4g})",
         f"measured: epsilon >= {r.epsilon_lower_bound:.3f} with {r.confidence:.0%} confidence "
         f"({r.correct_guesses} of {r.guesses_in + r.guesses_out} guesses right: {r.guesses_in} 'in', "
         f"{r.guesses_out} 'out', {r.canaries - r.guesses_in - r.guesses_out} abstentions)",
-        "The claimed epsilon is what the accountant promises for this run: no attack may learn more about any "
-        "one training example than it allows.",
+        f"The claimed epsilon is what the accountant promises for this run: no attack may learn more about any "
+        f"{who} than it allows.",
         "The measured epsilon is what an attack on this very run proves, from the noisy gradients: above the "
         "claim it would show that the implementation breaks its promise; below it, the gap is the looseness of "
         "a one-run audit, not spare privacy.",
@@ -512,9 +606,21 @@ def format_report(result: AuditResult) -> str:
     else:
         lines.append(f"verdict: PROMISE BROKEN (lower bound {r.epsilon_lower_bound:.3f} > epsilon "
                      f"{r.epsilon:.3f}, at {r.confidence:.0%} confidence)")
-    if r.noise_scale != 1:
-        lines.append(_broken_promise_warning(r.noise_scale))
+    lines += warnings_
     return "\n".join(lines)
+
+
+def _broken_promise_warnings(result: AuditResult) -> list[str]:
+    """One warning per deliberate break of the promise that the result records (none for an honest run)."""
+    found = []
+    if result.noise_scale != 1:
+        found.append(_broken_promise_warning(result.noise_scale))
+    if result.clipped_unit != result.privacy_unit:
+        found.append(f"WARNING: clip_per_example: this run clips each example instead of each user, so a user of "
+                     f"{result.examples_per_canary} examples moves the update by up to {result.examples_per_canary} "
+                     "x the clipping norm; it DELIBERATELY BREAKS ITS PRIVACY PROMISE and exists only to show that "
+                     "the audit catches a broken promise. Never train a real model this way.")
+    return found
 
 
 def _broken_promise_warning(noise_scale: float) -> str:

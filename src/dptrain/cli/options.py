@@ -231,12 +231,19 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--canaries", type=positive_int, help="gradient canaries (default 10000)")
     audit.add_argument("--steps", type=positive_int, help="training steps (default 10)")
     audit.add_argument("--sample-rate", type=sample_rate_type,
-                       help="Poisson sample rate over real samples and all canaries (default 0.5)")
+                       help="Poisson sample rate over real samples and all canaries, or over real and canary "
+                       "users (default 0.5)")
     audit.add_argument("--clipping-mode", choices=CLIPPING_MODES, help=f"(default {DEFAULT_CLIPPING_MODE})")
     audit.add_argument("--confidence", type=probability, help="confidence of the lower bound (default 0.95)")
     audit.add_argument("--noise-scale", type=non_negative_float,
                        help="draw this multiple of the accounted noise: a deliberately broken run, only to show "
                        "that the audit catches it (default 1)")
+    audit.add_argument("--privacy-unit", choices=("example", "user"),
+                       help="what a canary is and epsilon protects: one example, or a user of several examples, "
+                       "clipped and sampled as a unit (default example)")
+    audit.add_argument("--examples-per-canary", type=positive_int, metavar="K",
+                       help="with --privacy-unit user: the examples of each canary user; the digits are dealt to "
+                       "real users of K examples too (default 4)")
     audit.add_argument("--seed", type=int, help="seed of the coins, batches and noise (default: fresh entropy)")
     audit.add_argument("--json", action="store_true", help="print JSON instead of text")
 

@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-import dptrain
 from dptrain import accounting
 from dptrain.data import FixedShapeBatch, PoissonSampler, masked_losses, poisson_loader, split_batches
+from dptrain.testing import attached_engine, clipped_gradient
 
-from helpers import MODES, SINGLE_BACKWARD_MODES, classify, conv_case, linear_case, run_engine, transformer_case
+from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches, classify, conv_case, linear_case, transformer_case
 
 
 class Records(Dataset):
@@ -196,17 +196,14 @@ def test_padded_rows_contribute_nothing_to_the_clipped_sum(float64, mode, case_n
     all rows, gives the clipped sum of the real rows alone (noise 0)."""
     case = CASES[case_name]()
     kwargs = dict(mode=mode, max_grad_norm=0.5, batch_size=4, path=path)  # noise 0: p.grad = clipped sum / 4
-    plain = run_engine(case.model, case.losses_fn, case.batch, **kwargs)
+    plain = clipped_gradient(case.model, case.losses_fn, case.batch, **kwargs)
     padded = _padded(case.batch, 3)
 
     def masked(model, *batch):
         return masked_losses(case.losses_fn(model, *batch[:-1]), batch[-1])
 
-    got = run_engine(case.model, masked, padded, **kwargs)
-    assert got.keys() == plain.keys()
-    scale = max(float(g.abs().max()) for g in plain.values())
-    for name in plain:  # the same up to summation order: float64 rounding only
-        assert float((got[name] - plain[name]).abs().max()) <= 1e-12 * scale, (name, mode)
+    got = clipped_gradient(case.model, masked, padded, **kwargs)
+    assert_matches(got, plain, rtol=1e-12, what=mode)  # the same up to summation order: float64 rounding only
 
 
 @pytest.mark.parametrize("case_name", sorted(CASES))
@@ -215,12 +212,9 @@ def test_a_mask_given_to_the_engine_is_exact_and_lets_the_layout_be_cached(float
     """engine.backward(losses, mask=mask): the padded rows count as 0, as with masked_losses, but their unmasked
     losses tag them, so every sample shows its rows and the layouts are cached after the first step."""
     case = CASES[case_name]()
-    plain = run_engine(case.model, case.losses_fn, case.batch, mode=mode, max_grad_norm=0.5)
+    plain = clipped_gradient(case.model, case.losses_fn, case.batch, mode=mode, max_grad_norm=0.5)
     *padded, mask = _padded(case.batch, 3)
-    engine = dptrain.PrivacyEngine(case.model, batch_size=1, sample_size=100, max_grad_norm=0.5,
-                                   noise_multiplier=0.0, clipping_mode=mode)
-    optimizer = torch.optim.SGD(case.model.parameters(), lr=0.0)
-    engine.attach(optimizer)
+    engine, optimizer = attached_engine(case.model, mode=mode, max_grad_norm=0.5)
     try:
         for _ in range(2):  # the second step takes the layouts the first one read
             engine.backward(case.losses_fn(case.model, *padded), mask=mask)
@@ -230,9 +224,7 @@ def test_a_mask_given_to_the_engine_is_exact_and_lets_the_layout_be_cached(float
         assert not engine._capture.rows.watch_next  # the second forward had nothing left to read
     finally:
         engine.detach()
-    scale = max(float(g.abs().max()) for g in plain.values())
-    for name in plain:
-        assert float((got[name] - plain[name]).abs().max()) <= 1e-12 * scale, (name, mode)
+    assert_matches(got, plain, rtol=1e-12, what=mode)
 
 
 def test_padded_rows_are_not_counted_as_samples(float64):
@@ -242,8 +234,8 @@ def test_padded_rows_are_not_counted_as_samples(float64):
     model = nn.Linear(3, 2)
     x, y = torch.randn(1, 3), torch.tensor([1])
     kwargs = dict(mode="bk-mixopt", max_grad_norm=10.0, batch_size=7)
-    alone = run_engine(model, classify, (x, y), **kwargs)
-    padded = run_engine(model, lambda m, x, y, mask: masked_losses(classify(m, x, y), mask),
+    alone = clipped_gradient(model, classify, (x, y), **kwargs)
+    padded = clipped_gradient(model, lambda m, x, y, mask: masked_losses(classify(m, x, y), mask),
                         _padded((x, y), 5), **kwargs)
     expected = torch.autograd.grad(F.cross_entropy(model(x), y), model.weight)[0] / 7
     assert torch.allclose(alone["weight"], expected, rtol=1e-12, atol=0)

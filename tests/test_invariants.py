@@ -13,6 +13,7 @@ from torch import nn
 
 import dptrain
 from dptrain.layers.numerics import flatten_tokens
+from dptrain.testing import clipped_gradient, mismatches, split_batch
 from helpers import (
     CLIPPING_FNS,
     MODES,
@@ -23,15 +24,12 @@ from helpers import (
     Case,
     assert_matches,
     classify,
-    max_relative_error,
     classify_tokens,
     engine_clipped_sum,
     get_case,
     per_sample,
     reference,
     resolve_style,
-    run_engine,
-    split_batch,
     split_max_grad_norm,
 )
 
@@ -156,8 +154,8 @@ def test_detach_restores_ordinary_training_bit_for_bit(case_name, mode, path):
     case = get_case(case_name)
     attached = copy.deepcopy(case.model)
     flags = {n: p.requires_grad for n, p in attached.named_parameters()}
-    run_engine(attached, case.losses_fn, case.batch, mode=mode, max_grad_norm=0.5, path=path,
-               noise_multiplier=1.0, batch_size=4, seed=0)  # one private step, then detach()
+    clipped_gradient(attached, case.losses_fn, case.batch, mode=mode, max_grad_norm=0.5, path=path,
+                     noise_multiplier=1.0, batch_size=4, seed=0)  # one private step, then detach()
 
     assert {n: p.requires_grad for n, p in attached.named_parameters()} == flags
     for name, m in attached.named_modules():
@@ -441,11 +439,9 @@ def test_parameter_shared_by_two_modules_is_exact(mode):
     failures = []
     for fn, style in [(fn, "all-layer") for fn in CLIPPING_FNS] + [("abadi", "param-wise")]:
         R = split_max_grad_norm(case, style)
-        rel, name = max_relative_error(engine_clipped_sum(case, mode=mode, max_grad_norm=R, clipping_fn=fn,
-                                                          clipping_style=style),
-                                       reference(case, max_grad_norm=R, clipping_fn=fn, clipping_style=style))
-        if not rel <= RTOL:
-            failures.append(f"fn={fn} style={style}: relative error {rel:.3g} ({name})")
+        got = engine_clipped_sum(case, mode=mode, max_grad_norm=R, clipping_fn=fn, clipping_style=style)
+        failures += mismatches(got, reference(case, max_grad_norm=R, clipping_fn=fn, clipping_style=style),
+                               rtol=RTOL, relative_to="largest", what=f"fn={fn} style={style}")
     assert not failures, "\n".join(failures)
 
 

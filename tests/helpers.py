@@ -546,6 +546,21 @@ def engine_clipped_sum(case: Case, model: nn.Module | None = None, quiet: bool =
         return clipped_gradient(model, case.losses_fn, case.batch, **kwargs)
 
 
+def update_norm(before: nn.Module, after: nn.Module) -> float:
+    """The norm of the change of every parameter (trainable or not) from ``before`` to ``after``."""
+    return math.sqrt(sum(float((p - q).detach().square().sum()) for p, q in zip(before.parameters(),
+                                                                                 after.parameters())))
+
+
+def one_sample_update(model: nn.Module, losses_fn: Callable, batch, *, lr: float = 1.0, **kwargs) -> float:
+    """The norm of the update of one private SGD step at ``lr`` (noise 0, batch_size 1) of ``model`` on ``batch``
+    (``dptrain.testing.clipped_gradient``'s other arguments in ``kwargs``): at most max_grad_norm * lr for one
+    sample (the property the accountant relies on). The model takes the step."""
+    before = copy.deepcopy(model)
+    clipped_gradient(model, losses_fn, batch, lr=lr, **kwargs)
+    return update_norm(before, model)
+
+
 def with_oracle(build: Callable[[], Case], oracle_losses_fn: Callable | None = None) -> tuple[Case, float, dict]:
     """(case, a max_grad_norm that clips some samples and not others, the oracle's clipped sum), the case built
     in float64 (warnings while building ignored). ``oracle_losses_fn``: the oracle's per-sample losses, where

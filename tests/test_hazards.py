@@ -11,7 +11,6 @@ import contextlib
 import copy
 import dataclasses
 import gc
-import math
 import warnings
 import weakref
 
@@ -22,11 +21,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import dptrain
-from dptrain.testing import reference_clipped_gradient
-from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches
+from dptrain.testing import attached_engine, clipped_gradient, reference_clipped_gradient
+from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches, one_sample_update, update_norm
 
 R = 0.3
 PATHS = [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES]
+RUN = {"engine": "engine", "plain": "sum"}  # clipped_gradient's path for each: a plain backward of the summed losses
 
 
 def _losses(model, x, y):
@@ -38,14 +38,6 @@ def _engine(model, mode, **kw):
     return dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R, clipping_mode=mode, **kw)
 
 
-def _attached(model, mode, lr=0.0, **kw):
-    """(engine, SGD optimizer over every parameter) with the engine attached (noise 0, batch_size 1)."""
-    engine = _engine(model, mode, **kw)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    engine.attach(opt)
-    return engine, opt
-
-
 def _backward(engine, model, x, y, path):
     if path == "engine":
         engine.backward(_losses(model, x, y))
@@ -53,40 +45,10 @@ def _backward(engine, model, x, y, path):
         _losses(model, x, y).sum().backward()
 
 
-def _clipped_sum(model, mode, path, batches, **kw) -> dict[str, torch.Tensor]:
-    """p.grad after one step over ``batches`` (micro-batches), with batch_size=1 and noise 0: the clipped sum."""
-    engine = _engine(model, mode, loss_reduction="sum", **kw)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    engine.attach(opt)
-    try:
-        for x, y in batches:
-            _backward(engine, model, x, y, path)
-        opt.step()
-        return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    finally:
-        engine.detach()
-
-
 def _reference(model, batches):
     x = torch.cat([b[0] for b in batches])
     y = torch.cat([b[1] for b in batches])
     return reference_clipped_gradient(model, _losses, (x, y), max_grad_norm=R)
-
-
-def _update_norm(before: nn.Module, after: nn.Module) -> float:
-    return math.sqrt(sum(float((p - q).detach().square().sum()) for p, q in zip(before.parameters(), after.parameters())))
-
-
-def _one_sample_update(model, mode, path, x, y, lr=1.0, **kw) -> float:
-    """Norm of the update of one SGD step (lr 1, noise 0, batch_size 1) on one sample: at most R."""
-    before = copy.deepcopy(model)
-    engine = _engine(model, mode, loss_reduction="sum", **kw)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-    engine.attach(opt)
-    _backward(engine, model, x, y, path)
-    opt.step()
-    engine.detach()
-    return _update_norm(before, model)
 
 
 def _data(B, d=6, classes=3, seed=1):
@@ -129,7 +91,7 @@ def test_checkpointing_is_exact(float64, mode, path, how):
     model = _checkpointed(how)
     plain = _checkpointed(None)  # same weights: the oracle runs without checkpointing
     batches = [_data(3, seed=1), _data(1, seed=2), _data(2, seed=3)]  # micro-batches of different sizes
-    got = _clipped_sum(model, mode, path, batches)
+    got = clipped_gradient(model, _losses, *batches, mode=mode, max_grad_norm=R, path=RUN[path])
     assert_matches(got, _reference(plain, batches), what=f"{how} checkpointing")
 
 
@@ -137,7 +99,8 @@ def test_checkpointing_is_exact(float64, mode, path, how):
 @pytest.mark.parametrize("mode,path", PATHS)
 def test_checkpointing_bounds_one_sample(float64, mode, path, how):
     x, y = _data(1, seed=4)
-    assert _one_sample_update(_checkpointed(how), mode, path, x * 10, y) <= R * (1 + 1e-9)
+    update = one_sample_update(_checkpointed(how), _losses, (x * 10, y), mode=mode, max_grad_norm=R, path=RUN[path])
+    assert update <= R * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("how", ["reentrant", "non-reentrant"])
@@ -174,7 +137,7 @@ def test_hugging_face_gradient_checkpointing(float64, mode, path, reentrant):
         return tokens.view(ids.shape[0], -1).sum(1)
 
     reference = reference_clipped_gradient(reference_model, losses_fn, (ids,), max_grad_norm=R)
-    engine, opt = _attached(model, mode, loss_reduction="sum")
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     losses = losses_fn(model, ids)
     engine.backward(losses) if path == "engine" else losses.sum().backward()
     opt.step()
@@ -214,19 +177,19 @@ def test_a_layer_unfrozen_after_attach_is_clipped_exactly(float64, mode, path):
 def test_a_layer_unfrozen_after_attach_bounds_one_sample(float64, mode, path):
     model = _three_layers()
     model[0].requires_grad_(False)
-    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     model[0].requires_grad_(True)
     before = copy.deepcopy(model)
     x, y = _data(1, seed=3)
     _backward(engine, model, x * 10, y, path)
     opt.step()
-    assert _update_norm(before, model) <= R * (1 + 1e-9)
+    assert update_norm(before, model) <= R * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("mode,path", PATHS)
 def test_a_layer_frozen_after_attach_is_left_untouched_and_not_counted(float64, mode, path):
     model = _three_layers()
-    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     batch = _data(4, seed=2)
     _backward(engine, model, *batch, path)
     opt.step()
@@ -307,7 +270,7 @@ def _failing_model(seed=0):
 def test_a_failed_backward_leaves_nothing_behind(float64, mode, path, error):
     model = _failing_model()
     reference_model = copy.deepcopy(model)
-    engine, opt = _attached(model, mode, loss_reduction="sum")
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     good1, bad, good2 = _data(3, seed=1), _data(4, seed=2), _data(2, seed=3)
     _backward(engine, model, *good1, path)  # a completed micro-batch of the same logical step: kept
     with _failing(model, "backward", error):
@@ -327,7 +290,7 @@ def test_a_failed_backward_leaves_nothing_behind(float64, mode, path, error):
 @pytest.mark.parametrize("mode,path", PATHS)
 def test_a_failed_backward_then_one_sample_is_bounded(float64, mode, path):
     model = _failing_model()
-    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     with _failing(model, "backward", RuntimeError):
         _backward(engine, model, *_data(4, seed=2), path)
     opt.zero_grad()
@@ -335,7 +298,7 @@ def test_a_failed_backward_then_one_sample_is_bounded(float64, mode, path):
     x, y = _data(1, seed=5)
     _backward(engine, model, x * 10, y, path)
     opt.step()
-    assert _update_norm(before, model) <= R * (1 + 1e-9)
+    assert update_norm(before, model) <= R * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
@@ -343,7 +306,7 @@ def test_a_failed_backward_then_one_sample_is_bounded(float64, mode, path):
 def test_a_failed_forward_leaves_nothing_behind(float64, mode, path, error):
     model = _failing_model()
     reference_model = copy.deepcopy(model)
-    engine, opt = _attached(model, mode, loss_reduction="sum")
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     with _failing(model, "forward", error):
         model(_data(4)[0])
     assert all(p.requires_grad for p in model.parameters())  # ghost differentiation's switch was undone
@@ -358,7 +321,7 @@ def test_a_failed_forward_leaves_nothing_behind(float64, mode, path, error):
                                        ("per-sample", "plain")])
 def test_nothing_of_a_failed_backward_outlives_the_user_references(float64, mode, path):
     model = _failing_model()
-    engine, opt = _attached(model, mode, loss_reduction="sum")
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     x, y = _data(64, seed=2)
     big = weakref.ref(x)
     with _failing(model, "backward", RuntimeError):
@@ -371,7 +334,7 @@ def test_nothing_of_a_failed_backward_outlives_the_user_references(float64, mode
 
 def test_a_failure_while_adding_to_the_sums_drops_the_step_as_a_whole(float64, monkeypatch):
     model = _three_layers()
-    engine, opt = _attached(model, "bk", loss_reduction="sum")
+    engine, opt = attached_engine(model, mode="bk", max_grad_norm=R, loss_reduction="sum")
     engine.backward(_losses(model, *_data(3, seed=1)))
     from dptrain.layers.linear import LinearRule
     calls = []
@@ -416,15 +379,16 @@ def test_a_model_that_folds_tokens_into_the_batch_is_exact(float64, mode, path, 
     torch.manual_seed(0)
     model = FoldsTokens().double()
     batches = [_fold_data(B, T, seed=1), _fold_data(B, T, seed=2)]
-    assert_matches(_clipped_sum(copy.deepcopy(model), mode, path, batches), _reference(model, batches),
-                   what="tokens folded into the batch")
+    got = clipped_gradient(copy.deepcopy(model), _losses, *batches, mode=mode, max_grad_norm=R, path=RUN[path])
+    assert_matches(got, _reference(model, batches), what="tokens folded into the batch")
 
 
 @pytest.mark.parametrize("mode,path", PATHS)
 def test_a_model_that_folds_tokens_into_the_batch_bounds_one_sample(float64, mode, path):
     torch.manual_seed(0)
     x, y = _fold_data(1, 4, seed=3)
-    assert _one_sample_update(FoldsTokens().double(), mode, path, x * 10, y) <= R * (1 + 1e-9)
+    update = one_sample_update(FoldsTokens().double(), _losses, (x * 10, y), mode=mode, max_grad_norm=R, path=RUN[path])
+    assert update <= R * (1 + 1e-9)
 
 
 class SequenceFirst(nn.Module):
@@ -451,7 +415,7 @@ def _seq_first_reference(model, x, y):
 def _seq_first_step(model, mode, path, x, y) -> nn.Module:
     """A copy of ``model`` after one step with batch_first=False (noise 0, lr 0: p.grad is the clipped sum)."""
     trained = copy.deepcopy(model)
-    engine, opt = _attached(trained, mode, loss_reduction="sum", batch_first=False)
+    engine, opt = attached_engine(trained, mode=mode, max_grad_norm=R, loss_reduction="sum", batch_first=False)
     losses = _seq_first_losses(trained, x, y)
     engine.backward(losses) if path == "engine" else losses.sum().backward()
     opt.step()
@@ -490,7 +454,8 @@ def test_a_user_hook_registered_before_attach_is_exact(float64, mode, path):
     model[0].register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))
     batch = _data(4)
     reference = _reference(model, [batch])
-    assert_matches(_clipped_sum(model, mode, path, [batch]), reference, what="user hooks")
+    got = clipped_gradient(model, _losses, batch, mode=mode, max_grad_norm=R, path=RUN[path])
+    assert_matches(got, reference, what="user hooks")
 
 
 @pytest.mark.parametrize("kind", ["prepend", "pre-hook after attach", "global"])
@@ -526,7 +491,8 @@ def test_layers_called_with_keyword_arguments(float64, mode, path):
     torch.manual_seed(0)
     model = KeywordCall().double()
     batch = _data(4)
-    assert_matches(_clipped_sum(copy.deepcopy(model), mode, path, [batch]), _reference(model, [batch]),
+    got = clipped_gradient(copy.deepcopy(model), _losses, batch, mode=mode, max_grad_norm=R, path=RUN[path])
+    assert_matches(got, _reference(model, [batch]),
                    what="keyword call")
 
 
@@ -581,7 +547,7 @@ def test_torch_compile(float64, mode, path, backend):
     batch = _data(4)
     reference = _reference(model, [batch])
     compiled = torch.compile(copy.deepcopy(model), backend=backend)
-    engine, opt = _attached(compiled, mode, loss_reduction="sum")
+    engine, opt = attached_engine(compiled, mode=mode, max_grad_norm=R, loss_reduction="sum")
     losses = _losses(compiled, *batch)
     engine.backward(losses) if path == "engine" else losses.sum().backward()
     opt.step()
@@ -666,7 +632,7 @@ def test_a_fallback_layer_unfrozen_after_attach_is_exact(float64, mode, path):
     batch = _data(4, seed=2)
     reference = _reference(model, [batch])
     model[2].requires_grad_(False)
-    engine, opt = _attached(model, mode, loss_reduction="sum")
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     model[2].requires_grad_(True)
     with pytest.warns(UserWarning, match="per-sample fallback: 2"):
         _backward(engine, model, *batch, path)
@@ -712,7 +678,7 @@ def test_a_fallback_replay_records_nothing_of_its_covered_children(float64, mode
     reference = _reference(model, [batch])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine, opt = _attached(model, mode, loss_reduction="sum")
+        engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     _backward(engine, model, *batch, path)
     assert sum(len(s.calls) for s in engine._trainable.layers) == 0  # the replay left no call behind
     opt.step()
@@ -735,7 +701,7 @@ class WithPositions(nn.Module):
 def test_an_empty_batch_through_a_broadcast_position_embedding(mode):
     torch.manual_seed(0)
     model = WithPositions()
-    engine, opt = _attached(model, mode, lr=0.1)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, lr=0.1)
     ids = torch.zeros(0, 7, dtype=torch.long)  # Poisson sampling draws empty batches
     engine.backward(F.cross_entropy(model(ids), torch.zeros(0, dtype=torch.long), reduction="none"))
     opt.step()
@@ -779,9 +745,12 @@ def test_a_layer_recomputed_in_several_checkpoints_is_exact(float64, mode, path)
     plain = TiedCheckpoints(checkpointed=False).double()
     plain.load_state_dict(model.state_dict())
     batch = _data(4, seed=3)
-    assert_matches(_clipped_sum(model, mode, path, [batch]), _reference(plain, [batch]), what="tied checkpoints")
+    got = clipped_gradient(model, _losses, batch, mode=mode, max_grad_norm=R, path=RUN[path])
+    assert_matches(got, _reference(plain, [batch]), what="tied checkpoints")
     x, y = _data(1, seed=4)
-    assert _one_sample_update(TiedCheckpoints().double(), mode, path, x * 10, y) <= R * (1 + 1e-9)
+    update = one_sample_update(TiedCheckpoints().double(), _losses, (x * 10, y), mode=mode, max_grad_norm=R,
+                               path=RUN[path])
+    assert update <= R * (1 + 1e-9)
 
 
 class TwoHeads(nn.Module):
@@ -811,7 +780,7 @@ def test_one_forward_back_propagated_in_two_passes_is_refused(float64, mode, pat
 @pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
 def test_input_gradients_inside_paused_are_not_training(float64, mode):
     model = _three_layers()
-    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     before = copy.deepcopy(model)
     x, y = _data(1)
     x = x.clone().requires_grad_()
@@ -819,7 +788,7 @@ def test_input_gradients_inside_paused_are_not_training(float64, mode):
         (gx,) = torch.autograd.grad(_losses(model, x, y).sum(), x)
     engine.backward(_losses(model, (x + 0.5 * gx.sign()).detach(), y))
     opt.step()
-    assert _update_norm(before, model) <= R * (1 + 1e-9)
+    assert update_norm(before, model) <= R * (1 + 1e-9)
 
 
 @dataclasses.dataclass
@@ -843,11 +812,11 @@ def test_a_dataclass_output_with_checkpoints_is_clipped_once(float64, mode):
     torch.manual_seed(0)
     model = DataclassOutput(reentrant=True).double()
     before = copy.deepcopy(model)
-    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     x, y = _data(1)
     F.cross_entropy(model(x * 3).logits, y, reduction="sum").backward()
     opt.step()
-    assert _update_norm(before, model) <= R * (1 + 1e-9)
+    assert update_norm(before, model) <= R * (1 + 1e-9)
 
 
 class FoldsADict(nn.Module):
@@ -894,7 +863,7 @@ def test_a_model_used_through_a_method_is_refused(float64, mode):
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
 def test_a_loss_parameter_added_to_the_optimizer_is_refused(float64, mode):
     model = _three_layers()
-    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     centres = nn.Parameter(torch.randn(3, 3))
     opt.add_param_group({"params": [centres]})
     before = centres.detach().clone()
@@ -907,7 +876,7 @@ def test_a_loss_parameter_added_to_the_optimizer_is_refused(float64, mode):
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost", "per-sample"])
 def test_a_weight_swapped_in_place_of_the_registered_one_is_never_applied_raw(float64, mode):
     model = _three_layers()
-    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     engine.backward(_losses(model, *_data(2)))
     opt.step(), opt.zero_grad()
     swapped = nn.Parameter(model[2].weight.detach().clone())
@@ -919,7 +888,7 @@ def test_a_weight_swapped_in_place_of_the_registered_one_is_never_applied_raw(fl
         opt.step()
     except RuntimeError as err:
         assert "gradient" in str(err)
-    assert _update_norm(before, model) <= R * (1 + 1e-9)
+    assert update_norm(before, model) <= R * (1 + 1e-9)
 
 
 def test_a_frozen_batchnorm_in_training_mode_added_after_attach_is_refused(float64):
@@ -956,7 +925,7 @@ def test_sequence_first_layers_after_pooling_see_the_batch_first(float64, mode, 
 
 def test_a_keyboard_interrupt_in_a_forward_then_a_step(float64):
     model = _failing_model()
-    engine, opt = _attached(model, "bk-mixopt", loss_reduction="sum")
+    engine, opt = attached_engine(model, mode="bk-mixopt", max_grad_norm=R, loss_reduction="sum")
     batch = _data(3, seed=1)
     reference = None
     engine.detach()
@@ -987,7 +956,7 @@ def test_a_forward_whose_loss_failed_leaves_nothing_once_its_outputs_are_dropped
     # model's forward returned: once the outputs are dropped, nothing of that forward is kept for the retry.
     model = _three_layers()
     reference_model = copy.deepcopy(model)
-    engine, opt = _attached(model, mode, loss_reduction="sum")
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     out = model(_data(64)[0])
     del out  # the loss raised; the user's handler dropped its references
     gc.collect()

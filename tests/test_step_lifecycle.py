@@ -7,16 +7,14 @@ both backward paths, and at batch size 1 with noise 0, where the applied update 
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import dptrain
-from dptrain.testing import reference_clipped_gradient
-from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches
+from dptrain.testing import attached_engine, reference_clipped_gradient
+from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches, update_norm
 
 R = 0.3
 PATHS = [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES]
@@ -43,19 +41,6 @@ def _backward(engine, model, batch, path):
         _losses(model, *batch).sum().backward()
 
 
-def _attached(model, mode, optimizer_cls=torch.optim.SGD, **opt_kw):
-    """(engine, optimizer): noise 0, batch_size 1 and a summed loss, so p.grad at the step is the clipped sum."""
-    engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R, noise_multiplier=0.0,
-                                   clipping_mode=mode, loss_reduction="sum")
-    opt = optimizer_cls(model.parameters(), **opt_kw)
-    engine.attach(opt)
-    return engine, opt
-
-
-def _update_norm(before: nn.Module, after: nn.Module) -> float:
-    return math.sqrt(sum(float((p - q).detach().square().sum()) for p, q in zip(before.parameters(), after.parameters())))
-
-
 def _grads(model):
     return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -66,7 +51,7 @@ def test_a_closure_step_applies_the_closures_batch_once(float64, mode, path):
     model = _model()
     batch = _data(5, seed=1)
     reference = reference_clipped_gradient(model, _losses, batch, max_grad_norm=R)
-    engine, opt = _attached(model, mode, lr=0.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
 
     def closure():
         opt.zero_grad()
@@ -85,7 +70,7 @@ def test_a_closure_step_applies_the_closures_batch_once(float64, mode, path):
 def test_one_sample_through_a_closure_moves_the_model_at_most_r(float64, mode, path):
     model = _model()
     before = copy.deepcopy(model)
-    engine, opt = _attached(model, mode, lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     sample = _data(1, seed=2)
 
     def closure():
@@ -94,7 +79,7 @@ def test_one_sample_through_a_closure_moves_the_model_at_most_r(float64, mode, p
         return torch.zeros(())
 
     opt.step(closure)
-    norm = _update_norm(before, model)
+    norm = update_norm(before, model)
     assert 0 < norm <= R * (1 + 1e-9)
 
 
@@ -103,7 +88,8 @@ def test_lbfgs_with_one_evaluation_per_step_is_exact(float64, mode):
     model = _model()
     batch = _data(4, seed=3)
     reference = reference_clipped_gradient(model, _losses, batch, max_grad_norm=R)
-    engine, opt = _attached(model, mode, optimizer_cls=torch.optim.LBFGS, lr=0.0, max_iter=1)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum",
+                                  optimizer=torch.optim.LBFGS(model.parameters(), lr=0.0, max_iter=1))
 
     def closure():
         opt.zero_grad()
@@ -118,7 +104,8 @@ def test_lbfgs_with_one_evaluation_per_step_is_exact(float64, mode):
 def test_an_optimizer_that_evaluates_the_closure_twice_is_refused_after_one_counted_update(float64):
     model = _model()
     before = copy.deepcopy(model)
-    engine, opt = _attached(model, "bk-mixopt", optimizer_cls=torch.optim.LBFGS, lr=1.0, max_iter=5)
+    engine, opt = attached_engine(model, mode="bk-mixopt", max_grad_norm=R, loss_reduction="sum",
+                                  optimizer=torch.optim.LBFGS(model.parameters(), lr=1.0, max_iter=5))
     batch = _data(4, seed=4)
 
     def closure():
@@ -129,7 +116,7 @@ def test_an_optimizer_that_evaluates_the_closure_twice_is_refused_after_one_coun
     with pytest.raises(RuntimeError, match="evaluated its closure a second time.*max_iter=1"):
         opt.step(closure)
     assert engine.steps_taken == 1  # the first evaluation's update, applied and counted
-    assert _update_norm(before, model) > 0
+    assert update_norm(before, model) > 0
 
 
 # ---------------------------------------------------------------------------------------- zero_grad
@@ -146,7 +133,7 @@ def test_zero_grad_between_backward_and_step_discards_the_batches_before_it(floa
     model = _model()
     kept = _data(5, seed=6)
     reference = reference_clipped_gradient(model, _losses, kept, max_grad_norm=R)
-    engine, opt = _attached(model, mode, lr=0.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     _backward(engine, model, _data(5, seed=5), path)  # discarded
     ZERO_GRADS[how](model, opt)
     _backward(engine, model, kept, path)
@@ -159,13 +146,13 @@ def test_zero_grad_between_backward_and_step_discards_the_batches_before_it(floa
 def test_the_same_sample_twice_across_zero_grad_moves_the_model_at_most_r(float64, mode, path):
     model = _model()
     before = copy.deepcopy(model)
-    engine, opt = _attached(model, mode, lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     sample = _data(1, seed=7)
     _backward(engine, model, sample, path)
     opt.zero_grad()
     _backward(engine, model, sample, path)
     opt.step()
-    norm = _update_norm(before, model)
+    norm = update_norm(before, model)
     assert 0 < norm <= R * (1 + 1e-9)  # both applied: 2 R
 
 
@@ -175,7 +162,7 @@ def test_zero_grad_between_forward_and_backward_keeps_the_batch(float64, mode, p
     model = _model()
     batch = _data(5, seed=8)
     reference = reference_clipped_gradient(model, _losses, batch, max_grad_norm=R)
-    engine, opt = _attached(model, mode, lr=0.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     losses = _losses(model, *batch)
     opt.zero_grad()
     engine.backward(losses) if path == "engine" else losses.sum().backward()
@@ -190,7 +177,7 @@ def test_gradient_clipping_by_the_user_before_the_step_discards_nothing(float64,
     batches = [_data(3, seed=9), _data(3, seed=10)]
     x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
     reference = reference_clipped_gradient(model, _losses, (x, y), max_grad_norm=R)
-    engine, opt = _attached(model, mode, lr=0.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     for batch in batches:
         _backward(engine, model, batch, path)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
@@ -200,7 +187,7 @@ def test_gradient_clipping_by_the_user_before_the_step_discards_nothing(float64,
 
 def test_no_gradient_is_left_after_detach(float64):
     model = _model()
-    engine, opt = _attached(model, "bk-mixopt", lr=0.1)
+    engine, opt = attached_engine(model, mode="bk-mixopt", max_grad_norm=R, loss_reduction="sum", lr=0.1)
     engine.backward(_losses(model, *_data(3, seed=11)))
     engine.detach()
     assert all(p.grad is None for p in model.parameters())
@@ -212,12 +199,12 @@ def test_an_optimizer_built_after_attach_is_refused_before_it_applies_anything(f
     model = _model()
     before = copy.deepcopy(model)
     reference = reference_clipped_gradient(before, _losses, _data(4, seed=12), max_grad_norm=R)
-    engine, attached = _attached(model, mode, lr=1.0)
+    engine, attached = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     later = torch.optim.SGD(model.parameters(), lr=1.0)
     _backward(engine, model, _data(4, seed=12), path)
     with pytest.raises(RuntimeError, match="not the optimizer this PrivacyEngine is attached to.*Nothing was applied"):
         later.step()
-    assert _update_norm(before, model) == 0 and engine.steps_taken == 0
+    assert update_norm(before, model) == 0 and engine.steps_taken == 0
     attached.step()  # still applies exactly that batch
     assert_matches({n: (q - p).detach() for (n, p), q in zip(model.named_parameters(), before.parameters())},
                    reference, what="the attached optimizer after a refused one")
@@ -226,24 +213,24 @@ def test_an_optimizer_built_after_attach_is_refused_before_it_applies_anything(f
 
 def test_an_optimizer_of_another_model_steps_freely(float64):
     model, other = _model(), _model()
-    engine, _ = _attached(model, "bk-mixopt", lr=1.0)
+    engine, _ = attached_engine(model, mode="bk-mixopt", max_grad_norm=R, loss_reduction="sum", lr=1.0)
     opt = torch.optim.SGD(other.parameters(), lr=0.1)
     _losses(other, *_data(4, seed=13)).mean().backward()
     before = copy.deepcopy(other)  # (not attached: an ordinary copy)
     opt.step()
-    assert _update_norm(before, other) > 0
+    assert update_norm(before, other) > 0
     engine.detach()
 
 
 def test_after_detach_any_optimizer_steps_freely(float64):
     model = _model()
-    engine, _ = _attached(model, "bk-mixopt", lr=1.0)
+    engine, _ = attached_engine(model, mode="bk-mixopt", max_grad_norm=R, loss_reduction="sum", lr=1.0)
     engine.detach()
     later = torch.optim.SGD(model.parameters(), lr=0.1)
     _losses(model, *_data(4, seed=14)).mean().backward()
     before = copy.deepcopy(model)
     later.step()
-    assert _update_norm(before, model) > 0
+    assert update_norm(before, model) > 0
 
 
 # ---------------------------------------------------------------------------------------- two views of a sample
@@ -258,7 +245,7 @@ def test_two_views_of_each_sample_in_two_model_calls_are_clipped_together(float6
     x, y = _data(4, seed=15)
     batch = (x, x + 0.1 * torch.randn_like(x), y)
     reference = reference_clipped_gradient(model, _two_view_losses, batch, max_grad_norm=R)
-    engine, opt = _attached(model, mode, lr=0.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     losses = _two_view_losses(model, *batch)
     engine.backward(losses) if path == "engine" else losses.sum().backward()
     opt.step()

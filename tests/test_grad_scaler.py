@@ -10,6 +10,7 @@ from torch import nn
 
 import dptrain
 import dptrain.testing
+from dptrain.testing import attached_engine
 from helpers import MODES, SINGLE_BACKWARD_MODES
 
 BATCH, SAMPLES = 6, 60
@@ -36,9 +37,11 @@ def _scaler(init_scale: float, **kw) -> torch.amp.GradScaler:
 
 
 def _train(mode, batches, scaler=None, plain=False, micro=1):
+    """(model, engine) after one step per batch (SGD at lr 0.5), each batch in ``micro`` micro-batches, through
+    the scaler if one is given: the trajectories with and without a scale must agree."""
     model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    engine = _engine(model, mode).attach(opt, grad_scaler=scaler)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=0.1, lr=0.5, grad_scaler=scaler, batch_size=BATCH,
+                                  sample_size=SAMPLES)
     for x, y in batches:
         for xs, ys in zip(x.chunk(micro), y.chunk(micro)):
             scale = scaler.scale if scaler is not None else (lambda t: t)

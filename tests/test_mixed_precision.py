@@ -28,7 +28,7 @@ from torch import nn
 
 import dptrain
 import dptrain.pipeline
-from dptrain.testing import per_sample_gradients, trainable_named_parameters
+from dptrain.testing import attached_engine, per_sample_gradients, trainable_named_parameters
 from helpers import MODES, classify, classify_tokens, per_sample
 
 # torch warns that a bf16 input and a float32 weight miss RMSNorm's fused kernel (autocast leaves them so)
@@ -225,12 +225,10 @@ def observed(monkeypatch):
 
 
 def private_gradient(s: Setting, mode: str, R: float | None = None, batch: tuple | None = None):
-    """(p.grad after one step with sigma = 0, batch_size = 1: the clipped sum; the engine's decisions)."""
+    """(p.grad after one step with sigma = 0, batch_size = 1: the clipped sum; the engine's decisions, read between
+    the backward and the step). The losses are formed under autocast, the backward outside it."""
     model = copy.deepcopy(s.model)
-    engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=s.R if R is None else R,
-                                   noise_multiplier=0.0, clipping_mode=mode)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(optimizer)
+    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=s.R if R is None else R)
     try:
         losses = s.forward(model, *(s.batch if batch is None else batch))
         engine.backward(losses)  # outside autocast, as torch recommends
@@ -342,10 +340,7 @@ def test_float16_norms_do_not_overflow(mode, observed):
     low = sample_norms(per_sample_gradients(model, lambda m, *b: scale * losses_fn(m, *b), batch))
     baseline = ((low - ref_norms).abs() / ref_norms).max().item()
 
-    engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=1.0, noise_multiplier=0.0,
-                                   clipping_mode=mode)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(optimizer)
+    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=1.0)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no overflow warnings either

@@ -1,18 +1,29 @@
-"""What a step means: closures (``optimizer.step(closure)``), ``zero_grad()`` between a backward and the step,
-and optimizers other than the attached one.
+"""The private step (dptrain.step): what a step means, and the step's own state.
 
-Each case is checked against the one-sample-at-a-time oracle (float64, clipping binding) in every mode and on
-both backward paths, and at batch size 1 with noise 0, where the applied update must have norm <= R.
+What a step means: closures (``optimizer.step(closure)``), ``zero_grad()`` between a backward and the step,
+and optimizers other than the attached one. Each case is checked against the one-sample-at-a-time oracle (float64,
+clipping binding) in every mode and on both backward paths, and at batch size 1 with noise 0, where the applied
+update must have norm <= R.
+
+The step's own state: the clipped sums' precision, the noise generator across a checkpoint, and the number of
+samples that reach each step. Low precision: with bf16 parameters or under bf16 autocast the clipped sums are
+float32 until the noise is added; one sample's contribution (every other sample's loss weighted 0, noise 0) has
+norm <= R up to float32 rounding in every mode and on both backward paths.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
+import re
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dptrain
 from dptrain.testing import attached_engine, reference_clipped_gradient
 from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches, update_norm
 
@@ -250,3 +261,308 @@ def test_two_views_of_each_sample_in_two_model_calls_are_clipped_together(float6
     engine.backward(losses) if path == "engine" else losses.sum().backward()
     opt.step()
     assert_matches(_grads(model), reference, what="two views, two model calls")
+
+
+# ---------------------------------------------------------------------------------------- the step's own state
+BF16 = torch.bfloat16
+R_PRECISION = 0.5  # the bound of the low-precision tests
+# float32 rounding of a norm formed from float32 products of a few hundred terms: 16 unit roundoffs
+FLOAT32_MARGIN = 2.0 ** -20
+# bf16 keeps 8 significant bits: rounding to nearest moves each entry by at most 2^-8 of itself, so the
+# rounded gradient's norm is at most (1 + 2^-8) times the float32 one
+BF16_ROUNDING = 2.0 ** -8
+
+
+class TokenMLP(nn.Module):
+    """Linear -> tanh -> Linear on [B, 3, 12] (T = 3: the ghost norm is a Gram product)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(12, 24), nn.Linear(24, 5)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+class SmallConv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.head = nn.Linear(6 * 4 * 4, 5)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.conv(x)).flatten(1))
+
+
+def one_sample_case(kind: str, seed: int, autocast: bool):
+    """(model, inputs, per-sample losses fn): losses scaled up so that the chosen sample is clipped."""
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    B = 4
+    if kind == "tokens":
+        model, x = TokenMLP(), torch.randn(B, 3, 12, generator=g)
+        y = torch.randint(0, 5, (B, 3), generator=g)
+    else:
+        model, x = SmallConv(), torch.randn(B, 3, 4, 4, generator=g)
+        y = torch.randint(0, 5, (B,), generator=g)
+    if not autocast:
+        model, x = model.to(BF16), x.to(BF16)
+
+    def losses(m):
+        with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+            out = m(x)
+        per_token = F.cross_entropy(out.reshape(-1, 5).float(), y.reshape(-1), reduction="none")
+        return 10.0 * per_token.reshape(B, -1).sum(1)
+
+    return model, losses
+
+
+def contribution_of_one_sample(kind, seed, autocast, mode, path):
+    """(the step's float32 sums after one sample's backward, their dtypes) with every other loss weighted 0."""
+    model, losses_fn = one_sample_case(kind, seed, autocast)
+    engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R_PRECISION,
+                                   noise_multiplier=0.0, clipping_mode=mode, loss_reduction="sum")
+    engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    try:
+        losses = losses_fn(model)
+        only = torch.zeros(losses.shape[0], dtype=losses.dtype)
+        only[seed % losses.shape[0]] = 1.0
+        if path == "engine.backward":
+            engine.backward(losses * only)
+        else:
+            (losses * only).sum().backward()
+        sums = list(engine._sums.sums.values())  # before the step: what the noise is added to
+        return torch.sqrt(sum(t.double().square().sum() for t in sums)).item(), {t.dtype for t in sums}
+    finally:
+        engine.detach()
+
+
+PRECISION_PATHS = [(m, "engine.backward") for m in MODES] + [(m, "loss.backward") for m in SINGLE_BACKWARD_MODES]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16-parameters", "bf16-autocast"])
+@pytest.mark.parametrize("mode,path", PRECISION_PATHS)
+@pytest.mark.parametrize("kind", ["tokens", "conv"])
+def test_one_sample_contributes_at_most_R_in_float32_before_the_cast(kind, mode, path, autocast):
+    """Before: bf16 sums, bf16 2b(C) products and the second pass's bf16 re-derivation let one sample
+    contribute up to 1.003 R (measured on these models); now <= R up to float32 rounding."""
+    for seed in range(4):
+        norm, dtypes = contribution_of_one_sample(kind, seed, autocast, mode, path)
+        assert dtypes == {torch.float32}, dtypes
+        assert norm <= R_PRECISION * (1 + FLOAT32_MARGIN), (
+            f"seed {seed}: ||contribution|| / R - 1 = {norm / R_PRECISION - 1:.3g}")
+        assert norm >= R_PRECISION * (1 - 2.0 ** -6), f"seed {seed}: the sample was not clipped (norm {norm:.4g})"
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["bf16-parameters", "bf16-autocast"])
+@pytest.mark.parametrize("mode", MODES)
+def test_batch_of_one_update_is_bounded_by_R_times_lr(mode, autocast):
+    """One Linear layer initialised at zero, SGD with lr 1, batch_size 1: the update is exactly -p.grad, so its
+    norm is that of the float32 sum rounded once to the parameter's dtype: <= R (1 + 2^-8) for bf16 parameters
+    (each entry rounded to nearest moves by at most 2^-8 of itself), <= R for float32 ones (autocast)."""
+    lr = 1.0
+    bound = R_PRECISION * lr * (1 + (BF16_ROUNDING if not autocast else 0.0)) * (1 + FLOAT32_MARGIN)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        model = nn.Linear(12, 5)
+        nn.init.zeros_(model.weight)
+        nn.init.zeros_(model.bias)
+        x = torch.randn(1, 12, generator=torch.Generator().manual_seed(seed)) * 10
+        if not autocast:
+            model, x = model.to(BF16), x.to(BF16)
+        engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R_PRECISION,
+                                       noise_multiplier=0.0, clipping_mode=mode)
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+        engine.attach(optimizer)
+        try:
+            with torch.autocast("cpu", dtype=BF16, enabled=autocast):
+                out = model(x)
+            engine.backward(F.cross_entropy(out.float(), torch.tensor([seed % 5]), reduction="none"))
+            optimizer.step()
+        finally:
+            engine.detach()
+        update = math.sqrt(sum(p.detach().double().square().sum().item() for p in model.parameters()))
+        assert update <= bound, f"seed {seed}: ||update|| / (R lr) - 1 = {update / (R_PRECISION * lr) - 1:.3g}"
+        assert update >= R_PRECISION * lr * (1 - BF16_ROUNDING), "the sample was not clipped"
+
+
+def test_noise_is_drawn_and_added_in_float32_for_bf16_parameters():
+    model = TokenMLP().to(BF16)
+    engine = dptrain.PrivacyEngine(model, batch_size=4, sample_size=100, max_grad_norm=R_PRECISION,
+                                   noise_multiplier=1.0, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(optimizer)
+    drawn = []
+    sample = engine._noise.sample
+    engine._noise.sample = lambda like, std: drawn.append(like.dtype) or sample(like, std)
+    try:
+        engine.backward(model(torch.randn(4, 3, 12).to(BF16)).float().square().flatten(1).sum(1))
+        optimizer.step()
+    finally:
+        engine.detach()
+    assert drawn and set(drawn) == {torch.float32}
+    assert all(p.grad.dtype == BF16 for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- the noise across a checkpoint
+def noise_engine(**kwargs):
+    model = nn.Linear(6, 3)
+    engine = dptrain.PrivacyEngine(model, batch_size=4, sample_size=100, noise_multiplier=1.0, **kwargs)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(optimizer)
+    return engine, model, optimizer
+
+
+def noise_of_steps(engine, model, optimizer, steps: int) -> list[torch.Tensor]:
+    """The noise of empty steps (no backward: p.grad is the noise alone)."""
+    drawn = []
+    for _ in range(steps):
+        optimizer.step()
+        drawn.append(torch.cat([p.grad.flatten().clone() for p in model.parameters()]))
+        optimizer.zero_grad()
+    return drawn
+
+
+def test_noise_after_load_is_fresh_never_the_saved_stream():
+    engine, model, optimizer = noise_engine(seed=3)
+    noise_of_steps(engine, model, optimizer, 2)
+    checkpoint = engine.state_dict()
+    assert "generators" in checkpoint["noise"]  # kept for the reproducible mode only
+    saved_stream = noise_of_steps(engine, model, optimizer, 3)  # what steps 3..5 drew in the first run
+    resumes = []
+    for _ in range(2):  # the same checkpoint resumed twice: each resume draws its own noise
+        engine, model, optimizer = noise_engine(seed=3)
+        engine.load_state_dict(checkpoint)
+        assert engine.steps_taken == 2
+        resumes.append(noise_of_steps(engine, model, optimizer, 3))
+    for resumed in resumes:
+        assert not any(torch.equal(a, b) for a in saved_stream for b in resumed)
+    assert not any(torch.equal(a, b) for a in resumes[0] for b in resumes[1])
+    # and not the stream a fresh engine with the same seed starts with either
+    engine, model, optimizer = noise_engine(seed=3)
+    from_seed = noise_of_steps(engine, model, optimizer, 5)
+    assert not any(torch.equal(a, b) for a in from_seed for b in resumes[0])
+
+
+def test_reproducible_noise_continues_the_saved_stream_and_says_so():
+    engine, model, optimizer = noise_engine(seed=3)
+    noise_of_steps(engine, model, optimizer, 2)
+    checkpoint = engine.state_dict()
+    saved_stream = noise_of_steps(engine, model, optimizer, 3)
+    engine, model, optimizer = noise_engine(seed=3)
+    with pytest.warns(UserWarning, match="same noise to different data"):
+        engine.load_state_dict(checkpoint, reproducible_noise=True)
+    for a, b in zip(saved_stream, noise_of_steps(engine, model, optimizer, 3)):
+        assert torch.equal(a, b)
+
+
+def test_secure_noise_is_never_saved_nor_continued():
+    engine, model, optimizer = noise_engine(secure_rng=True)
+    noise_of_steps(engine, model, optimizer, 1)
+    checkpoint = engine.state_dict()
+    assert checkpoint["noise"] == {"secure": True}
+    engine, model, optimizer = noise_engine(secure_rng=True)
+    with pytest.raises(ValueError, match="cannot be continued"):
+        engine.load_state_dict(checkpoint, reproducible_noise=True)
+    assert engine.steps_taken == 0  # refused before anything was restored
+    engine.load_state_dict(checkpoint)
+    assert engine.steps_taken == 1
+    a, b = noise_of_steps(engine, model, optimizer, 1)[0], noise_of_steps(*noise_engine(secure_rng=True), 1)[0]
+    assert not torch.equal(a, b)
+
+
+# --------------------------------------------------------------------------- samples per step
+from dptrain.step import SamplesPerStep  # noqa: E402
+
+
+@contextlib.contextmanager
+def no_warnings():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        yield
+
+
+def poisson_counts(n: int, q: float, steps: int, seed: int) -> list[int]:
+    """The sizes of ``steps`` Poisson batches: each of n samples in with probability q."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.binomial(torch.full((steps,), float(n)), torch.full((steps,), q), generator=g).long().tolist()
+
+
+def feed(counter: SamplesPerStep, step_counts: list[int], micro_batches: int = 1) -> None:
+    """One step per count, its samples split into ``micro_batches`` backwards (as a loader split would)."""
+    for count in step_counts:
+        for k in range(micro_batches):
+            counter.add_backward(count // micro_batches + (1 if k < count % micro_batches else 0))
+        counter.end_step()
+
+
+@pytest.mark.parametrize("n,batch_size", [(10_000, 1), (10_000, 4), (60_000, 256), (1_000, 500), (50, 49)])
+def test_honest_poisson_batches_never_warn(n, batch_size, recwarn):
+    q = batch_size / n
+    for seed in range(200):
+        counter = SamplesPerStep(batch_size, q)
+        feed(counter, poisson_counts(n, q, 100, seed), micro_batches=1 + seed % 4)
+        assert not counter.warned, f"seed {seed}"
+    assert not [w for w in recwarn if "samples per step" in str(w.message)]
+
+
+def test_micro_batch_size_given_as_batch_size_warns_once_naming_both_numbers():
+    n, micro, accumulated = 60_000, 64, 4
+    logical_q = micro * accumulated / n  # what the loader draws per optimizer step
+    counter = SamplesPerStep(micro, micro / n)  # what the user told the engine
+    counts = poisson_counts(n, logical_q, 9, seed=0)
+    feed(counter, counts, micro_batches=accumulated)
+    assert not counter.warned  # fewer than MIN_STEPS steps: no verdict yet
+    with pytest.warns(UserWarning, match=r"batch_size=64 was given.*micro-batch size given as batch_size") as got:
+        feed(counter, poisson_counts(n, logical_q, 1, seed=1), micro_batches=accumulated)
+    found = re.search(r"received ([\d.]+) samples per step.*about ([\d.]+)x too small", str(got[0].message))
+    mean, ratio = float(found[1]), float(found[2])
+    assert abs(mean - micro * accumulated) < 6 * math.sqrt(micro * accumulated / 10)  # the mean it saw, named
+    assert 3.5 < ratio < 4.5
+    with no_warnings():
+        feed(counter, poisson_counts(n, logical_q, 50, seed=2), micro_batches=accumulated)  # said once only
+
+
+def test_a_step_after_every_micro_batch_warns_too():
+    n, logical = 60_000, 256
+    counter = SamplesPerStep(logical, logical / n)
+    micro_counts = poisson_counts(n, logical / n / 4, 10, seed=0)  # each micro-batch stepped on its own
+    with pytest.warns(UserWarning, match=r"batch_size=256 was given.*optimizer.step\(\) after every micro-batch"):
+        feed(counter, micro_counts)
+
+
+def test_fixed_shape_batches_and_data_parallel_ranks_are_honest():
+    # K rows per batch (padding included) reach the model: up to K per step is honest, even K > 2 b
+    counter = SamplesPerStep(4, 4 / 1000, max_batch_size=20)
+    with no_warnings():
+        feed(counter, [20] * 100)
+    # each of 4 ranks counts its own quarter of a logical batch of 256
+    counter = SamplesPerStep(256, 256 / 60_000, ranks=4)
+    with no_warnings():
+        feed(counter, poisson_counts(60_000, 64 / 60_000, 100, seed=3))
+    counter = SamplesPerStep(256, 256 / 60_000)  # the same counts without ranks: too few per step
+    with pytest.warns(UserWarning, match="samples per step"):
+        feed(counter, poisson_counts(60_000, 64 / 60_000, 10, seed=3))
+
+
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_every_completed_backward_tells_its_samples_on_both_paths(mode, monkeypatch):
+    """What the engine feeds SamplesPerStep.add_backward: each completed backward's batch (Backward.batch),
+    from engine.backward's losses and from a plain loss.backward()'s model call alike."""
+    from dptrain.runner import BackwardRunner
+
+    seen = []
+    done = BackwardRunner._done
+    monkeypatch.setattr(BackwardRunner, "_done", lambda self, backward: seen.append(backward.batch) or done(self, backward))
+    model = nn.Linear(6, 3)
+    engine = dptrain.PrivacyEngine(model, batch_size=8, sample_size=100, noise_multiplier=0.0, clipping_mode=mode)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.attach(optimizer)
+    try:
+        engine.backward(model(torch.randn(5, 6)).square().sum(1))
+        if not dptrain.RECIPES[mode].two_pass:
+            model(torch.randn(3, 6)).square().sum(1).mean().backward()
+        optimizer.step()
+    finally:
+        engine.detach()
+    assert seen == ([5] if dptrain.RECIPES[mode].two_pass else [5, 3])

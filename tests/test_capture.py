@@ -5,6 +5,8 @@ user tensor hooks on a layer's output, gradient penalties, copies and saved mode
 inputs whose batch is not a plain tensor dimension (PackedSequence, EmbeddingBag's bags). Each is exact against the
 one-sample-at-a-time oracle (float64, clipping binding) or refused with a message that says what to do, in every
 clipping mode and on both backward paths; and with one sample, noise 0 and SGD at lr 1, the update has norm <= R.
+
+A layer input modified in place after the layer ran must raise, not give a wrong gradient.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import dptrain
 from dptrain.rows import RowsMixSamples
-from dptrain.testing import attached_engine, per_sample_gradients, reference_clipped_gradient
+from dptrain.testing import attached_engine, clipped_gradient, per_sample_gradients, reference_clipped_gradient
 from helpers import (
     MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, engine_clipped_sum, one_sample_update, with_oracle,
 )
@@ -529,3 +531,42 @@ def test_an_embedding_bag_with_offsets_bounds_one_sample(float64, mode, path):
         model.bag.weight.mul_(10)
         model.head.weight.mul_(10)
     _assert_bounded(model, mode, path, _bag_losses, _bags([4]))
+
+
+# ---------------------------------------------------------------------------------------- inputs modified in place
+class ResidualInPlace(nn.Module):
+    def __init__(self, out_of_place: bool):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.out_of_place = out_of_place
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.out_of_place:
+            h = h + self.b(h)
+        else:
+            h += self.b(h)  # overwrites b's input after b used it
+        return h
+
+
+def _residual_losses(model, x):
+    return model(x).square().sum(1)
+
+
+@pytest.mark.parametrize("mode", dptrain.CLIPPING_MODES)
+def test_input_modified_in_place_is_refused(mode, float64):
+    torch.manual_seed(0)
+    model, x = ResidualInPlace(out_of_place=False), torch.randn(4, 3)
+    engine, _ = attached_engine(model, mode=mode, max_grad_norm=1.0, sample_size=10)
+    with pytest.raises(RuntimeError, match="modified (in place|by an inplace)"):
+        engine.backward(_residual_losses(model, x))
+
+
+@pytest.mark.parametrize("mode", dptrain.CLIPPING_MODES)
+def test_out_of_place_residual_is_exact(mode, float64):
+    torch.manual_seed(0)
+    model, x = ResidualInPlace(out_of_place=True), torch.randn(4, 3)
+    ref = reference_clipped_gradient(model, _residual_losses, (x,), max_grad_norm=1.0)
+    got = clipped_gradient(model, _residual_losses, (x,), mode=mode, max_grad_norm=1.0, sample_size=10)
+    for name, _ in model.named_parameters():
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-10, atol=1e-12)

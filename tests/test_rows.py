@@ -18,7 +18,7 @@ from torch import nn
 from dptrain import plan, rows
 from dptrain.testing import clipped_gradient, reference_clipped_gradient
 from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches, one_sample_update
-from test_hazards import RUN, R, _backward, _engine
+from test_engine import RUN, R, _backward, _engine
 
 PATHS = [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES]
 

@@ -534,6 +534,9 @@ def split_max_grad_norm(case: Case, style) -> float:
 
 
 # --------------------------------------------------------------------------- the engine and the oracle on a case
+run_engine = clipped_gradient  # the name under which tests written before dptrain.testing.clipped_gradient call it
+
+
 def engine_clipped_sum(case: Case, model: nn.Module | None = None, quiet: bool = False,
                        **kwargs) -> dict[str, torch.Tensor]:
     """``dptrain.testing.clipped_gradient`` for a case, on ``model``, by default a fresh copy of the case's model

@@ -1,4 +1,5 @@
-"""Helpers shared by the test modules: model cases, the engine runner, and comparisons.
+"""Helpers shared by the test modules: model cases, and ``dptrain.testing``'s runner, threshold and comparison
+applied to a case.
 
 A *case* is a model, a per-sample loss function ``losses_fn(model, *batch) -> [B, ...]``
 and a batch (tuple of tensors, batch first). Builders take a seed and draw the shapes
@@ -21,7 +22,15 @@ import torch.nn.functional as F
 from torch import nn
 
 import dptrain
-from dptrain.testing import per_sample_gradients, reference_clipped_gradient, trainable_named_parameters
+from dptrain.testing import (  # noqa: F401  (max_relative_error: for tests/zoo.py)
+    clipped_gradient,
+    max_relative_error,
+    mismatches,
+    per_sample_gradients,
+    reference_clipped_gradient,
+    threshold_between,
+    trainable_named_parameters,
+)
 
 MODES = tuple(dptrain.CLIPPING_MODES)
 SINGLE_BACKWARD_MODES = tuple(m for m in MODES if not dptrain.RECIPES[m].two_pass)
@@ -519,94 +528,40 @@ def scaled_group_norms(case: Case, style) -> torch.Tensor:
 
 
 def split_max_grad_norm(case: Case, style) -> float:
-    """A max_grad_norm that clips some (sample, group) pairs and leaves others unclipped.
-
-    It lies between two adjacent distinct scaled norms near the median, well away from both,
-    so that the global clipping function's ``norm <= R`` cannot flip on rounding.
-    """
-    values = sorted(v for v in scaled_group_norms(case, style).flatten().tolist() if v > 0)
-    assert len(values) >= 2, "degenerate case: fewer than two non-zero per-sample norms"
-    middle = len(values) // 2
-    candidates = [(values[j + 1] / values[j], j) for j in range(len(values) - 1)]
-    candidates.sort(key=lambda rj: (rj[0] < 1 + 1e-6, abs(rj[1] - middle + 0.5)))
-    ratio, j = candidates[0]
-    assert ratio > 1 + 1e-6, "degenerate case: all per-sample norms are equal"
-    R = math.sqrt(values[j] * values[j + 1])
-    norms = scaled_group_norms(case, style)
-    assert bool((norms > R).any()) and bool((norms < R).any()), "max_grad_norm clips all or none"
-    return R
+    """``dptrain.testing.threshold_between`` for a case: a max_grad_norm that clips some (sample, group) pairs
+    and leaves others unclipped."""
+    return threshold_between(case.model, case.losses_fn, case.batch, clipping_style=style)
 
 
-# --------------------------------------------------------------------------- running the engine
-def run_engine(
-    model: nn.Module,
-    losses_fn: Callable,
-    batch: tuple,
-    *,
-    mode: str,
-    max_grad_norm: float,
-    clipping_fn: str = "abadi",
-    clipping_style="all-layer",
-    clipping_gamma: float = 0.01,
-    path: str = "engine",
-    micro_batches: int = 1,
-    noise_multiplier: float = 0.0,
-    batch_size: int = 1,
-    seed: int | None = None,
-) -> dict[str, torch.Tensor]:
-    """p.grad after one private step, {full parameter name: tensor}; the engine is detached after.
-
-    ``path``: "engine" calls engine.backward(losses); "mean"/"sum" call loss.backward() on the
-    per-sample losses reduced that way (loss_reduction set to match).
-    ``micro_batches``: the batch is split in that many consecutive chunks, each back-propagated.
-    With the defaults (noise 0, batch_size=1) p.grad is the clipped sum itself.
-    """
-    engine = dptrain.PrivacyEngine(
-        model, batch_size=batch_size, sample_size=max(100, batch_size), max_grad_norm=max_grad_norm,
-        noise_multiplier=noise_multiplier, clipping_mode=mode, clipping_fn=clipping_fn,
-        clipping_style=clipping_style, clipping_gamma=clipping_gamma,
-        loss_reduction="sum" if path == "sum" else "mean", seed=seed,
-    )
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    engine.attach(optimizer)
-    try:
-        for chunk in split_batch(batch, micro_batches):
-            losses = losses_fn(model, *chunk)
-            if path == "engine":
-                engine.backward(losses)
-            elif path == "mean":
-                per_sample(losses).mean().backward()
-            elif path == "sum":
-                per_sample(losses).sum().backward()
-            else:
-                raise ValueError(path)
-        optimizer.step()
-        named = trainable_named_parameters(model)
-        grads = {n: p.grad.detach().clone() for n, (_, p) in named.items()}
-        optimizer.zero_grad(set_to_none=True)
-        return grads
-    finally:
-        engine.detach()
-
-
-def split_batch(batch: tuple, k: int) -> list[tuple]:
-    B = batch[0].shape[0]
-    bounds = [round(i * B / k) for i in range(k + 1)]
-    return [tuple(t[bounds[i]:bounds[i + 1]] for t in batch) for i in range(k)]
+# --------------------------------------------------------------------------- the engine and the oracle on a case
+run_engine = clipped_gradient  # the name under which tests written before dptrain.testing.clipped_gradient call it
 
 
 def engine_clipped_sum(case: Case, model: nn.Module | None = None, quiet: bool = False,
                        **kwargs) -> dict[str, torch.Tensor]:
-    """run_engine on ``model``, by default a fresh copy of the case's model (the case's own model
-    is never attached, it serves the oracle). Pass a copy to reuse it over several runs.
+    """``dptrain.testing.clipped_gradient`` for a case, on ``model``, by default a fresh copy of the case's model
+    (the case's own model is never attached, it serves the oracle). Pass a copy to reuse it over several runs.
     ``quiet``: no warning at all (model zoos warn about their configurations, the engine about the fallback)."""
     with warnings.catch_warnings():
-        # two-pass modes warn that several clipping groups cost extra backward passes
-        warnings.filterwarnings("ignore", message=".*extra backward passes")
         if quiet:
             warnings.simplefilter("ignore")
         model = copy.deepcopy(case.model) if model is None else model
-        return run_engine(model, case.losses_fn, case.batch, **kwargs)
+        return clipped_gradient(model, case.losses_fn, case.batch, **kwargs)
+
+
+def update_norm(before: nn.Module, after: nn.Module) -> float:
+    """The norm of the change of every parameter (trainable or not) from ``before`` to ``after``."""
+    return math.sqrt(sum(float((p - q).detach().square().sum()) for p, q in zip(before.parameters(),
+                                                                                 after.parameters())))
+
+
+def one_sample_update(model: nn.Module, losses_fn: Callable, batch, *, lr: float = 1.0, **kwargs) -> float:
+    """The norm of the update of one private SGD step at ``lr`` (noise 0, batch_size 1) of ``model`` on ``batch``
+    (``dptrain.testing.clipped_gradient``'s other arguments in ``kwargs``): at most max_grad_norm * lr for one
+    sample (the property the accountant relies on). The model takes the step."""
+    before = copy.deepcopy(model)
+    clipped_gradient(model, losses_fn, batch, lr=lr, **kwargs)
+    return update_norm(before, model)
 
 
 def with_oracle(build: Callable[[], Case], oracle_losses_fn: Callable | None = None) -> tuple[Case, float, dict]:
@@ -650,23 +605,10 @@ def reference(case: Case, *, max_grad_norm, clipping_fn="abadi", clipping_style=
     )
 
 
-def max_relative_error(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[float, str]:
-    """(max |got - ref| / max |ref|, the worst parameter's name); names must match exactly."""
-    assert set(got) == set(ref), f"parameter names differ: {sorted(set(got) ^ set(ref))}"
-    scale = max((r.abs().max().item() for r in ref.values() if r.numel()), default=0.0)
-    worst, worst_name = 0.0, ""
-    for name in ref:
-        assert got[name].shape == ref[name].shape, f"{name}: shape {tuple(got[name].shape)} != {tuple(ref[name].shape)}"
-        err = (got[name] - ref[name]).abs().max().item() if ref[name].numel() else 0.0
-        rel = err / scale if scale > 0 else err
-        if not rel <= worst:  # also catches NaN
-            worst, worst_name = rel, name
-    return worst, worst_name
-
-
 def assert_matches(got, ref, rtol: float = RTOL, what: str = "") -> None:
-    rel, name = max_relative_error(got, ref)
-    assert rel <= rtol, f"{what}: relative error {rel:.3g} > {rtol:g} (worst parameter {name!r})"
+    """|got - ref| <= rtol times the largest absolute entry of ref, for every entry (``dptrain.testing.mismatches``)."""
+    failures = mismatches(got, ref, rtol=rtol, relative_to="largest", what=what)
+    assert not failures, "\n".join(failures)
 
 
 def spread_init(model):

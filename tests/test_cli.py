@@ -206,6 +206,7 @@ def test_torchvision_dataset_from_data_dir_with_mlp(tmp_path, capsys):
     assert "300 training / 100 test images of 1x28x28" in out
 
 
+@pytest.mark.slow  # a full-size torchvision model
 def test_torchvision_model_with_batchnorm_is_trained_with_groupnorm(tmp_path, capsys):
     status, out, err = run(["train", "--model", "torchvision:mobilenet_v3_small", "--epochs", "1", "--batch-size",
                             "1000", "--physical-batch-size", "500", "--output", str(tmp_path)], capsys)

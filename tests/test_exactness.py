@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from dptrain.testing import mismatches
 from helpers import (
     CASES,
     CLIPPING_FNS,
@@ -29,7 +30,6 @@ from helpers import (
     classify,
     engine_clipped_sum,
     get_case,
-    max_relative_error,
     reference,
     resolve_style,
     scaled_group_norms,
@@ -77,9 +77,8 @@ def check_against_oracle(case_name: str, mode: str, path: str = "engine", combos
         try:
             got = engine_clipped_sum(case, model=model, mode=mode, max_grad_norm=threshold_for(case_name, style),
                                      clipping_fn=fn, clipping_style=resolve_style(style, case.model), path=path)
-            rel, name = max_relative_error(got, reference_for(case_name, fn, style))
-            if not rel <= RTOL:
-                failures.append(f"fn={fn} style={style}: relative error {rel:.3g} (worst: {name})")
+            failures += mismatches(got, reference_for(case_name, fn, style), rtol=RTOL, relative_to="largest",
+                                   what=f"fn={fn} style={style}")
         except Exception as err:  # noqa: BLE001  -- report every combination, not just the first
             failures.append(f"fn={fn} style={style}: {type(err).__name__}: {str(err).splitlines()[0]}")
     assert not failures, f"{case_name} / {mode} / backward via {path}:\n" + "\n".join(failures)
@@ -150,9 +149,7 @@ def test_batch_of_one_matches_oracle(case_name, mode, path):
             ref = _references[key]
             got = engine_clipped_sum(case, model=model, mode=mode, max_grad_norm=R, clipping_fn=fn,
                                      clipping_style=s, path=path)
-            rel, name = max_relative_error(got, ref)
-            if not rel <= RTOL:
-                failures.append(f"R={R:.3g} fn={fn} style={style}: relative error {rel:.3g} ({name})")
+            failures += mismatches(got, ref, rtol=RTOL, relative_to="largest", what=f"R={R:.3g} fn={fn} style={style}")
     assert not failures, "\n".join(failures)
 
 

@@ -41,6 +41,7 @@ def test_gpt2_trainer_example_learns_privately():
     assert out["held_out_loss"] < out["context_free_loss"] < out["uniform_loss"]
 
 
+@pytest.mark.slow
 def test_timm_classification_example_learns_privately():
     pytest.importorskip("timm")
     out = _run("timm_classification", ["--tiny", "--epochs", "5", "--model", "convnext", "--quiet"])
@@ -71,6 +72,7 @@ def test_timm_classification_example_runs_every_model(model):
     assert 0.0 <= out["accuracy"] <= 1.0
 
 
+@pytest.mark.slow
 def test_lora_example_trains_only_the_adapters_and_learns():
     pytest.importorskip("peft")
     out = _run("lora_finetune", ["--samples", "2000", "--epochs", "3", "--quiet"])

@@ -1,7 +1,8 @@
-"""Fixed-shape Poisson batches: the loader, the padding, and the truncation term of the accounting.
+"""Fixed-shape Poisson batches: the loader, the padding, the truncation term of the accounting, and the engine's
+side of it (``PrivacyEngine(..., max_batch_size=K)``: the epsilon and report with the truncation term, calibration,
+the loader and the engine agreeing on K).
 
-The engine side (``PrivacyEngine(..., max_batch_size=K)``) is not needed here: padded rows are
-checked against the engine as it is, through ``masked_losses``.
+Padded rows are checked against the engine as it is, through ``masked_losses``.
 """
 from __future__ import annotations
 
@@ -15,11 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
-import dptrain
-from dptrain import accounting
+from dptrain import PrivacyEngine, accounting
 from dptrain.data import FixedShapeBatch, PoissonSampler, masked_losses, poisson_loader, split_batches
+from dptrain.testing import attached_engine, clipped_gradient
 
-from helpers import MODES, SINGLE_BACKWARD_MODES, classify, conv_case, linear_case, run_engine, transformer_case
+from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches, classify, conv_case, linear_case, transformer_case
 
 
 class Records(Dataset):
@@ -196,17 +197,14 @@ def test_padded_rows_contribute_nothing_to_the_clipped_sum(float64, mode, case_n
     all rows, gives the clipped sum of the real rows alone (noise 0)."""
     case = CASES[case_name]()
     kwargs = dict(mode=mode, max_grad_norm=0.5, batch_size=4, path=path)  # noise 0: p.grad = clipped sum / 4
-    plain = run_engine(case.model, case.losses_fn, case.batch, **kwargs)
+    plain = clipped_gradient(case.model, case.losses_fn, case.batch, **kwargs)
     padded = _padded(case.batch, 3)
 
     def masked(model, *batch):
         return masked_losses(case.losses_fn(model, *batch[:-1]), batch[-1])
 
-    got = run_engine(case.model, masked, padded, **kwargs)
-    assert got.keys() == plain.keys()
-    scale = max(float(g.abs().max()) for g in plain.values())
-    for name in plain:  # the same up to summation order: float64 rounding only
-        assert float((got[name] - plain[name]).abs().max()) <= 1e-12 * scale, (name, mode)
+    got = clipped_gradient(case.model, masked, padded, **kwargs)
+    assert_matches(got, plain, rtol=1e-12, what=mode)  # the same up to summation order: float64 rounding only
 
 
 @pytest.mark.parametrize("case_name", sorted(CASES))
@@ -215,12 +213,9 @@ def test_a_mask_given_to_the_engine_is_exact_and_lets_the_layout_be_cached(float
     """engine.backward(losses, mask=mask): the padded rows count as 0, as with masked_losses, but their unmasked
     losses tag them, so every sample shows its rows and the layouts are cached after the first step."""
     case = CASES[case_name]()
-    plain = run_engine(case.model, case.losses_fn, case.batch, mode=mode, max_grad_norm=0.5)
+    plain = clipped_gradient(case.model, case.losses_fn, case.batch, mode=mode, max_grad_norm=0.5)
     *padded, mask = _padded(case.batch, 3)
-    engine = dptrain.PrivacyEngine(case.model, batch_size=1, sample_size=100, max_grad_norm=0.5,
-                                   noise_multiplier=0.0, clipping_mode=mode)
-    optimizer = torch.optim.SGD(case.model.parameters(), lr=0.0)
-    engine.attach(optimizer)
+    engine, optimizer = attached_engine(case.model, mode=mode, max_grad_norm=0.5)
     try:
         for _ in range(2):  # the second step takes the layouts the first one read
             engine.backward(case.losses_fn(case.model, *padded), mask=mask)
@@ -230,9 +225,7 @@ def test_a_mask_given_to_the_engine_is_exact_and_lets_the_layout_be_cached(float
         assert not engine._capture.rows.watch_next  # the second forward had nothing left to read
     finally:
         engine.detach()
-    scale = max(float(g.abs().max()) for g in plain.values())
-    for name in plain:
-        assert float((got[name] - plain[name]).abs().max()) <= 1e-12 * scale, (name, mode)
+    assert_matches(got, plain, rtol=1e-12, what=mode)
 
 
 def test_padded_rows_are_not_counted_as_samples(float64):
@@ -242,8 +235,8 @@ def test_padded_rows_are_not_counted_as_samples(float64):
     model = nn.Linear(3, 2)
     x, y = torch.randn(1, 3), torch.tensor([1])
     kwargs = dict(mode="bk-mixopt", max_grad_norm=10.0, batch_size=7)
-    alone = run_engine(model, classify, (x, y), **kwargs)
-    padded = run_engine(model, lambda m, x, y, mask: masked_losses(classify(m, x, y), mask),
+    alone = clipped_gradient(model, classify, (x, y), **kwargs)
+    padded = clipped_gradient(model, lambda m, x, y, mask: masked_losses(classify(m, x, y), mask),
                         _padded((x, y), 5), **kwargs)
     expected = torch.autograd.grad(F.cross_entropy(model(x), y), model.weight)[0] / 7
     assert torch.allclose(alone["weight"], expected, rtol=1e-12, atol=0)
@@ -361,3 +354,77 @@ def test_poisson_delta_and_epsilon_with_truncation():
     sigma = accounting.calibrate_noise_multiplier(2.0, delta, q, steps, sample_size=n, max_batch_size=k)
     assert 0.99 * 2.0 <= accounting.compute_epsilon(sigma, q, steps, left) <= 2.0
     assert sigma >= accounting.calibrate_noise_multiplier(2.0, delta, q, steps)
+
+
+# ---------------------------------------------------------------------------- the engine (max_batch_size=K)
+SAMPLES, BATCH = 1_000, 50
+RATE = BATCH / SAMPLES
+
+
+def _linear():
+    torch.manual_seed(0)
+    return nn.Linear(4, 3)
+
+
+def _examples():
+    return TensorDataset(torch.randn(SAMPLES, 4), torch.randint(0, 3, (SAMPLES,)))
+
+
+def test_epsilon_and_report_include_the_truncation_term():
+    k = accounting.default_max_batch_size(SAMPLES, RATE, 1e-5, 20)
+    model = _linear()
+    engine = PrivacyEngine(model, batch_size=BATCH, sample_size=SAMPLES, noise_multiplier=1.0, max_batch_size=k)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loader = poisson_loader(_examples(), batch_size=BATCH, max_batch_size=k, steps=20,
+                            generator=torch.Generator().manual_seed(0))
+    engine.attach(optimizer, data_loader=loader)
+    for (x, y), mask in loader:
+        engine.backward(masked_losses(F.cross_entropy(model(x), y, reduction="none"), mask))
+        optimizer.step()
+        optimizer.zero_grad()
+    assert engine.steps_taken == 20 and engine.max_batch_size == k
+    expected = accounting.compute_epsilon(1.0, RATE, 20, 1e-5, sample_size=SAMPLES, max_batch_size=k)
+    assert engine.get_epsilon(1e-5) == pytest.approx(expected, rel=1e-9)
+    assert engine.get_epsilon(1e-5) > accounting.compute_epsilon(1.0, RATE, 20, 1e-5)
+    report = engine.privacy_report(1e-5)
+    assert report["max_batch_size"] == k
+    assert report["truncation_delta"] == accounting.truncation_delta(SAMPLES, RATE, k, 20)
+    assert report["epsilon"] == pytest.approx(expected, rel=1e-9)
+
+
+def test_calibration_leaves_the_truncation_term_out_of_the_accountants_delta():
+    k = accounting.default_max_batch_size(SAMPLES, RATE, 1e-5, 100)
+    engine = PrivacyEngine(_linear(), batch_size=BATCH, sample_size=SAMPLES, target_epsilon=2.0, steps=100,
+                           max_batch_size=k, target_delta=1e-5)
+    assert engine.noise_multiplier == accounting.calibrate_noise_multiplier(
+        2.0, 1e-5, RATE, 100, sample_size=SAMPLES, max_batch_size=k)
+    plain = PrivacyEngine(_linear(), batch_size=BATCH, sample_size=SAMPLES, target_epsilon=2.0, steps=100,
+                          target_delta=1e-5)
+    assert engine.noise_multiplier >= plain.noise_multiplier
+
+
+def test_without_max_batch_size_nothing_changes():
+    engine = PrivacyEngine(_linear(), batch_size=BATCH, sample_size=SAMPLES, noise_multiplier=1.0)
+    assert engine.max_batch_size is None
+    report = engine.privacy_report()
+    assert report["max_batch_size"] is None and report["truncation_delta"] == 0.0
+
+
+def test_loader_and_engine_must_agree_on_k():
+    data = _examples()
+    for engine_k, loader_k in [(60, 70), (None, 70), (60, None)]:
+        model = _linear()
+        engine = PrivacyEngine(model, batch_size=BATCH, sample_size=SAMPLES, noise_multiplier=1.0,
+                               max_batch_size=engine_k)
+        loader = poisson_loader(data, batch_size=BATCH, max_batch_size=loader_k)
+        with pytest.raises(ValueError, match="max_batch_size"):
+            engine.attach(torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader)
+
+
+def test_bad_max_batch_size_values():
+    for bad in (0, -3, 2.5, True, "64"):
+        with pytest.raises(ValueError, match="max_batch_size must be a positive integer"):
+            PrivacyEngine(_linear(), batch_size=BATCH, sample_size=SAMPLES, noise_multiplier=1.0, max_batch_size=bad)
+    with pytest.raises(ValueError, match="truncates too often"):  # calibration: no delta left for the accountant
+        PrivacyEngine(_linear(), batch_size=BATCH, sample_size=SAMPLES, target_epsilon=2.0, steps=100,
+                      max_batch_size=BATCH)

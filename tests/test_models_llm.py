@@ -20,7 +20,7 @@ import torch
 import dptrain
 from dptrain.layers import FallbackRule, fallback_modules, resolve_rule
 from dptrain.losses import sequence_losses
-from dptrain.testing import trainable_named_parameters
+from dptrain.testing import attached_engine, trainable_named_parameters
 from helpers import MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, Case, assert_matches, spread_init, with_oracle
 from test_fallback import check_against_oracle
 
@@ -138,14 +138,13 @@ def built(name: str, variant: str, hf_loss: bool = False):
 
 
 def _run(name: str, variant: str, case: Case, mode: str, R: float, hf_loss: bool) -> dict:
+    """p.grad after one step (noise 0, batch_size 1: the clipped sum) through engine.backward or, with ``hf_loss``,
+    a plain backward of Hugging Face's own loss (a mean over tokens, not per-sample losses)."""
     model = copy.deepcopy(case.model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R, noise_multiplier=0.0,
-                                       clipping_mode=mode,
-                                       allow_fallback=name in NEEDS_FALLBACK or variant in NEEDS_FALLBACK_VARIANTS)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    engine.attach(optimizer)
+        engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R, allow_fallback=name in NEEDS_FALLBACK
+                                            or variant in NEEDS_FALLBACK_VARIANTS)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*uses the per-sample fallback instead")  # Cohere's norm

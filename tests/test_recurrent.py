@@ -13,7 +13,8 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import dptrain
 from dptrain.nn import DPGRU, DPLSTM, DPRNN
-from dptrain.testing import assert_rule_exact, per_sample_gradients
+from dptrain.algorithms import DEFAULT_CLIPPING_MODE
+from dptrain.testing import assert_rule_exact, clipped_gradient, per_sample_gradients, threshold_between
 
 F64 = torch.float64
 
@@ -264,15 +265,6 @@ def _classification_case(kind):
     return model, class_losses, (x, torch.tensor([0, 2, 1]))
 
 
-def _threshold_between(model, losses_fn, batch):
-    """A clipping norm with some samples above it (clipped) and some below (kept)."""
-    grads = per_sample_gradients(model, losses_fn, batch)
-    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in grads.values()))
-    R = float(norms.median())
-    assert (norms > R * 1.01).any() and (norms < R * 0.99).any()
-    return R
-
-
 CASES = [("regression-packed", _regression_case), ("classification-last-state", _classification_case)]
 EXACT_KINDS = ["rnn-tanh", "lstm-proj", "gru"]
 
@@ -292,21 +284,17 @@ def test_padding_steps_do_not_change_the_private_gradient():
         valid = torch.arange(x.shape[1])[None, :] < lengths[:, None]
         return ((model(x, lengths) - y).square().sum(2) * valid).sum(1)
 
-    R = _threshold_between(model, valid_step_losses, (x, lengths, y))
+    R = threshold_between(model, valid_step_losses, (x, lengths, y))
+    grads = per_sample_gradients(model, valid_step_losses, (x, lengths, y))
+    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in grads.values()))
+    assert (norms > R * 1.01).any() and (norms < R * 0.99).any()  # some samples clipped, some kept
     g = torch.Generator().manual_seed(15)
     longer = (torch.cat([x, torch.randn(4, 3, 3, dtype=F64, generator=g)], dim=1), lengths,
               torch.cat([y, torch.randn(4, 3, 2, dtype=F64, generator=g)], dim=1))
-    grads = []
-    for batch in [(x, lengths, y), longer]:
-        optimizer = torch.optim.SGD(model.parameters(), lr=0)
-        engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R,
-                                       noise_multiplier=0.0).attach(optimizer)
-        engine.backward(valid_step_losses(model, *batch))
-        optimizer.step()
-        grads.append([p.grad.clone() for p in model.parameters()])
-        engine.detach()
-    for short, long in zip(*grads):
-        torch.testing.assert_close(long, short, atol=1e-12, rtol=0)
+    short, long = (clipped_gradient(model, valid_step_losses, batch, mode=DEFAULT_CLIPPING_MODE, max_grad_norm=R)
+                   for batch in [(x, lengths, y), longer])
+    for name, _ in model.named_parameters():
+        torch.testing.assert_close(long[name], short[name], atol=1e-12, rtol=0)
 
 
 # ---------------------------------------------------------------------------- random shapes

@@ -17,9 +17,9 @@ from torch import nn
 
 import dptrain
 from dptrain import plan, rows
-from dptrain.testing import reference_clipped_gradient
-from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches
-from test_hazards import R, _backward, _engine
+from dptrain.testing import clipped_gradient, reference_clipped_gradient
+from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches, one_sample_update
+from test_engine import RUN, R, _backward, _engine
 
 PATHS = [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES]
 
@@ -28,33 +28,10 @@ def _losses(model, x, y):
     return F.cross_entropy(model(x), y, reduction="none")
 
 
-def _clipped_sum(model, mode, path, batches):
-    engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    engine.attach(opt)
-    for x, y in batches:
-        _backward(engine, model, x, y, path)
-    opt.step()
-    got = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
-    engine.detach()
-    return got
-
-
 def _reference(model, batches):
     x = torch.cat([b[0] for b in batches])
     y = torch.cat([b[1] for b in batches])
     return reference_clipped_gradient(model, _losses, (x, y), max_grad_norm=R)
-
-
-def _one_sample_update(model, mode, path, x, y) -> float:
-    before = copy.deepcopy(model)
-    engine = _engine(model, mode, loss_reduction="sum")
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.attach(opt)
-    _backward(engine, model, x, y, path)
-    opt.step()
-    engine.detach()
-    return float(torch.sqrt(sum((p.detach() - q.detach()).square().sum() for p, q in zip(model.parameters(), before.parameters()))))
 
 
 def _data(B, T, seed, d=6):
@@ -117,7 +94,7 @@ def test_rows_of_one_sample_in_another_layout_are_regrouped_exactly(float64, mod
     torch.manual_seed(0)
     model = ONE_SAMPLE_PER_ROW[name]().double()
     batches = [_data(B, T, seed=1), _data(B, T, seed=2), _data(B + 1, T, seed=3)]
-    got = _clipped_sum(copy.deepcopy(model), mode, path, batches)
+    got = clipped_gradient(copy.deepcopy(model), _losses, *batches, mode=mode, max_grad_norm=R, path=RUN[path])
     assert_matches(got, _reference(model, batches), what=name)
 
 
@@ -126,7 +103,8 @@ def test_rows_of_one_sample_in_another_layout_are_regrouped_exactly(float64, mod
 def test_one_sample_in_another_layout_moves_the_model_by_at_most_R(float64, mode, path, name):
     torch.manual_seed(0)
     x, y = _data(1, 4, seed=5)
-    assert _one_sample_update(ONE_SAMPLE_PER_ROW[name]().double(), mode, path, 10 * x, y) <= R * (1 + 1e-9)
+    model = ONE_SAMPLE_PER_ROW[name]().double()
+    assert one_sample_update(model, _losses, (10 * x, y), mode=mode, max_grad_norm=R, path=RUN[path]) <= R * (1 + 1e-9)
 
 
 def test_a_data_dependent_layout_is_read_at_every_step(float64):
@@ -198,7 +176,7 @@ def test_an_embedding_on_broadcast_ids_added_to_the_batch_stays_exact(float64):
     model = Positions("broadcast").double()
     for mode, path in [("bk-mixopt", "engine"), ("ghost", "engine"), ("per-sample", "plain")]:
         batches = [_data(4, 4, seed=1), _data(3, 4, seed=2)]
-        got = _clipped_sum(copy.deepcopy(model), mode, path, batches)
+        got = clipped_gradient(copy.deepcopy(model), _losses, *batches, mode=mode, max_grad_norm=R, path=RUN[path])
         assert_matches(got, _reference(model, batches), what=f"{mode}-{path}")
 
 

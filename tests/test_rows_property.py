@@ -33,10 +33,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 from dptrain.nn import DPLSTM, DPMultiheadAttention
+from dptrain.testing import split_batch
 
 from helpers import (
-    MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, default_dtype, engine_clipped_sum, reference, split_batch,
-    with_oracle,
+    MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, default_dtype, engine_clipped_sum, reference, with_oracle,
 )
 
 D = 4  # features

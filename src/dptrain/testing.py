@@ -1,14 +1,22 @@
-"""The specification every clipping mode is tested against: one sample at a time through autograd.
+"""dptrain's own test kit, public so that users can check their own layer rules: the specification every
+clipping mode is tested against, the engine run the same way, and the comparison of the two.
 
-Public so that users can check their own layer rules. ``assert_rule_exact`` runs the engine in every
-clipping mode against the oracle::
+``assert_rule_exact`` runs the engine in every clipping mode and on both backward paths against the oracle::
 
     dptrain.testing.assert_rule_exact(Scale(6), torch.randn(5, 3, 6, dtype=torch.float64))
 
-and ``reference_clipped_gradient`` is the oracle itself::
+It is built from four parts, each usable alone:
+
+- the oracle, ``reference_clipped_gradient`` (``reference_user_clipped_gradient`` for ``privacy_unit="user"``)::
 
     ref = dptrain.testing.reference_clipped_gradient(
-        model, lambda m, x, y: F.cross_entropy(m(x), y, reduction="none"), (x, y), max_grad_norm=1.0)
+        model, lambda m, x, y: F.cross_entropy(m(x), y, reduction="none"), (x, y), max_grad_norm=R)
+
+- the engine, ``clipped_gradient`` (the same arguments, and the mode): ``p.grad`` after one private step at
+  noise 0 and batch size 1, which is the clipped sum (``attached_engine`` sets up the same engine for a loop
+  of one's own);
+- ``threshold_between``, a ``max_grad_norm`` that clips some samples and not others;
+- ``mismatches``, every parameter where the two differ beyond a tolerance (``max_relative_error`` for reports).
 
 The oracle shares no code with the engine: per-sample gradients come from autograd on
 each sample alone, and the clipping functions and groups are written out again here.
@@ -27,13 +35,14 @@ from . import checks
 from .data import batch_len
 
 
-def _slice_batch(batch, i: int):
+def _take(batch, start: int, stop: int):
+    """Samples ``start:stop`` of a batch (a tensor, or a tuple, list or dict of them; anything else as it is)."""
     if isinstance(batch, torch.Tensor):
-        return batch[i : i + 1]
+        return batch[start:stop]
     if isinstance(batch, dict):
-        return {k: _slice_batch(v, i) for k, v in batch.items()}
+        return {k: _take(v, start, stop) for k, v in batch.items()}
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_slice_batch(v, i) for v in batch)
+        return type(batch)(_take(v, start, stop) for v in batch)
     return batch
 
 
@@ -57,8 +66,7 @@ def per_sample_gradients(model: nn.Module, losses_fn: Callable, batch) -> dict[s
     params = [p for _, p in named.values()]
     rows: list[list[torch.Tensor]] = []
     for i in range(batch_len(batch)):
-        sample = _slice_batch(batch, i)
-        loss = losses_fn(model, *sample) if isinstance(sample, (tuple, list)) else losses_fn(model, sample)
+        loss = _call(losses_fn, model, _take(batch, i, i + 1))
         grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
         rows.append([torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)])
     return {
@@ -147,6 +155,197 @@ def _clipped_sum(model, grads, *, max_grad_norm, clipping_fn, clipping_style, cl
     return out
 
 
+# --------------------------------------------------------------------------- a threshold that splits the samples
+def threshold_between(model: nn.Module, losses_fn: Callable, batch, *,
+                      clipping_style: str | Sequence[Sequence[str]] = "all-layer") -> float:
+    """A ``max_grad_norm`` that clips some samples and leaves others unclipped, so that a comparison with the
+    oracle tests the clipping factors and not only the sum (with ``clipping_fn="global"``: that some samples
+    are dropped and others kept).
+
+    It lies between two adjacent distinct per-sample norms of the clipping groups (times sqrt(K): each of K
+    groups is clipped to R/sqrt(K)), the closest such pair to the median with a clear gap, at their geometric
+    mean: no norm lies within rounding of it. Raises ``ValueError`` where no such pair exists (one sample, or
+    every sample with the same gradient norm).
+    """
+    return _threshold_between(model, per_sample_gradients(model, losses_fn, batch), clipping_style)
+
+
+def _threshold_between(model, grads, clipping_style) -> float:
+    groups = _groups(model, clipping_style)
+    scale = math.sqrt(len(groups))  # each group is clipped to R / sqrt(K)
+    norms = [scale * torch.sqrt(sum(grads[n].flatten(1).pow(2).sum(1) for n in group)) for group in groups]
+    values = sorted(v for norm in norms for v in norm.tolist() if v > 0)
+    gaps = [j for j in range(len(values) - 1) if values[j + 1] > values[j] * (1 + 1e-6)]
+    if not gaps:
+        raise ValueError(
+            "the example input gives every sample the same gradient norm (or a single sample): use at least two "
+            "samples with different inputs, or give max_grad_norm")
+    middle = len(values) // 2
+    j = min(gaps, key=lambda j: abs(j - middle + 0.5))  # the first of two equally near
+    threshold = math.sqrt(values[j] * values[j + 1])
+    if not (any(bool((n > threshold).any()) for n in norms) and any(bool((n < threshold).any()) for n in norms)):
+        raise ValueError(f"max_grad_norm {threshold:.6g} clips every sample or none")  # (cannot happen: a guard)
+    return threshold
+
+
+# --------------------------------------------------------------------------- running the engine
+PATHS = ("engine", "mean", "sum")
+
+
+def attached_engine(model: nn.Module, *, mode: str, max_grad_norm: float,
+                    optimizer: torch.optim.Optimizer | None = None, lr: float = 0.0, grad_scaler=None, **options):
+    """(engine, optimizer): a ``PrivacyEngine`` on ``model`` set up for checking, attached to ``optimizer``
+    (default: SGD at ``lr`` over the model's parameters).
+
+    Noise 0 and ``batch_size`` 1 unless ``options`` say otherwise (``sample_size`` 100, or the batch size if
+    larger): then ``p.grad`` at the step is the clipped sum itself. ``options`` are the engine's other
+    arguments (``clipping_fn``, ``clipping_style``, ``loss_reduction``, ``allow_fallback``, ...); ``grad_scaler``
+    is given to ``attach``. Detach the engine when done.
+    """
+    from .engine import PrivacyEngine
+
+    options.setdefault("batch_size", 1)
+    options.setdefault("noise_multiplier", 0.0)
+    options.setdefault("sample_size", max(100, options["batch_size"]))
+    engine = PrivacyEngine(model, max_grad_norm=max_grad_norm, clipping_mode=mode, **options)
+    if optimizer is None:
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    engine.attach(optimizer, grad_scaler=grad_scaler)
+    return engine, optimizer
+
+
+def clipped_gradient(
+    model: nn.Module,
+    losses_fn: Callable,
+    *batches,
+    mode: str,
+    max_grad_norm: float,
+    path: str = "engine",
+    micro_batches: int = 1,
+    lr: float = 0.0,
+    grad_scaler=None,
+    **options,
+) -> dict[str, torch.Tensor | None]:
+    """What the engine gives: ``p.grad`` after one private step of ``model`` over ``batches``, as
+    {full parameter name: tensor} for every trainable parameter (``None`` where it got no gradient), the
+    engine's counterpart of ``reference_clipped_gradient``.
+
+    The engine is ``attached_engine(model, mode=mode, max_grad_norm=max_grad_norm, **options)``: with its
+    defaults (noise 0, batch_size 1) the result is the clipped sum ``sum_i C_i g_i`` itself; with noise or a
+    larger ``batch_size`` it is the private gradient the optimizer applies. ``batches`` (each as
+    ``reference_clipped_gradient`` takes it) are back-propagated in turn before the one step, each in
+    ``micro_batches`` consecutive chunks. ``path``: ``"engine"`` calls ``engine.backward(losses)``; ``"mean"`` and
+    ``"sum"`` call ``loss.backward()`` on the per-sample losses reduced that way (``loss_reduction`` set to
+    match). ``lr`` > 0 moves the model by the step (SGD); ``grad_scaler`` scales each loss and steps through
+    the scaler. Warnings that several clipping groups cost a two-pass mode extra backward passes are not
+    shown. The engine is detached after, and the model's ``p.grad`` cleared; the model is changed in nothing
+    else (at ``lr`` 0).
+    """
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {', '.join(PATHS)}, got {path!r}")
+    if not batches:
+        raise TypeError("clipped_gradient needs at least one batch")
+    options.setdefault("loss_reduction", "sum" if path == "sum" else "mean")
+    scale = grad_scaler.scale if grad_scaler is not None else (lambda loss: loss)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*extra backward passes")
+        engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=max_grad_norm, lr=lr,
+                                            grad_scaler=grad_scaler, **options)
+        try:
+            for batch in batches:
+                for chunk in split_batch(batch, micro_batches):
+                    losses = _call(losses_fn, model, chunk)
+                    if path == "engine":
+                        engine.backward(scale(losses))
+                    elif path == "mean":
+                        scale(_per_sample(losses).mean()).backward()
+                    else:
+                        scale(_per_sample(losses).sum()).backward()
+            if grad_scaler is not None:
+                grad_scaler.step(optimizer)
+                grad_scaler.update()
+            else:
+                optimizer.step()
+            if engine.steps_taken != 1:
+                raise AssertionError(f"the engine took {engine.steps_taken} steps, not one")
+            return {name: None if p.grad is None else p.grad.detach().clone()
+                    for name, (_, p) in trainable_named_parameters(model).items()}
+        finally:
+            engine.detach()
+            optimizer.zero_grad(set_to_none=True)
+
+
+def split_batch(batch, k: int) -> list:
+    """``batch`` in ``k`` consecutive chunks along the batch axis (the micro-batches of ``clipped_gradient``);
+    ``[batch]`` itself when ``k`` is 1."""
+    if k == 1:
+        return [batch]
+    size = batch_len(batch) or 0
+    bounds = [round(i * size / k) for i in range(k + 1)]
+    return [_take(batch, bounds[i], bounds[i + 1]) for i in range(k)]
+
+
+def _call(losses_fn, model, batch):
+    return losses_fn(model, *batch) if isinstance(batch, (tuple, list)) else losses_fn(model, batch)
+
+
+def _per_sample(losses: torch.Tensor) -> torch.Tensor:
+    """[B, ...] -> [B], summing each sample's other dims (what ``engine.backward`` does)."""
+    return losses.reshape(losses.shape[0], math.prod(losses.shape[1:])).sum(1)
+
+
+# --------------------------------------------------------------------------- comparing with the oracle
+def mismatches(got: dict, expected: dict, *, rtol: float, atol: float = 0.0, relative_to: str = "entry",
+               what: str = "") -> list[str]:
+    """Every way in which ``got`` ({name: tensor}, the engine's) differs from ``expected`` (the oracle's), one
+    line each; empty where they agree. Names must be the same; each entry must satisfy
+    ``|got - expected| <= atol + rtol * scale`` (NaN never does), with ``scale`` the entry's own ``|expected|``
+    (``relative_to="entry"``) or the largest ``|expected|`` of all parameters (``"largest"``), which suits
+    gradients whose small entries are sums that cancel. ``what`` starts each line.
+    """
+    if relative_to not in ("entry", "largest"):
+        raise ValueError(f"relative_to must be 'entry' or 'largest', got {relative_to!r}")
+    prefix = f"{what}: " if what else ""
+    out = [f"{prefix}{name!r} is not a parameter of the oracle's" for name in got if name not in expected]
+    largest = max((r.abs().max().item() for r in expected.values() if r.numel()), default=0.0)
+    for name, ref in expected.items():
+        value = got.get(name)
+        if value is None:
+            out.append(f"{prefix}{name!r} got no gradient")
+            continue
+        if value.shape != ref.shape:
+            out.append(f"{prefix}{name!r} has shape {tuple(value.shape)}, the oracle's {tuple(ref.shape)}")
+            continue
+        dtype = torch.promote_types(value.dtype, ref.dtype)
+        value, ref = value.to(device=ref.device, dtype=dtype), ref.to(dtype)
+        error = (value - ref).abs()
+        bound = atol + rtol * (ref.abs() if relative_to == "entry" else largest)
+        bad = ~(error <= bound)  # NaN counts as a mismatch
+        if bool(bad.any()):
+            bound = torch.broadcast_to(torch.as_tensor(bound, dtype=dtype, device=ref.device), error.shape)
+            k = int(torch.where(bad.flatten(), error.flatten().nan_to_num(float("inf")), -1.0).argmax())
+            out.append(f"{prefix}{name!r} differs by {error.flatten()[k].item():.3g} at entry {k} (allowed "
+                       f"{bound.flatten()[k].item():.3g}; largest entry of the oracle's {largest:.3g})")
+    return out
+
+
+def max_relative_error(got: dict, expected: dict) -> tuple[float, str]:
+    """(max |got - expected| / the largest |expected| of all parameters (the absolute error where that is 0), the
+    worst parameter's name): the measure that ``mismatches(..., relative_to="largest")`` bounds, for reports.
+    Names and shapes must match."""
+    assert set(got) == set(expected), f"parameter names differ: {sorted(set(got) ^ set(expected))}"
+    largest = max((r.abs().max().item() for r in expected.values() if r.numel()), default=0.0) or 1.0
+    worst, worst_name = 0.0, ""
+    for name, ref in expected.items():
+        assert got[name].shape == ref.shape, f"{name}: shape {tuple(got[name].shape)} != {tuple(ref.shape)}"
+        error = (got[name].to(ref.device) - ref).abs().max().item() if ref.numel() else 0.0
+        if not error / largest <= worst:  # also catches NaN, which no later parameter replaces
+            worst, worst_name = error / largest, name
+            if math.isnan(worst):
+                break
+    return worst, worst_name
+
+
 # --------------------------------------------------------------------------- checking a rule in every mode
 def assert_rule_exact(
     module: nn.Module,
@@ -188,7 +387,6 @@ def assert_rule_exact(
     names the mode and path in which the engine raised.
     """
     from .algorithms import CLIPPING_MODES, RECIPES
-    from .engine import PrivacyEngine
     from .layers import find_rule, registry
     from .layers.protocol import LayerRule
 
@@ -214,7 +412,6 @@ def assert_rule_exact(
                              f"({batch_len(inputs)}) first: give losses_fn")
         target = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(0)).to(out.device)
         batch, losses_fn = (*inputs, target), _squared_error
-    call = (lambda: losses_fn(model, *batch)) if isinstance(batch, (tuple, list)) else (lambda: losses_fn(model, batch))
 
     before = list(registry._REGISTRY)
     try:
@@ -235,36 +432,23 @@ def assert_rule_exact(
         options = dict(max_grad_norm=R, clipping_fn=clipping_fn, clipping_style=clipping_style,
                        clipping_gamma=clipping_gamma)
         expected = _clipped_sum(model, grads, **options)
+
+        def summed_losses(model, *batch):
+            return _per_sample(losses_fn(model, *batch))
+
         failures: list[str] = []
         for mode in modes:
-            paths = ["engine.backward"]
+            paths = [("engine.backward", "engine")]
             if plain_backward and not RECIPES[mode].two_pass:
-                paths.append("loss.backward")
-            for path in paths:
-                optimizer = torch.optim.SGD([p for _, p in named.values()], lr=0.0)
-                engine = None
+                paths.append(("loss.backward", "mean"))
+            for label, path in paths:
                 try:
-                    with warnings.catch_warnings():  # several groups cost the two-pass modes extra passes
-                        warnings.filterwarnings("ignore", message=".*extra backward passes")
-                        engine = PrivacyEngine(model, batch_size=1, sample_size=100, noise_multiplier=0.0,
-                                               clipping_mode=mode, allow_fallback=allow_fallback, **options)
-                        engine.attach(optimizer)
-                        losses = call()
-                        losses = losses.reshape(losses.shape[0], -1).sum(1)
-                        if path == "engine.backward":
-                            engine.backward(losses)
-                        else:
-                            losses.mean().backward()
-                        optimizer.step()
-                    got = {name: p.grad for name, (_, p) in named.items()}
+                    got = clipped_gradient(model, summed_losses, batch, mode=mode, path=path,
+                                           allow_fallback=allow_fallback, **options)
                 except Exception as err:
-                    raise AssertionError(f"{type(module).__name__}, {mode} through {path}: the engine raised "
+                    raise AssertionError(f"{type(module).__name__}, {mode} through {label}: the engine raised "
                                          f"{type(err).__name__}: {err}") from err
-                finally:
-                    if engine is not None:
-                        engine.detach()
-                    optimizer.zero_grad(set_to_none=True)
-                failures += _mismatches(got, expected, atol, rtol, f"{mode} through {path}")
+                failures += mismatches(got, expected, atol=atol, rtol=rtol, what=f"{mode} through {label}")
         if failures:
             raise AssertionError(
                 f"{type(module).__name__}: the engine's clipped gradient differs from the oracle's (max_grad_norm="
@@ -298,40 +482,3 @@ def _cast_floats(batch, dtype):
     if isinstance(batch, (tuple, list)):
         return type(batch)(_cast_floats(v, dtype) for v in batch)
     return batch
-
-
-def _threshold_between(model, grads, clipping_style) -> float:
-    """A clipping threshold between two samples' (group) norms, as near the median as a clear gap allows,
-    so that some samples are clipped and others not, and no norm lies within rounding of it."""
-    groups = _groups(model, clipping_style)
-    scale = math.sqrt(len(groups))  # each group is clipped to R / sqrt(K)
-    values = sorted(v for group in groups
-                    for v in (scale * torch.sqrt(sum(grads[n].flatten(1).pow(2).sum(1) for n in group))).tolist()
-                    if v > 0)
-    gaps = [(values[j + 1] / values[j], j) for j in range(len(values) - 1) if values[j + 1] > values[j] * (1 + 1e-6)]
-    if not gaps:
-        raise ValueError(
-            "the example input gives every sample the same gradient norm (or a single sample): use at least two "
-            "samples with different inputs, or give max_grad_norm")
-    _, j = min(gaps, key=lambda gap: abs(gap[1] + 0.5 - len(values) / 2))
-    return math.sqrt(values[j] * values[j + 1])
-
-
-def _mismatches(got, expected, atol, rtol, what) -> list[str]:
-    out = []
-    for name, ref in expected.items():
-        value = got.get(name)
-        if value is None:
-            out.append(f"{what}: {name!r} got no gradient")
-            continue
-        if value.shape != ref.shape:
-            out.append(f"{what}: {name!r} has shape {tuple(value.shape)}, the oracle's {tuple(ref.shape)}")
-            continue
-        value = value.to(ref.dtype)
-        error, bound = (value - ref).abs(), atol + rtol * ref.abs()
-        bad = ~(error <= bound)  # NaN counts as a mismatch
-        if bool(bad.any()):
-            k = int(torch.where(bad.flatten(), error.flatten().nan_to_num(float("inf")), -1.0).argmax())
-            out.append(f"{what}: {name!r} differs by {error.flatten()[k].item():.3g} at entry {k} (allowed "
-                       f"{bound.flatten()[k].item():.3g}; largest entry of the oracle's {ref.abs().max().item():.3g})")
-    return out

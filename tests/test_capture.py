@@ -5,6 +5,8 @@ user tensor hooks on a layer's output, gradient penalties, copies and saved mode
 inputs whose batch is not a plain tensor dimension (PackedSequence, EmbeddingBag's bags). Each is exact against the
 one-sample-at-a-time oracle (float64, clipping binding) or refused with a message that says what to do, in every
 clipping mode and on both backward paths; and with one sample, noise 0 and SGD at lr 1, the update has norm <= R.
+
+A layer input modified in place after the layer ran must raise, not give a wrong gradient.
 """
 from __future__ import annotations
 
@@ -22,8 +24,10 @@ from torch.nn.utils.rnn import pack_padded_sequence
 
 import dptrain
 from dptrain.rows import RowsMixSamples
-from dptrain.testing import per_sample_gradients, reference_clipped_gradient
-from helpers import MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, engine_clipped_sum, with_oracle
+from dptrain.testing import attached_engine, clipped_gradient, per_sample_gradients, reference_clipped_gradient
+from helpers import (
+    MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, engine_clipped_sum, one_sample_update, with_oracle,
+)
 
 PATHS = [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES]
 R = 0.5  # the bound of the one-sample tests
@@ -56,26 +60,16 @@ def _backward(engine, losses, path):
         losses.sum().backward()
 
 
-def _one_sample_update(model, mode, path, losses_fn, batch) -> float:
-    """Norm of one SGD step (lr 1, noise 0, batch_size 1) on a batch of one sample whose gradient is larger than R."""
+def _assert_bounded(model, mode, path, losses_fn, batch) -> None:
+    """One SGD step (lr 1, noise 0, batch_size 1) on a batch of one sample whose gradient is larger than R moves the
+    model by at most R."""
     unclipped = per_sample_gradients(model, losses_fn, batch)
     assert math.sqrt(sum(float(g.square().sum()) for g in unclipped.values())) > 2 * R, "the sample is not clipped"
-    before = [p.detach().clone() for p in model.parameters()]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the fallback's)
-        engine = _engine(model, mode)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
-    engine.attach(opt)
-    try:
-        _backward(engine, losses_fn(model, *batch), path)
-        opt.step()
-    finally:
-        engine.detach()
-    return math.sqrt(sum(float((p - q).detach().square().sum()) for p, q in zip(model.parameters(), before)))
-
-
-def _assert_bounded(model, mode, path, losses_fn, batch) -> None:
-    assert _one_sample_update(model, mode, path, losses_fn, batch) <= R * (1 + 1e-9)
+        update = one_sample_update(model, losses_fn, batch, mode=mode, max_grad_norm=R,
+                                   path="engine" if path == "engine" else "sum")
+    assert update <= R * (1 + 1e-9)
 
 
 # ---------------------------------------------------------------------------------------- user tensor hooks
@@ -151,8 +145,7 @@ def test_a_user_hook_that_adds_a_constant_is_refused(float64, mode, path):
     # would add c once, unscaled. The tag pass sees rows that do not scale with their sample's tag.
     torch.manual_seed(0)
     model = UserHooks("add a constant").double()
-    engine = _engine(model, mode)
-    engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    engine, _ = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     with pytest.raises(RowsMixSamples, match="mix the gradients of several samples"):
         _backward(engine, _losses(model, *_data(4)), path)
 
@@ -180,9 +173,7 @@ def _penalised(model, engine, x, y, forward="training"):
 def test_a_gradient_penalty_is_refused(float64, mode, path, forward):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
-    engine = _engine(model, mode)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.attach(opt)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="gradient penalties are not supported"):
         _backward(engine, _penalised(model, engine, *_data(1), forward=forward), path)
@@ -220,9 +211,7 @@ def test_a_differentiable_input_gradient_not_used_in_the_loss_is_exact(float64, 
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     x, y = _data(5)
     reference = reference_clipped_gradient(model, _adversarial(contextlib.nullcontext), (x, y), max_grad_norm=R)
-    engine = _engine(model, mode)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(opt)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     assert_matches(_run(model, engine, opt, x, y, path, _adversarial(engine.paused)), reference,
                    what="create_graph under paused, used detached")
 
@@ -243,9 +232,7 @@ def test_second_input_derivatives_under_paused_are_exact(float64, mode, path):
             return torch.autograd.grad(gx.square().sum(), xi)[0]
 
     expected = second(plain, contextlib.nullcontext)
-    engine = _engine(model, mode)
-    opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(opt)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     torch.testing.assert_close(second(model, engine.paused), expected, rtol=1e-10, atol=0)
     reference = reference_clipped_gradient(plain, _losses, (x, y), max_grad_norm=R)
     assert_matches(_run(model, engine, opt, x, y, path), reference, what="the step after")
@@ -256,9 +243,7 @@ def test_a_refused_gradient_penalty_bounds_one_sample(float64, mode, path):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     before = copy.deepcopy(model)
-    engine = _engine(model, mode)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.attach(opt)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     with pytest.raises(RuntimeError, match="gradient penalties"):
         _backward(engine, _penalised(model, engine, *_data(1)), path)
     opt.step()
@@ -373,8 +358,7 @@ def test_a_module_fixed_after_a_refused_forward_is_exact(float64, mode, path):
 
     case, R_split, ref = with_oracle(build)  # (the oracle runs the model as it is: its buffer is not read)
     model = copy.deepcopy(case.model)
-    engine = _engine(model, mode)
-    engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    engine, _ = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     with pytest.raises(RuntimeError, match="'run.mean'"):
         model(case.batch[0])
     engine.detach()
@@ -388,16 +372,9 @@ def _small(seed=0):
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
 
 
-def _attached_small(mode="bk-mixopt"):
-    model = _small()
-    engine = _engine(model, mode)
-    opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.attach(opt)
-    return model, engine, opt
-
-
 def test_a_deep_copy_is_a_plain_model(float64):
-    model, engine, opt = _attached_small()
+    model = _small()
+    engine, opt = attached_engine(model, mode="bk-mixopt", max_grad_norm=R, loss_reduction="sum", lr=1.0)
     copied = copy.deepcopy(model)
     plain = _small()
     x, y = _data(4)
@@ -433,7 +410,8 @@ def test_an_engine_attached_to_a_copy_is_exact_and_the_original_too(float64, mod
 
 @pytest.mark.parametrize("mode,path", PATHS)
 def test_an_engine_attached_to_a_copy_bounds_one_sample(float64, mode, path):
-    model, engine, opt = _attached_small(mode)
+    model = _small()
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     with torch.no_grad():
         model[0].weight.mul_(5)
     copied = copy.deepcopy(model)
@@ -441,7 +419,8 @@ def test_an_engine_attached_to_a_copy_bounds_one_sample(float64, mode, path):
 
 
 def test_a_saved_attached_model_loads_as_the_same_plain_model(float64):
-    model, engine, opt = _attached_small()
+    model = _small()
+    engine, opt = attached_engine(model, mode="bk-mixopt", max_grad_norm=R, loss_reduction="sum", lr=1.0)
     buffer = io.BytesIO()
     torch.save(model, buffer)
     buffer.seek(0)
@@ -453,7 +432,8 @@ def test_a_saved_attached_model_loads_as_the_same_plain_model(float64):
 
 
 def test_the_audit_runs_on_an_attached_model(float64):
-    model, engine, opt = _attached_small()
+    model = _small()
+    engine, opt = attached_engine(model, mode="bk-mixopt", max_grad_norm=R, loss_reduction="sum", lr=1.0)
     x, y = _data(40)
     result = dptrain.audit.run_audit(model=model.float(), data=(x.float(), y), steps=2, canaries=2, seed=0)
     assert result is not None
@@ -551,3 +531,42 @@ def test_an_embedding_bag_with_offsets_bounds_one_sample(float64, mode, path):
         model.bag.weight.mul_(10)
         model.head.weight.mul_(10)
     _assert_bounded(model, mode, path, _bag_losses, _bags([4]))
+
+
+# ---------------------------------------------------------------------------------------- inputs modified in place
+class ResidualInPlace(nn.Module):
+    def __init__(self, out_of_place: bool):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+        self.out_of_place = out_of_place
+
+    def forward(self, x):
+        h = self.a(x)
+        if self.out_of_place:
+            h = h + self.b(h)
+        else:
+            h += self.b(h)  # overwrites b's input after b used it
+        return h
+
+
+def _residual_losses(model, x):
+    return model(x).square().sum(1)
+
+
+@pytest.mark.parametrize("mode", dptrain.CLIPPING_MODES)
+def test_input_modified_in_place_is_refused(mode, float64):
+    torch.manual_seed(0)
+    model, x = ResidualInPlace(out_of_place=False), torch.randn(4, 3)
+    engine, _ = attached_engine(model, mode=mode, max_grad_norm=1.0, sample_size=10)
+    with pytest.raises(RuntimeError, match="modified (in place|by an inplace)"):
+        engine.backward(_residual_losses(model, x))
+
+
+@pytest.mark.parametrize("mode", dptrain.CLIPPING_MODES)
+def test_out_of_place_residual_is_exact(mode, float64):
+    torch.manual_seed(0)
+    model, x = ResidualInPlace(out_of_place=True), torch.randn(4, 3)
+    ref = reference_clipped_gradient(model, _residual_losses, (x,), max_grad_norm=1.0)
+    got = clipped_gradient(model, _residual_losses, (x,), mode=mode, max_grad_norm=1.0, sample_size=10)
+    for name, _ in model.named_parameters():
+        torch.testing.assert_close(got[name], ref[name], rtol=1e-10, atol=1e-12)

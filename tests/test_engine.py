@@ -1,9 +1,12 @@
-"""What users do outside the happy path: checkpointing, (un)freezing after attach, failed forwards and
-backwards, reshaped batches, user hooks, keyword calls, second optimizers and engines, the budget.
+"""PrivacyEngine (dptrain.engine), the facade: what users do with it, in and outside the happy path.
 
-Each hazard is checked two ways, in every mode and on both backward paths where it applies: against
-the one-sample-at-a-time oracle (float64, clipping binding), and at batch size 1 with noise 0, where
-the applied update must have norm <= R (the property the accountant relies on).
+Outside the happy path: checkpointing, (un)freezing after attach, failed forwards and backwards, reshaped batches,
+user hooks, keyword calls, second optimizers and engines, the budget. Each hazard is checked two ways, in every mode
+and on both backward paths where it applies: against the one-sample-at-a-time oracle (float64, clipping binding),
+and at batch size 1 with noise 0, where the applied update must have norm <= R (the property the accountant relies
+on).
+
+The engine's accounting, noise calibration, loaders, virtual batches and checkpoints.
 """
 from __future__ import annotations
 
@@ -11,7 +14,6 @@ import contextlib
 import copy
 import dataclasses
 import gc
-import math
 import warnings
 import weakref
 
@@ -20,13 +22,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader, TensorDataset
 
 import dptrain
-from dptrain.testing import reference_clipped_gradient
-from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches
+from dptrain.accounting import compute_epsilon
+from dptrain.data import poisson_loader, split_batches
+from dptrain.testing import attached_engine, clipped_gradient, reference_clipped_gradient
+from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches, one_sample_update, update_norm
 
 R = 0.3
 PATHS = [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES]
+RUN = {"engine": "engine", "plain": "sum"}  # clipped_gradient's path for each: a plain backward of the summed losses
 
 
 def _losses(model, x, y):
@@ -38,14 +44,6 @@ def _engine(model, mode, **kw):
     return dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, max_grad_norm=R, clipping_mode=mode, **kw)
 
 
-def _attached(model, mode, lr=0.0, **kw):
-    """(engine, SGD optimizer over every parameter) with the engine attached (noise 0, batch_size 1)."""
-    engine = _engine(model, mode, **kw)
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    engine.attach(opt)
-    return engine, opt
-
-
 def _backward(engine, model, x, y, path):
     if path == "engine":
         engine.backward(_losses(model, x, y))
@@ -53,40 +51,10 @@ def _backward(engine, model, x, y, path):
         _losses(model, x, y).sum().backward()
 
 
-def _clipped_sum(model, mode, path, batches, **kw) -> dict[str, torch.Tensor]:
-    """p.grad after one step over ``batches`` (micro-batches), with batch_size=1 and noise 0: the clipped sum."""
-    engine = _engine(model, mode, loss_reduction="sum", **kw)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    engine.attach(opt)
-    try:
-        for x, y in batches:
-            _backward(engine, model, x, y, path)
-        opt.step()
-        return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    finally:
-        engine.detach()
-
-
 def _reference(model, batches):
     x = torch.cat([b[0] for b in batches])
     y = torch.cat([b[1] for b in batches])
     return reference_clipped_gradient(model, _losses, (x, y), max_grad_norm=R)
-
-
-def _update_norm(before: nn.Module, after: nn.Module) -> float:
-    return math.sqrt(sum(float((p - q).detach().square().sum()) for p, q in zip(before.parameters(), after.parameters())))
-
-
-def _one_sample_update(model, mode, path, x, y, lr=1.0, **kw) -> float:
-    """Norm of the update of one SGD step (lr 1, noise 0, batch_size 1) on one sample: at most R."""
-    before = copy.deepcopy(model)
-    engine = _engine(model, mode, loss_reduction="sum", **kw)
-    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=lr)
-    engine.attach(opt)
-    _backward(engine, model, x, y, path)
-    opt.step()
-    engine.detach()
-    return _update_norm(before, model)
 
 
 def _data(B, d=6, classes=3, seed=1):
@@ -129,7 +97,7 @@ def test_checkpointing_is_exact(float64, mode, path, how):
     model = _checkpointed(how)
     plain = _checkpointed(None)  # same weights: the oracle runs without checkpointing
     batches = [_data(3, seed=1), _data(1, seed=2), _data(2, seed=3)]  # micro-batches of different sizes
-    got = _clipped_sum(model, mode, path, batches)
+    got = clipped_gradient(model, _losses, *batches, mode=mode, max_grad_norm=R, path=RUN[path])
     assert_matches(got, _reference(plain, batches), what=f"{how} checkpointing")
 
 
@@ -137,7 +105,8 @@ def test_checkpointing_is_exact(float64, mode, path, how):
 @pytest.mark.parametrize("mode,path", PATHS)
 def test_checkpointing_bounds_one_sample(float64, mode, path, how):
     x, y = _data(1, seed=4)
-    assert _one_sample_update(_checkpointed(how), mode, path, x * 10, y) <= R * (1 + 1e-9)
+    update = one_sample_update(_checkpointed(how), _losses, (x * 10, y), mode=mode, max_grad_norm=R, path=RUN[path])
+    assert update <= R * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("how", ["reentrant", "non-reentrant"])
@@ -174,7 +143,7 @@ def test_hugging_face_gradient_checkpointing(float64, mode, path, reentrant):
         return tokens.view(ids.shape[0], -1).sum(1)
 
     reference = reference_clipped_gradient(reference_model, losses_fn, (ids,), max_grad_norm=R)
-    engine, opt = _attached(model, mode, loss_reduction="sum")
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     losses = losses_fn(model, ids)
     engine.backward(losses) if path == "engine" else losses.sum().backward()
     opt.step()
@@ -214,19 +183,19 @@ def test_a_layer_unfrozen_after_attach_is_clipped_exactly(float64, mode, path):
 def test_a_layer_unfrozen_after_attach_bounds_one_sample(float64, mode, path):
     model = _three_layers()
     model[0].requires_grad_(False)
-    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     model[0].requires_grad_(True)
     before = copy.deepcopy(model)
     x, y = _data(1, seed=3)
     _backward(engine, model, x * 10, y, path)
     opt.step()
-    assert _update_norm(before, model) <= R * (1 + 1e-9)
+    assert update_norm(before, model) <= R * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("mode,path", PATHS)
 def test_a_layer_frozen_after_attach_is_left_untouched_and_not_counted(float64, mode, path):
     model = _three_layers()
-    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     batch = _data(4, seed=2)
     _backward(engine, model, *batch, path)
     opt.step()
@@ -307,7 +276,7 @@ def _failing_model(seed=0):
 def test_a_failed_backward_leaves_nothing_behind(float64, mode, path, error):
     model = _failing_model()
     reference_model = copy.deepcopy(model)
-    engine, opt = _attached(model, mode, loss_reduction="sum")
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     good1, bad, good2 = _data(3, seed=1), _data(4, seed=2), _data(2, seed=3)
     _backward(engine, model, *good1, path)  # a completed micro-batch of the same logical step: kept
     with _failing(model, "backward", error):
@@ -327,7 +296,7 @@ def test_a_failed_backward_leaves_nothing_behind(float64, mode, path, error):
 @pytest.mark.parametrize("mode,path", PATHS)
 def test_a_failed_backward_then_one_sample_is_bounded(float64, mode, path):
     model = _failing_model()
-    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     with _failing(model, "backward", RuntimeError):
         _backward(engine, model, *_data(4, seed=2), path)
     opt.zero_grad()
@@ -335,7 +304,7 @@ def test_a_failed_backward_then_one_sample_is_bounded(float64, mode, path):
     x, y = _data(1, seed=5)
     _backward(engine, model, x * 10, y, path)
     opt.step()
-    assert _update_norm(before, model) <= R * (1 + 1e-9)
+    assert update_norm(before, model) <= R * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
@@ -343,7 +312,7 @@ def test_a_failed_backward_then_one_sample_is_bounded(float64, mode, path):
 def test_a_failed_forward_leaves_nothing_behind(float64, mode, path, error):
     model = _failing_model()
     reference_model = copy.deepcopy(model)
-    engine, opt = _attached(model, mode, loss_reduction="sum")
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     with _failing(model, "forward", error):
         model(_data(4)[0])
     assert all(p.requires_grad for p in model.parameters())  # ghost differentiation's switch was undone
@@ -358,7 +327,7 @@ def test_a_failed_forward_leaves_nothing_behind(float64, mode, path, error):
                                        ("per-sample", "plain")])
 def test_nothing_of_a_failed_backward_outlives_the_user_references(float64, mode, path):
     model = _failing_model()
-    engine, opt = _attached(model, mode, loss_reduction="sum")
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     x, y = _data(64, seed=2)
     big = weakref.ref(x)
     with _failing(model, "backward", RuntimeError):
@@ -371,7 +340,7 @@ def test_nothing_of_a_failed_backward_outlives_the_user_references(float64, mode
 
 def test_a_failure_while_adding_to_the_sums_drops_the_step_as_a_whole(float64, monkeypatch):
     model = _three_layers()
-    engine, opt = _attached(model, "bk", loss_reduction="sum")
+    engine, opt = attached_engine(model, mode="bk", max_grad_norm=R, loss_reduction="sum")
     engine.backward(_losses(model, *_data(3, seed=1)))
     from dptrain.layers.linear import LinearRule
     calls = []
@@ -416,15 +385,16 @@ def test_a_model_that_folds_tokens_into_the_batch_is_exact(float64, mode, path, 
     torch.manual_seed(0)
     model = FoldsTokens().double()
     batches = [_fold_data(B, T, seed=1), _fold_data(B, T, seed=2)]
-    assert_matches(_clipped_sum(copy.deepcopy(model), mode, path, batches), _reference(model, batches),
-                   what="tokens folded into the batch")
+    got = clipped_gradient(copy.deepcopy(model), _losses, *batches, mode=mode, max_grad_norm=R, path=RUN[path])
+    assert_matches(got, _reference(model, batches), what="tokens folded into the batch")
 
 
 @pytest.mark.parametrize("mode,path", PATHS)
 def test_a_model_that_folds_tokens_into_the_batch_bounds_one_sample(float64, mode, path):
     torch.manual_seed(0)
     x, y = _fold_data(1, 4, seed=3)
-    assert _one_sample_update(FoldsTokens().double(), mode, path, x * 10, y) <= R * (1 + 1e-9)
+    update = one_sample_update(FoldsTokens().double(), _losses, (x * 10, y), mode=mode, max_grad_norm=R, path=RUN[path])
+    assert update <= R * (1 + 1e-9)
 
 
 class SequenceFirst(nn.Module):
@@ -451,7 +421,7 @@ def _seq_first_reference(model, x, y):
 def _seq_first_step(model, mode, path, x, y) -> nn.Module:
     """A copy of ``model`` after one step with batch_first=False (noise 0, lr 0: p.grad is the clipped sum)."""
     trained = copy.deepcopy(model)
-    engine, opt = _attached(trained, mode, loss_reduction="sum", batch_first=False)
+    engine, opt = attached_engine(trained, mode=mode, max_grad_norm=R, loss_reduction="sum", batch_first=False)
     losses = _seq_first_losses(trained, x, y)
     engine.backward(losses) if path == "engine" else losses.sum().backward()
     opt.step()
@@ -490,7 +460,8 @@ def test_a_user_hook_registered_before_attach_is_exact(float64, mode, path):
     model[0].register_forward_pre_hook(lambda m, args: (args[0] * 0.5,))
     batch = _data(4)
     reference = _reference(model, [batch])
-    assert_matches(_clipped_sum(model, mode, path, [batch]), reference, what="user hooks")
+    got = clipped_gradient(model, _losses, batch, mode=mode, max_grad_norm=R, path=RUN[path])
+    assert_matches(got, reference, what="user hooks")
 
 
 @pytest.mark.parametrize("kind", ["prepend", "pre-hook after attach", "global"])
@@ -526,7 +497,8 @@ def test_layers_called_with_keyword_arguments(float64, mode, path):
     torch.manual_seed(0)
     model = KeywordCall().double()
     batch = _data(4)
-    assert_matches(_clipped_sum(copy.deepcopy(model), mode, path, [batch]), _reference(model, [batch]),
+    got = clipped_gradient(copy.deepcopy(model), _losses, batch, mode=mode, max_grad_norm=R, path=RUN[path])
+    assert_matches(got, _reference(model, [batch]),
                    what="keyword call")
 
 
@@ -581,7 +553,7 @@ def test_torch_compile(float64, mode, path, backend):
     batch = _data(4)
     reference = _reference(model, [batch])
     compiled = torch.compile(copy.deepcopy(model), backend=backend)
-    engine, opt = _attached(compiled, mode, loss_reduction="sum")
+    engine, opt = attached_engine(compiled, mode=mode, max_grad_norm=R, loss_reduction="sum")
     losses = _losses(compiled, *batch)
     engine.backward(losses) if path == "engine" else losses.sum().backward()
     opt.step()
@@ -666,7 +638,7 @@ def test_a_fallback_layer_unfrozen_after_attach_is_exact(float64, mode, path):
     batch = _data(4, seed=2)
     reference = _reference(model, [batch])
     model[2].requires_grad_(False)
-    engine, opt = _attached(model, mode, loss_reduction="sum")
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     model[2].requires_grad_(True)
     with pytest.warns(UserWarning, match="per-sample fallback: 2"):
         _backward(engine, model, *batch, path)
@@ -712,7 +684,7 @@ def test_a_fallback_replay_records_nothing_of_its_covered_children(float64, mode
     reference = _reference(model, [batch])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        engine, opt = _attached(model, mode, loss_reduction="sum")
+        engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     _backward(engine, model, *batch, path)
     assert sum(len(s.calls) for s in engine._trainable.layers) == 0  # the replay left no call behind
     opt.step()
@@ -735,7 +707,7 @@ class WithPositions(nn.Module):
 def test_an_empty_batch_through_a_broadcast_position_embedding(mode):
     torch.manual_seed(0)
     model = WithPositions()
-    engine, opt = _attached(model, mode, lr=0.1)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, lr=0.1)
     ids = torch.zeros(0, 7, dtype=torch.long)  # Poisson sampling draws empty batches
     engine.backward(F.cross_entropy(model(ids), torch.zeros(0, dtype=torch.long), reduction="none"))
     opt.step()
@@ -779,9 +751,12 @@ def test_a_layer_recomputed_in_several_checkpoints_is_exact(float64, mode, path)
     plain = TiedCheckpoints(checkpointed=False).double()
     plain.load_state_dict(model.state_dict())
     batch = _data(4, seed=3)
-    assert_matches(_clipped_sum(model, mode, path, [batch]), _reference(plain, [batch]), what="tied checkpoints")
+    got = clipped_gradient(model, _losses, batch, mode=mode, max_grad_norm=R, path=RUN[path])
+    assert_matches(got, _reference(plain, [batch]), what="tied checkpoints")
     x, y = _data(1, seed=4)
-    assert _one_sample_update(TiedCheckpoints().double(), mode, path, x * 10, y) <= R * (1 + 1e-9)
+    update = one_sample_update(TiedCheckpoints().double(), _losses, (x * 10, y), mode=mode, max_grad_norm=R,
+                               path=RUN[path])
+    assert update <= R * (1 + 1e-9)
 
 
 class TwoHeads(nn.Module):
@@ -811,7 +786,7 @@ def test_one_forward_back_propagated_in_two_passes_is_refused(float64, mode, pat
 @pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
 def test_input_gradients_inside_paused_are_not_training(float64, mode):
     model = _three_layers()
-    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     before = copy.deepcopy(model)
     x, y = _data(1)
     x = x.clone().requires_grad_()
@@ -819,7 +794,7 @@ def test_input_gradients_inside_paused_are_not_training(float64, mode):
         (gx,) = torch.autograd.grad(_losses(model, x, y).sum(), x)
     engine.backward(_losses(model, (x + 0.5 * gx.sign()).detach(), y))
     opt.step()
-    assert _update_norm(before, model) <= R * (1 + 1e-9)
+    assert update_norm(before, model) <= R * (1 + 1e-9)
 
 
 @dataclasses.dataclass
@@ -843,11 +818,11 @@ def test_a_dataclass_output_with_checkpoints_is_clipped_once(float64, mode):
     torch.manual_seed(0)
     model = DataclassOutput(reentrant=True).double()
     before = copy.deepcopy(model)
-    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     x, y = _data(1)
     F.cross_entropy(model(x * 3).logits, y, reduction="sum").backward()
     opt.step()
-    assert _update_norm(before, model) <= R * (1 + 1e-9)
+    assert update_norm(before, model) <= R * (1 + 1e-9)
 
 
 class FoldsADict(nn.Module):
@@ -894,7 +869,7 @@ def test_a_model_used_through_a_method_is_refused(float64, mode):
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
 def test_a_loss_parameter_added_to_the_optimizer_is_refused(float64, mode):
     model = _three_layers()
-    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     centres = nn.Parameter(torch.randn(3, 3))
     opt.add_param_group({"params": [centres]})
     before = centres.detach().clone()
@@ -907,7 +882,7 @@ def test_a_loss_parameter_added_to_the_optimizer_is_refused(float64, mode):
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost", "per-sample"])
 def test_a_weight_swapped_in_place_of_the_registered_one_is_never_applied_raw(float64, mode):
     model = _three_layers()
-    engine, opt = _attached(model, mode, loss_reduction="sum", lr=1.0)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum", lr=1.0)
     engine.backward(_losses(model, *_data(2)))
     opt.step(), opt.zero_grad()
     swapped = nn.Parameter(model[2].weight.detach().clone())
@@ -919,7 +894,7 @@ def test_a_weight_swapped_in_place_of_the_registered_one_is_never_applied_raw(fl
         opt.step()
     except RuntimeError as err:
         assert "gradient" in str(err)
-    assert _update_norm(before, model) <= R * (1 + 1e-9)
+    assert update_norm(before, model) <= R * (1 + 1e-9)
 
 
 def test_a_frozen_batchnorm_in_training_mode_added_after_attach_is_refused(float64):
@@ -956,7 +931,7 @@ def test_sequence_first_layers_after_pooling_see_the_batch_first(float64, mode, 
 
 def test_a_keyboard_interrupt_in_a_forward_then_a_step(float64):
     model = _failing_model()
-    engine, opt = _attached(model, "bk-mixopt", loss_reduction="sum")
+    engine, opt = attached_engine(model, mode="bk-mixopt", max_grad_norm=R, loss_reduction="sum")
     batch = _data(3, seed=1)
     reference = None
     engine.detach()
@@ -987,7 +962,7 @@ def test_a_forward_whose_loss_failed_leaves_nothing_once_its_outputs_are_dropped
     # model's forward returned: once the outputs are dropped, nothing of that forward is kept for the retry.
     model = _three_layers()
     reference_model = copy.deepcopy(model)
-    engine, opt = _attached(model, mode, loss_reduction="sum")
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
     out = model(_data(64)[0])
     del out  # the loss raised; the user's handler dropped its references
     gc.collect()
@@ -997,3 +972,190 @@ def test_a_forward_whose_loss_failed_leaves_nothing_once_its_outputs_are_dropped
     opt.step()
     assert_matches({n: p.grad for n, p in model.named_parameters()}, _reference(reference_model, [batch]),
                    what="after a failed loss")
+
+
+# -------------------------------------------------------------------- accounting, calibration, loaders, checkpoints
+N, FEATURES, CLASSES = 64, 5, 3
+
+
+def make_data():
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(N, FEATURES, generator=g), torch.randint(0, CLASSES, (N,), generator=g))
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(FEATURES, 8), nn.Tanh(), nn.Linear(8, CLASSES))
+
+
+def train_steps(model, engine, optimizer, batches):
+    for x, y in batches:
+        engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_calibrated_engine_spends_at_most_the_target():
+    model = make_model()
+    engine = dptrain.PrivacyEngine(model, batch_size=16, sample_size=N, target_epsilon=2.0, epochs=3, accountant="rdp")
+    steps = engine.planned_steps
+    assert steps == 12  # 3 epochs of 1/q = 4 steps
+    spent = compute_epsilon(engine.noise_multiplier, 16 / N, steps, engine.target_delta, accountant="rdp")
+    assert 0.99 * 2.0 <= spent <= 2.0
+    assert engine.target_delta == pytest.approx(1 / (10 * N))
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, "exactly one of noise_multiplier or target_epsilon"),
+        ({"noise_multiplier": 1.0, "target_epsilon": 3.0, "epochs": 1}, "exactly one of noise_multiplier or target_epsilon"),
+        ({"target_epsilon": 3.0}, "epochs or steps"),
+        ({"target_epsilon": 3.0, "epochs": 1, "steps": 4}, "epochs or steps"),
+        ({"target_epsilon": 0.0, "steps": 10}, "target_epsilon"),
+        ({"target_epsilon": 1e-3, "target_delta": 1e-12, "steps": 10_000}, "unreachable"),
+        ({"noise_multiplier": -1.0}, "noise_multiplier"),
+    ],
+)
+def test_noise_configuration_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        dptrain.PrivacyEngine(make_model(), batch_size=16, sample_size=N, **kwargs)
+
+
+def test_epsilon_counts_every_logical_step_with_the_sigma_used():
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = dptrain.PrivacyEngine(model, batch_size=16, sample_size=N, noise_multiplier=1.3, accountant="rdp", seed=0)
+    engine.attach(optimizer)
+    x, y = make_data().tensors
+    for step in range(3):  # the second step is an empty Poisson batch: it still counts
+        batch = slice(0, 0) if step == 1 else slice(0, 16)
+        engine.backward(F.cross_entropy(model(x[batch]), y[batch], reduction="none"))
+        optimizer.step()
+    assert engine.steps_taken == 3 and engine.accountant.history == [(1.3, 16 / N, 3)]
+    assert engine.get_epsilon(1e-5) == pytest.approx(compute_epsilon(1.3, 16 / N, 3, 1e-5, accountant="rdp"))
+    report = engine.privacy_report(1e-5)
+    assert report["steps"] == 3 and report["accountant"] == "rdp" and report["epsilon"] > 0
+
+
+def test_split_run_equals_unsplit_run_exactly(float64):
+    """Virtual batches: a logical Poisson batch cut into physical ones gives the same update (sigma = 0)."""
+    dataset = make_data()
+    results = []
+    for physical in (None, 3):
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        engine = dptrain.PrivacyEngine(model, batch_size=16, sample_size=N, noise_multiplier=0.0)
+        loader = poisson_loader(dataset, batch_size=16, generator=torch.Generator().manual_seed(1))
+        engine.attach(optimizer, data_loader=loader)
+        logical_batches = split_batches(loader, physical) if physical else ([batch] for batch in loader)
+        sizes = []
+        for logical in logical_batches:
+            parts = list(logical)
+            sizes.append(len(parts))
+            for x, y in parts:
+                engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+            optimizer.step()
+            optimizer.zero_grad()
+        results.append(([p.detach().clone() for p in model.parameters()], engine.steps_taken, sizes))
+    (unsplit, steps_a, _), (split, steps_b, sizes) = results
+    assert steps_a == steps_b == 4
+    assert max(sizes) > 1  # some logical batch really was split
+    for a, b in zip(unsplit, split):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("reproducible_noise", [False, True])
+def test_resumed_run_continues_like_an_uninterrupted_one(tmp_path, reproducible_noise):
+    """Same epsilon, steps and batches; the same parameters number for number only when the saved noise
+    stream is continued on purpose (reproducible_noise=True); by default the noise after loading is fresh."""
+    dataset = make_data()
+
+    def fresh():
+        model = make_model()
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+        engine = dptrain.PrivacyEngine(model, batch_size=16, sample_size=N, noise_multiplier=0.8, seed=7)
+        loader = poisson_loader(dataset, batch_size=16, steps=6, generator=torch.Generator().manual_seed(3))
+        engine.attach(optimizer, data_loader=loader)
+        return model, optimizer, engine, loader
+
+    model, optimizer, engine, loader = fresh()
+    train_steps(model, engine, optimizer, loader)
+    uninterrupted = [p.detach().clone() for p in model.parameters()], engine.get_epsilon()
+
+    model, optimizer, engine, loader = fresh()
+    batches = iter(loader)
+    train_steps(model, engine, optimizer, (next(batches) for _ in range(2)))
+    checkpoint = tmp_path / "ckpt.pt"
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                "engine": engine.state_dict(), "loader": loader.state_dict()}, checkpoint)
+
+    model, optimizer, engine, loader = fresh()
+    state = torch.load(checkpoint, weights_only=False)
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if reproducible_noise:
+        with pytest.warns(UserWarning, match="reproducible_noise=True"):
+            engine.load_state_dict(state["engine"], reproducible_noise=True)
+    else:
+        engine.load_state_dict(state["engine"])
+    loader.load_state_dict(state["loader"])
+    assert engine.steps_taken == 2
+    train_steps(model, engine, optimizer, loader)
+    assert engine.steps_taken == 6
+    assert engine.get_epsilon() == pytest.approx(uninterrupted[1], rel=1e-12)
+    if reproducible_noise:
+        for a, b in zip(uninterrupted[0], model.parameters()):
+            torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+    else:  # fresh noise on the same batches: a different run (the noise std is 0.8 R / 16 per coordinate)
+        assert all(not torch.equal(a, b.detach()) for a, b in zip(uninterrupted[0], model.parameters()))
+
+
+def test_secure_rng_refuses_a_seed_and_draws_fresh_noise():
+    with pytest.raises(ValueError, match="operating system"):
+        dptrain.PrivacyEngine(make_model(), batch_size=16, sample_size=N, noise_multiplier=1.0, secure_rng=True, seed=1)
+    grads = []
+    for _ in range(2):
+        model = make_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        engine = dptrain.PrivacyEngine(model, batch_size=16, sample_size=N, noise_multiplier=1.0, secure_rng=True)
+        engine.attach(optimizer)
+        optimizer.step()  # an empty step: pure noise
+        grads.append(model[0].weight.grad.clone())
+        assert "generators" not in engine.state_dict()["noise"]
+    assert not torch.equal(grads[0], grads[1])
+
+
+def test_secure_noise_combines_independent_streams_and_is_standard_gaussian(monkeypatch):
+    from dptrain.noise import GaussianNoise
+
+    # torch's CPU generator keeps 32 bits of a seed: the secure noise must not hinge on one such seed.
+    import os
+
+    drawn = []
+    real = os.urandom
+    monkeypatch.setattr(os, "urandom", lambda n: drawn.append(real(n)) or drawn[-1])
+    noise = GaussianNoise(secure=True)
+    x = noise.sample(torch.empty(200_000), std=2.0)
+    # GaussianNoise's own default seed draw, then one fresh OS seed per stream: 4 x 32 usable bits.
+    assert GaussianNoise.SECURE_STREAMS >= 4
+    assert len(drawn) >= GaussianNoise.SECURE_STREAMS
+    assert len({(int.from_bytes(b, "little") >> 1) % 2**32 for b in drawn[-GaussianNoise.SECURE_STREAMS:]}) == 4
+    # N(0, 4): sample std within 1 % (about 3.2 standard errors at n = 200k), mean and kurtosis as a Gaussian's.
+    assert abs(float(x.std()) - 2.0) < 0.02
+    assert abs(float(x.mean())) < 5 * 2.0 / 200_000**0.5
+    kurtosis = float(((x / x.std()) ** 4).mean())
+    assert abs(kurtosis - 3.0) < 0.1
+
+
+def test_shuffling_loader_warns_once_and_mismatched_poisson_loader_is_refused():
+    dataset = make_data()
+    engine = dptrain.PrivacyEngine(make_model(), batch_size=16, sample_size=N, noise_multiplier=1.0)
+    shuffling = DataLoader(dataset, batch_size=16, shuffle=True)
+    with pytest.warns(UserWarning, match="Poisson sampling"):
+        engine._check_loader(shuffling)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        engine._check_loader(shuffling)  # said once only
+    with pytest.raises(ValueError, match="q=0.5"):
+        engine.attach(torch.optim.SGD(engine.model.parameters(), lr=0.1), data_loader=poisson_loader(dataset, batch_size=32))

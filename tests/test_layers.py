@@ -1,5 +1,6 @@
-"""Writing a rule: the registry (idempotent, undone by unregister_layer), the default clipped_grads built
-from weight_factors and per_sample_grads, the public norm base, and dptrain.testing.assert_rule_exact."""
+"""Writing a rule (dptrain.layers): the registry (idempotent, undone by unregister_layer), the default clipped_grads
+built from weight_factors and per_sample_grads, the public norm base. dptrain.testing.assert_rule_exact, which checks
+a rule, is tested in test_testing.py."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +10,6 @@ from torch import nn
 import dptrain
 from dptrain.layers import registry
 from dptrain.layers.numerics import OneHot, factor_weighted_sum, flatten_tokens, scale_samples
-from dptrain.testing import assert_rule_exact
 
 F64 = torch.float64
 
@@ -137,79 +137,3 @@ def test_default_clipped_grads_names_a_parameter_per_sample_grads_forgot():
 
     with pytest.raises(KeyError, match=r"Forgetful.per_sample_grads gave no gradient for \['weight'\]"):
         Forgetful().clipped_grads(Scale(3), (torch.randn(4, 2, 3, dtype=F64),), {"weight": torch.ones(4, dtype=F64)})
-
-
-# ---------------------------------------------------------------------------- assert_rule_exact
-def test_assert_rule_exact_passes_a_correct_rule_and_registers_it_only_for_the_check():
-    module = Scale(4)
-    x = torch.randn(5, 3, 4)  # float32: the check runs on a float64 copy
-    assert dptrain.find_rule(module) is None
-    assert_rule_exact(module, x, rule=ScaleRule)
-    assert dptrain.find_rule(module) is None  # removed again
-    assert module.weight.grad is None and module.weight.dtype == F64  # the module itself is left alone
-
-
-def test_assert_rule_exact_names_every_mode_path_and_parameter_that_differ():
-    class OffByOnePercent(ScaleRule):
-        def per_sample_grads(self, module, ops, names):
-            return {"weight": 1.01 * ops[0].sum(1)}
-
-    with pytest.raises(AssertionError) as info:
-        assert_rule_exact(Scale(4), torch.randn(5, 3, 4, dtype=F64), rule=OffByOnePercent)
-    lines = str(info.value).splitlines()
-    assert lines[0].startswith("Scale: the engine's clipped gradient differs from the oracle's")
-    expected = [f"{mode} through engine.backward" for mode in dptrain.CLIPPING_MODES]
-    expected += [f"{mode} through loss.backward" for mode in dptrain.CLIPPING_MODES
-                 if not dptrain.RECIPES[mode].two_pass]
-    assert sorted(line.strip().split(":")[0] for line in lines[1:]) == sorted(expected)
-    assert all("'weight' differs by" in line for line in lines[1:])
-
-
-def test_assert_rule_exact_finds_a_wrong_clipped_grads_in_the_modes_that_use_it():
-    class WrongClippedGrads(ScaleRule):
-        def clipped_grads(self, module, ops, factors):
-            return {"weight": ops[0].sum((0, 1))}  # the factors forgotten
-
-    with pytest.raises(AssertionError) as info:
-        assert_rule_exact(Scale(4), torch.randn(6, 2, 4, dtype=F64), rule=WrongClippedGrads)
-    failed = {line.strip().split(" through ")[0] for line in str(info.value).splitlines()[1:]}
-    # the book-keeping modes call clipped_grads; the others (and bk-mixopt, which follows an instantiated
-    # norm with the weighted sum) sum per-sample gradients or back-propagate a second time
-    assert failed == {"bk", "bk-mix-ghost"}
-
-
-def test_assert_rule_exact_refuses_a_module_no_rule_covers():
-    with pytest.raises(AssertionError, match=r"(?s)per-sample through engine.backward: the engine raised "
-                                             r"ValueError.*Scale.*no layer rule"):
-        assert_rule_exact(Scale(4), torch.randn(5, 3, 4))
-    with pytest.warns(UserWarning, match="per-sample fallback"):  # the fallback is exact
-        assert_rule_exact(Scale(4), torch.randn(5, 3, 4), allow_fallback=True, modes=["bk"])
-
-
-def test_assert_rule_exact_says_when_the_rule_covers_nothing():
-    class OverridingScale(Scale):
-        def forward(self, x):
-            return 2 * x * self.weight
-
-    with pytest.raises(AssertionError, match="ScaleRule covers no module of OverridingScale.*override forward"):
-        assert_rule_exact(OverridingScale(4), torch.randn(5, 3, 4), rule=ScaleRule)
-
-
-def test_assert_rule_exact_needs_samples_with_different_norms():
-    def losses(model, x):
-        return model(x).sum(1)
-
-    with pytest.raises(ValueError, match="same gradient norm"):
-        assert_rule_exact(nn.Linear(3, 2), torch.ones(4, 3), losses_fn=losses)
-    assert_rule_exact(nn.Linear(3, 2), torch.ones(4, 3), losses_fn=losses, max_grad_norm=0.1, modes=["ghost"])
-
-
-def test_assert_rule_exact_checks_built_in_layers_and_tuple_outputs():
-    g = torch.Generator().manual_seed(3)
-    assert_rule_exact(nn.Embedding(7, 3, padding_idx=0), torch.randint(0, 7, (6, 4), generator=g))
-    assert_rule_exact(nn.GroupNorm(2, 4), torch.randn(4, 4, 3, 3, generator=g))
-    with pytest.raises(ValueError, match="no trainable parameters"):
-        assert_rule_exact(nn.Sequential(), torch.randn(4, 3, generator=g))
-    from dptrain.nn import DPLSTM
-
-    assert_rule_exact(DPLSTM(3, 4, batch_first=True), torch.randn(4, 5, 3, generator=g), modes=["bk-mixopt"])

@@ -230,8 +230,10 @@ class T5RelativeBiasRule(LayerRule):
     ``relative_attention_bias`` is an ``nn.Embedding`` called on bucket ids ``[q_len, k_len]`` with no
     batch dimension; the first layer turns it into a bias ``[1, heads, q, k]`` that every layer adds
     to its attention scores, broadcast over the batch, outside any module. No capture point sees its
-    per-sample gradient, and the embedding rule would take ``q_len`` for the batch. This rule claims
-    the parameter from the embedding (an engine with claims) so that validation names the fix.
+    per-sample gradient, and the embedding rule would take ``q_len`` for the batch. The stack would (its inputs and
+    outputs are per sample), but a replay of T5Stack one sample at a time under vmap fails: transformers builds its
+    attention masks with a branch on the mask's values. This rule claims the parameter from the embedding (an
+    engine with claims) so that validation names the fix.
     """
 
     module_types = (
@@ -251,12 +253,71 @@ class T5RelativeBiasRule(LayerRule):
         )
 
 
+def _relative_bias_tables(module) -> tuple[str, ...]:
+    """The weights of the relative position bias tables (``relative_attention_bias``, WavLM's ``rel_attn_embed``, LongT5's
+    ``global_relative_attention_bias``) anywhere under ``module``."""
+    return tuple(f"{name}.weight" for name, sub in module.named_modules()
+                 if name.rsplit(".", 1)[-1].endswith(("relative_attention_bias", "rel_attn_embed"))
+                 and isinstance(sub, nn.Embedding))
+
+
+# A relative position bias table (an ``nn.Embedding`` looked up on bucket ids [q_len, k_len], no batch) whose bias one
+# module computes and passes on to every layer (position_bias), broadcast over the batch: no layer call sees a
+# per-sample gradient of the table, the enclosing module does (its inputs and outputs are per sample). It claims the
+# table, and the per-sample fallback replays the whole encoder with respect to the table only (its layers keep their
+# own rules): one more forward of the encoder per step, vectorised over the batch. Freeze the table to avoid it.
+# (T5's stacks would do the same, but they build their attention masks from the mask's values, which the fallback's
+# vmap cannot replay: T5Attention's rule below refuses the table with the fix.)
+for _encoder in ("transformers.models.mpnet.modeling_mpnet.MPNetEncoder",
+                 ):
+    reads_child_params(_encoder, _relative_bias_tables)
+
+
+def _wavlm_attention_params(module) -> tuple[str, ...]:
+    """WavLM's encoder: layer 0's attention looks up ``rel_attn_embed`` and passes the bias on to the later layers as
+    ``position_bias`` [batch * heads, q, k] (not batch first, so no attention call can be replayed alone); every
+    attention also runs F.multi_head_attention_forward on its projections' weights and biases, never calling them,
+    and gates the bias with its own ``gru_rel_pos_const``. The encoder claims all of these (``gru_rel_pos_linear``,
+    called on the hidden states, keeps its rule), and its replay gives their per-sample gradients."""
+    names = []
+    for i, layer in enumerate(module.layers):
+        attention = layer.attention
+        names += [f"layers.{i}.attention.{n}" for n in
+                  _parameters_under("q_proj", "k_proj", "v_proj", "out_proj", "rel_attn_embed")(attention)]
+        names += [f"layers.{i}.attention.{n}" for n, _ in attention.named_parameters(recurse=False)]
+    return tuple(names)
+# UMT5's attention looks up its own table in every layer and uses the bias itself: the attention's replay suffices.
+reads_child_params("transformers.models.umt5.modeling_umt5.UMT5Attention", _relative_bias_tables)
+
+
+def _parameters_under(*children: str):
+    """Every trainable parameter under the named children (dotted), for a module that reads them in its own forward."""
+    def names(module) -> tuple[str, ...]:
+        return tuple(f"{child}.{name}" for child in children if isinstance(getattr(module, child, None), nn.Module)
+                     for name, _ in getattr(module, child).named_parameters())
+    return names
+
+
+reads_child_params("transformers.models.wavlm.modeling_wavlm.WavLMEncoder", _wavlm_attention_params)
+reads_child_params("transformers.models.wavlm.modeling_wavlm.WavLMEncoderStableLayerNorm", _wavlm_attention_params)
+# GPT-NeoX-Japanese's attention returns its dense_bias, which the layer adds to the attention's output.
+reads_child_params("transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseLayer",
+                   lambda module: ("attention.dense_bias",) if getattr(module.attention, "dense_bias", None) is not None
+                   else ())
+# Short convolutions and delta attention run causal_conv1d_fn on conv.weight / conv1d.weight (and bias) themselves.
+reads_child_params("transformers.models.lfm3.modeling_lfm3.Lfm3ShortConv", _parameters_under("conv"))
+reads_child_params("transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",
+                   _parameters_under("conv1d"))
+reads_child_params("transformers.models.bailing_hybrid.modeling_bailing_hybrid.BailingHybridDeltaAttention",
+                   _parameters_under("conv1d"))
+
+
 def _state_space_mixer(module) -> bool:
     """A Mamba-style selective state-space mixer or gated delta net (Mamba, Mamba-2, FalconMamba, Jamba, Bamba,
     Falcon-H1, Qwen3.5's and OLMo-hybrid's linear attention): its own ``A_log``, and a scan that reads its
     children's weights directly (``conv1d.weight`` through ``causal_conv1d_fn``, ``dt_proj.bias``) besides calling
-    them. (Kimi-linear's and Bailing-hybrid's delta attention, with no ``A_log`` of their own, are not claimed: through
-    the fallback they disagreed with the oracle by 2-3%, which is under investigation; they stay refused.)"""
+    them. (Kimi-linear's and Bailing-hybrid's delta attention keep ``A_log`` in their forget gate, which the fallback
+    replays on its own: only their ``conv1d`` is declared, above.)"""
     return module._parameters.get("A_log") is not None
 
 

@@ -1,0 +1,77 @@
+"""Hugging Face modules declared (``reads_child_params``) as reading descendants' parameters in their own forward:
+the per-sample fallback replays them, exactly (the zoo's classification: float64, every sweep mode, against the
+one-sample oracle), and a batch of one is clipped to the bound."""
+from __future__ import annotations
+
+import copy
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+sys.path.insert(0, str(Path(__file__).parent))
+
+import zoo  # noqa: E402
+from helpers import Case, engine_clipped_sum  # noqa: E402
+
+
+def _case(model_type: str, layers: int) -> Case:
+    spec = {k: v for k, v in zoo.load_table("hf")[model_type].items() if k != "result"}
+    spec["layers"] = layers
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        return zoo.hf_case(spec)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+# (model type, layers, the class that claims, float32 inside): two layers where a bias computed once is passed on
+CLAIMS = [
+    ("mpnet", 2, "MPNetEncoder", False),            # relative_attention_bias, looked up once for every layer
+    # layer 0's rel_attn_embed, its bias passed on to layer 1 (not batch first); q/k/v/out_proj read by
+    # F.multi_head_attention_forward
+    ("wavlm", 2, "WavLMEncoder", False),
+    ("umt5", 1, "UMT5Attention", True),             # each attention's own relative_attention_bias
+    ("gpt_neox_japanese", 1, "GPTNeoXJapaneseLayer", False),  # attention.dense_bias, added by the layer
+    ("lfm3", 1, "Lfm3ShortConv", True),             # conv.weight through causal_conv1d_fn
+]
+
+
+@pytest.mark.parametrize("model_type,layers,claimer,float32", CLAIMS, ids=[f"{c[0]}-{c[2]}" for c in CLAIMS])
+def test_claimed_parameters_are_exact_through_the_fallback(model_type, layers, claimer, float32):
+    result = zoo.classify_case(_case(model_type, layers))
+    assert result["status"] == "fallback", result
+    assert claimer in result["fallback"]
+    assert result["max_rel_error"] <= (zoo.FLOAT32_RTOL if float32 else zoo.RTOL)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type,claimer", [("kimi_linear", "KimiLinearDeltaAttention"),
+                                                ("bailing_hybrid", "BailingHybridDeltaAttention")])
+def test_delta_attention_conv_is_exact_through_the_fallback(model_type, claimer):
+    result = zoo.classify_case(_case(model_type, 1))
+    assert result["status"] == "fallback", result
+    assert claimer in result["fallback"]
+
+
+# lfm3 normalises in float32 inside the float64 model: its norms are exact to float32 precision
+@pytest.mark.parametrize("model_type,layers,rtol", [("mpnet", 2, 1e-9), ("wavlm", 2, 1e-9),
+                                                    ("gpt_neox_japanese", 1, 1e-9), ("lfm3", 1, zoo.FLOAT32_RTOL)])
+def test_a_batch_of_one_is_clipped_to_the_bound(model_type, layers, rtol):
+    case = _case(model_type, layers)
+    one = Case(case.model, case.losses_fn, tuple(t[:1] for t in case.batch))
+    R = 1e-3
+    for mode in zoo.SWEEP_MODES:
+        got = engine_clipped_sum(one, model=copy.deepcopy(one.model), quiet=True, mode=mode, max_grad_norm=R)
+        norm = math.sqrt(sum(float(g.double().square().sum()) for g in got.values()))
+        assert 0 < norm <= R * (1 + rtol), (mode, norm)
+
+
+def test_t5_relative_attention_bias_is_still_refused_with_the_fix():
+    result = zoo.classify_case(_case("t5", 1))
+    assert result["status"] == "refused"
+    assert "relative_attention_bias" in result["detail"] and "freeze it" in result["detail"]

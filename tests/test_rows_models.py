@@ -143,7 +143,6 @@ REFUSED_IN_FULL = {
     # XLNetRelativeAttention: no rule, and its outputs are sequence-first (the fallback refuses them as mixing);
     # mask_emb: held by XLNetModel itself
     "xlnet": ["rel_attn.", "mask_emb"],
-    "mpnet": ["relative_attention_bias"],  # an Embedding on [T, T] bucket ids, shared by every sample
     # the relative position table, its LayerNorm and the projections it goes through: rows shared by all samples
     "deberta-v2": ["rel_embeddings", "encoder.LayerNorm", "query_proj", "key_proj"],
     "swin": ["relative_position_bias_table"],
@@ -190,8 +189,6 @@ def built(name: str, variant: str, B: int):
 # What the engine says where it refuses: the module (or parameter) by name, and the fix.
 REFUSED = {
     ("xlnet", "full"): r"transformer\.layer\.0\.rel_attn \(XLNetRelativeAttention\).*or freeze it",
-    ("mpnet", "full"): r"mpnet\.encoder\.relative_attention_bias \(Embedding\).*mix the gradients of several samples"
-                       r".*Freeze this layer",
     ("deberta-v2", "full"): r"deberta\.encoder\.rel_embeddings\.weight.*or freeze it",
     ("deberta-v2", "lora"): r"query_proj\.lora_A\.default \(Linear\).*mix the gradients of several samples"
                             r".*Freeze this layer",

@@ -924,9 +924,57 @@ def test_sequence_first_layers_after_pooling_see_the_batch_first(float64, mode, 
     trained = _seq_first_step(model, mode, path, x, y)
     assert_matches({n: p.grad for n, p in trained.named_parameters()}, _seq_first_reference(model, x, y),
                    what="pooled sequence first")
-    # A batch as large as the head's width makes its [B, d] input ambiguous: refused, never guessed.
-    with pytest.raises(ValueError, match="cannot tell which axis is the batch"):
-        trained(torch.randn(5, 8, 6))
+    # A batch as large as the head's width (its [B, d] input reads either way), and as the number of positions
+    # ([T, B, d] with T == B): the rows are read from the gradient over both leading axes, never guessed.
+    for T, B in [(5, 8), (4, 4)]:
+        x, y = torch.randn(T, B, 6).transpose(0, 1).contiguous(), torch.randint(0, 8, (B,))
+        if path != "engine" and B == 8:
+            # a plain backward tags the model's output along its batch axis, which batch_first=False puts second:
+            # this model's pooled output [B, 8] has B there too, and its rows do not read as samples: refused
+            with pytest.raises(RuntimeError, match="could not read which sample each row"):
+                _seq_first_step(model, mode, path, x, y)
+            continue
+        trained = _seq_first_step(model, mode, path, x, y)
+        assert_matches({n: p.grad for n, p in trained.named_parameters()}, _seq_first_reference(model, x, y),
+                       what=f"pooled sequence first, T = {T}, B = {B}")
+
+
+class Scale(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+class SequenceFirstScale(nn.Module):
+    """A sequence-first model with a module the fallback covers (no rule reads its rows over both axes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.scale, self.head = nn.Linear(6, 8), Scale(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.scale(self.emb(x)))).sum(0)
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_sequence_first_at_T_equal_to_B_is_exact_or_refused(float64, mode, path):
+    torch.manual_seed(0)
+    model = SequenceFirst().double()
+    x, y = torch.randn(5, 5, 6) * 2, torch.randint(0, 3, (5,))
+    trained = _seq_first_step(model, mode, path, x, y)
+    assert_matches({n: p.grad for n, p in trained.named_parameters()}, _seq_first_reference(model, x, y),
+                   what="batch_first=False, T == B")
+    # one sample contributing (the others' losses weighted 0) moves the model by at most R
+    first_only = torch.zeros(5, dtype=torch.float64)
+    first_only[0] = 1.0
+    one = one_sample_update(copy.deepcopy(model), lambda m, xs, ys: _seq_first_losses(m, xs, ys) * first_only,
+                            (x * 10, y), mode=mode, max_grad_norm=R, path=RUN[path], batch_first=False)
+    assert 0 < one <= R * (1 + 1e-9)
+    with pytest.raises(ValueError, match=r"scale \(Scale\).*cannot tell which axis is the batch.*or freeze this layer"):
+        _seq_first_step(SequenceFirstScale().double(), mode, path, x, torch.randint(0, 3, (5,)))
 
 
 def test_a_keyboard_interrupt_in_a_forward_then_a_step(float64):

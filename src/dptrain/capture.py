@@ -702,7 +702,8 @@ class Capture:
         recomputed = in_backward()
         forward_batch = self.forward_batch if self._open_forward is not None or recomputed else None
         # Sequence first: a tensor [T, B, ...] is given to the rules as [B, T, ...]; one that already leads with
-        # the batch (a pooled [B, d]) stays; T == B cannot be told apart and is refused.
+        # the batch (a pooled [B, d]) stays; with T == B it stays as it is for a rule whose rows are read over both
+        # leading axes (either layout is then found from the gradient), and is refused for the others.
         swap = (lambda t: _batch_to_front(t, forward_batch, state)) if not self.batch_first else (lambda t: t)
         inputs = swap(inputs)
         seen_output = swap(tensor)
@@ -893,11 +894,15 @@ def _batch_to_front(inputs, batch: int | None, state: LayerState):
             return swap01(inputs)
         first, second = inputs.shape[0] == batch, inputs.shape[1] == batch
         if first and second:
+            if getattr(state.rule, "rows_fold_into_tokens", False):
+                # the rows are read over both leading axes (rows.py): [T, B, ...] and [B, T, ...] alike
+                return inputs
             raise ValueError(
                 f"{state.path} ({type(state.module).__name__}) got a tensor of shape "
                 f"{tuple(inputs.shape)} in a sequence-first model (batch_first=False) whose batch is {batch}: with "
-                "as many positions as samples the engine cannot tell which axis is the batch. Use another batch "
-                "size for this step"
+                f"as many positions as samples the engine cannot tell which axis is the batch, and the rule "
+                f"{type(state.rule).__name__} cannot take its rows in either layout. Use another batch size for "
+                "this step, or freeze this layer"
             )
         return swap01(inputs) if second else inputs
     if isinstance(inputs, tuple):

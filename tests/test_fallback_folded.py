@@ -177,6 +177,44 @@ def test_rows_picked_by_the_data_with_different_counts_per_sample_are_exact():
     assert_rule_exact(Routed(), x, allow_fallback=True)
 
 
+class FlatRouter(nn.Module):
+    """A mixture-of-experts router as Mistral 4's, Nemotron-H's and Solar-Open's: given the batch [B, T, d], it
+    flattens the tokens itself and returns (logits, top-k weights, top-k indices) over [B * T] rows."""
+
+    def __init__(self, d, experts=3):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(experts, d) / math.sqrt(d))
+
+    def forward(self, x):
+        logits = F.linear(x.reshape(-1, x.shape[-1]), self.weight)
+        weights, indices = logits.softmax(-1).topk(2, dim=-1)
+        return logits, weights, indices
+
+
+class RoutedMixture(nn.Module):
+    def __init__(self, d=4, experts=3):
+        super().__init__()
+        self.router = FlatRouter(d, experts)
+        self.experts = nn.Linear(d, d * experts)
+        self.head = nn.Linear(d, 3)
+
+    def forward(self, x):  # x [B, T, d]
+        B, T, d = x.shape
+        logits, weights, indices = self.router(x)
+        outs = self.experts(x).reshape(B * T, -1, d)  # each token through every expert
+        picked = outs.gather(1, indices.unsqueeze(-1).expand(-1, -1, d))  # [B * T, 2, d]
+        mixed = (weights.unsqueeze(-1) * picked).sum(1) + 0.1 * logits.sum(-1, keepdim=True)
+        return self.head(torch.tanh(mixed.reshape(B, T, d)))
+
+
+def test_a_router_that_flattens_the_batch_itself_is_exact():
+    """The router's argument leads with the samples ([B, T, d]) and its outputs with their tokens ([B * T, ...]):
+    each sample's replay takes its own row of the argument and gives its T rows of the outputs."""
+    torch.manual_seed(0)
+    assert_rule_exact(RoutedMixture(), torch.randn(3, 5, 4), allow_fallback=True)
+    assert_rule_exact(RoutedMixture(), torch.randn(4, 4, 4), allow_fallback=True)  # B = T
+
+
 class MixesRows(nn.Module):
     """Normalises each row by the mean over all rows of the call: the folded windows of every image mix."""
 

@@ -575,9 +575,15 @@ class FallbackRule(LayerRule):
         order, counts = rows.chunks()
         key = (call.signature, rows.batch, hash(rows.samples.numpy().tobytes()))
         check = key not in self._folded_checked
+        # Arguments that lead with the samples while the output's rows are their tokens (a router given [B, T, d]
+        # that returns [B * T, experts]): each sample's replay takes its own row of them.
+        by_sample = [k for k, t in enumerate(call.leaves)
+                     if k not in call.batched and rows.batch != call.batch and isinstance(t, torch.Tensor)
+                     and t.dim() > 0 and t.shape[0] == rows.batch]
+        positions = [*call.batched, *by_sample]
 
         def one_sample(sample_leaves, g_s):
-            args, kwargs = call.arguments(dict(zip(call.batched, sample_leaves)))
+            args, kwargs = call.arguments(dict(zip(positions, sample_leaves)))
             out, pullback = torch.func.vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
             grads = pullback(self._cotangent(call, out, g_s))[0]
             # the outputs only for the check (vmap returns tensors only)
@@ -590,6 +596,7 @@ class FallbackRule(LayerRule):
                 if counts.numel() and int(counts.min()) == int(counts.max()) > 0:  # as many rows each: one vmap
                     index = order.reshape(rows.batch, -1)
                     leaves = [call.leaves[k][index.to(call.leaves[k].device)] for k in call.batched]
+                    leaves += [call.leaves[k].unsqueeze(1) for k in by_sample]  # [B, 1, ...]: one row per sample
                     try:
                         vmapped = torch.func.vmap(one_sample, randomness="error")(leaves, g[index.to(g.device)])
                     except RuntimeError:  # control flow on the data (experts picked by a router): replays below
@@ -598,15 +605,16 @@ class FallbackRule(LayerRule):
                     grads, outs = (vmapped[0], vmapped[1].flatten(0, 1)) if check else (vmapped, None)
                 else:  # samples with different numbers of rows (or none), or no vmap: one replay each
                     grads, outs, start = {n: [] for n in primals}, [], 0
-                    for count in counts.tolist():
+                    for sample, count in enumerate(counts.tolist()):
                         idx = order[start:start + count]
                         start += count
                         if count == 0:
                             for n, p in primals.items():
                                 grads[n].append(torch.zeros_like(p))
                             continue
-                        got = one_sample([call.leaves[k][idx.to(call.leaves[k].device)] for k in call.batched],
-                                         g[idx.to(g.device)])
+                        leaves = [call.leaves[k][idx.to(call.leaves[k].device)] for k in call.batched]
+                        leaves += [call.leaves[k][sample:sample + 1] for k in by_sample]
+                        got = one_sample(leaves, g[idx.to(g.device)])
                         sample_grads = got[0] if check else got
                         for n, t in sample_grads.items():
                             grads[n].append(t)

@@ -216,7 +216,8 @@ class FallbackRule(LayerRule):
         self.swapped = not batch_first
         self._forward_checked: set[tuple] = set()   # call signatures whose outputs were checked
         self._backward_checked: set[tuple] = set()  # ... whose per-sample gradients were checked
-        self._folded_checked: set[tuple] = set()  # ... with rows folded into the batch, by their samples
+        #: ... with rows folded into the batch, by their samples: whether the replay takes arguments by sample
+        self._folded_checked: dict[tuple, bool] = {}
         #: container outputs: which leaves depend on the trainable parameters, per call signature and trainable set
         self._depends: dict[tuple, tuple[int, ...]] = {}
 
@@ -570,16 +571,39 @@ class FallbackRule(LayerRule):
 
     def _per_sample_of_rows(self, module, rows: FoldedRows, primals) -> dict[str, torch.Tensor]:
         """[batch, *param] per-sample gradients of a call with rows folded into its batch: each sample's rows
-        replayed alone."""
+        replayed alone.
+
+        An argument that leads with as many entries as there are samples, while the outputs' rows are their tokens,
+        may be per sample (a router given [B, T, d] that returns [B * T, experts]: each sample's replay then takes
+        its own row of it) or shared (a mask over B windows that happen to be as many as the samples). Which one
+        is read, not assumed: the replay is checked first with every such argument whole, then by sample, and the
+        one that reproduces the call is kept for the layout."""
+        call = rows.call
+        key = (call.signature, rows.batch, hash(rows.samples.numpy().tobytes()))
+        candidates = [k for k, t in enumerate(call.leaves)
+                      if k not in call.batched and rows.batch != call.batch and isinstance(t, torch.Tensor)
+                      and t.dim() > 0 and t.shape[0] == rows.batch]
+        known = self._folded_checked.get(key)
+        if known is not None:
+            return self._replay_rows(module, rows, primals, candidates if known else [], check=False)
+        first_error = None
+        for by_sample in ([[], candidates] if candidates else [[]]):
+            try:
+                grads = self._replay_rows(module, rows, primals, by_sample, check=True)
+            except (SampleMixingError, RuntimeError, ValueError, TypeError) as err:
+                first_error = first_error or err
+                continue
+            if len(self._folded_checked) >= 256:  # rows picked by the data: a new layout at most steps
+                self._folded_checked.clear()      # (checking again is always safe)
+            self._folded_checked[key] = bool(by_sample)
+            return grads
+        raise first_error
+
+    def _replay_rows(self, module, rows: FoldedRows, primals, by_sample: list[int], check: bool):
+        """``_per_sample_of_rows`` with the arguments at ``by_sample`` taken one row per sample; ``check``: the
+        replays must reproduce the call's rows and sum to its gradient (``SampleMixingError`` otherwise)."""
         call, g = rows.call, rows.grad
         order, counts = rows.chunks()
-        key = (call.signature, rows.batch, hash(rows.samples.numpy().tobytes()))
-        check = key not in self._folded_checked
-        # Arguments that lead with the samples while the output's rows are their tokens (a router given [B, T, d]
-        # that returns [B * T, experts]): each sample's replay takes its own row of them.
-        by_sample = [k for k, t in enumerate(call.leaves)
-                     if k not in call.batched and rows.batch != call.batch and isinstance(t, torch.Tensor)
-                     and t.dim() > 0 and t.shape[0] == rows.batch]
         positions = [*call.batched, *by_sample]
 
         def one_sample(sample_leaves, g_s):
@@ -631,9 +655,6 @@ class FallbackRule(LayerRule):
             self._check_folded_outputs(module, call, order, outs)
             known = (rows.samples >= 0).to(g.device).reshape(-1, *([1] * (g.dim() - 1)))
             self._check_gradient_sum(module, call, g * known, primals, grads)
-            if len(self._folded_checked) >= 256:  # rows picked by the data: a new layout at most steps
-                self._folded_checked.clear()      # (checking again is always safe)
-            self._folded_checked.add(key)
         return grads
 
     def _check_folded_outputs(self, module, call, order, outs):

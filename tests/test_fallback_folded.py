@@ -215,6 +215,31 @@ def test_a_router_that_flattens_the_batch_itself_is_exact():
     assert_rule_exact(RoutedMixture(), torch.randn(4, 4, 4), allow_fallback=True)  # B = T
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_one_sample_through_a_router_that_flattens_the_batch_moves_the_model_by_R(float64, mode):
+    """B = T = 4, every sample's loss but the first weighted 0 (noise 0): the clipped sum is that one sample's
+    gradient scaled to norm R, the router's and the experts' rows of it summed before clipping."""
+    torch.manual_seed(0)
+    R = 1e-3
+    model = RoutedMixture().double()
+    x = 3 * torch.randn(4, 4, 4)
+    first_only = torch.tensor([1.0, 0.0, 0.0, 0.0])
+
+    def losses(m, x):
+        return m(x).square().flatten(1).sum(1) * first_only[: x.shape[0]]
+
+    unclipped = per_sample_gradients(model, losses, (x[:1],))
+    norm = math.sqrt(sum(float(g.square().sum()) for g in unclipped.values()))
+    assert norm > 100 * R
+    paths = ("engine", "sum") if mode in SINGLE_BACKWARD_MODES else ("engine",)
+    for path in paths:
+        got = run_engine(copy.deepcopy(model), losses, (x,), mode=mode, max_grad_norm=R, path=path)
+        total = math.sqrt(sum(float(g.square().sum()) for g in got.values()))
+        assert abs(total - R) <= 1e-9 * R, f"{mode} through {path}: update norm {total:.6g}, not R = {R}"
+        for name, g in got.items():
+            assert torch.allclose(g, unclipped[name][0] * (R / norm), rtol=1e-9, atol=1e-15), (mode, path, name)
+
+
 class MixesRows(nn.Module):
     """Normalises each row by the mean over all rows of the call: the folded windows of every image mix."""
 

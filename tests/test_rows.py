@@ -410,3 +410,36 @@ def test_the_next_batch_fetched_before_the_backward_is_not_mistaken_for_the_curr
     engine.backward(F.cross_entropy(model(x), y, reduction="none"))
     opt.step()
     assert engine.steps_taken == 1 and len(smaller[0]) < len(x)
+
+
+# ------------------------------------------------------------------------------------------ the forward's precision
+def test_the_forward_precision_is_the_lowest_of_autocast_and_the_parameters():
+    """A gradient's dtype does not show the precision it was computed in: the row reading allows for autocast's
+    dtype and the parameters' (a float32 input gradient of a bf16 forward read by float32 rounding was refused as
+    mixing samples on CUDA)."""
+    cpu = torch.device("cpu")
+    assert rows.computing_precision(cpu, [torch.float64]) is torch.float64
+    assert rows.computing_precision(cpu, [torch.float32, torch.float64]) is torch.float32
+    assert rows.computing_precision(cpu, [torch.bfloat16, torch.float32]) is torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert rows.computing_precision(cpu, [torch.float32]) is torch.bfloat16
+    assert rows.computing_precision(torch.device("meta"), [torch.float32]) is torch.float32  # no autocast there
+
+
+def test_rows_computed_in_bf16_are_read_with_bf16_rounding():
+    """One sample's rows whose tagged gradient carries bf16-sized rounding: refused by float32 rounding, read at
+    the forward's precision; rows that mix two samples are refused at either."""
+    torch.manual_seed(0)
+    batch, width = 4, 16
+    g = torch.randn(batch, width)
+    tags = rows.make_tags(batch, torch.Generator().manual_seed(1), 1)
+    noisy = [(tags[0].float().unsqueeze(1) * g) * (1 + 3e-3 * torch.randn(batch, width))]  # bf16-sized error
+    with pytest.raises(rows.RowsMixSamples):
+        rows.read_rows(g, noisy, tags, batch, two_axes=False)
+    assert rows.read_rows(g, noisy, tags, batch, two_axes=False, precision=torch.bfloat16).identity
+    mixed = [noisy[0].clone()]
+    mixed[0][1] = tags[0][1] * g[1] + tags[0][2] * g[2]  # row 1 carries sample 2's gradient too
+    mixed_g = g.clone()
+    mixed_g[1] = g[1] + g[2]
+    with pytest.raises(rows.RowsMixSamples):
+        rows.read_rows(mixed_g, mixed, tags, batch, two_axes=False, precision=torch.bfloat16)

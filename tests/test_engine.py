@@ -418,6 +418,11 @@ def _seq_first_reference(model, x, y):
     return reference_clipped_gradient(model, _seq_first_losses, (x, y), max_grad_norm=R)
 
 
+def _assert_seq_first_exact(model, mode, path, x, y, what: str) -> None:
+    trained = _seq_first_step(model, mode, path, x, y)
+    assert_matches({n: p.grad for n, p in trained.named_parameters()}, _seq_first_reference(model, x, y), what=what)
+
+
 def _seq_first_step(model, mode, path, x, y) -> nn.Module:
     """A copy of ``model`` after one step with batch_first=False (noise 0, lr 0: p.grad is the clipped sum)."""
     trained = copy.deepcopy(model)
@@ -433,9 +438,7 @@ def test_sequence_first_models_with_batch_first_false(float64, mode, path):
     torch.manual_seed(0)
     model = SequenceFirst().double()
     x, y = torch.randn(4, 5, 6) * 2, torch.randint(0, 3, (4,))
-    trained = _seq_first_step(model, mode, path, x, y)
-    assert_matches({n: p.grad for n, p in trained.named_parameters()}, _seq_first_reference(model, x, y),
-                   what="batch_first=False")
+    _assert_seq_first_exact(model, mode, path, x, y, what="batch_first=False")
     if path == "engine":
         # With batch_first (the default) the engine reads the batch from dim 0 (T = 5 here), and the four
         # losses give it away. A plain loss.backward() cannot tell: sequence-first models must say so.
@@ -921,9 +924,7 @@ def test_sequence_first_layers_after_pooling_see_the_batch_first(float64, mode, 
     torch.manual_seed(0)
     model = PooledSequenceFirst().double()
     x, y = torch.randn(4, 5, 6), torch.randint(0, 8, (4,))
-    trained = _seq_first_step(model, mode, path, x, y)
-    assert_matches({n: p.grad for n, p in trained.named_parameters()}, _seq_first_reference(model, x, y),
-                   what="pooled sequence first")
+    _assert_seq_first_exact(model, mode, path, x, y, what="pooled sequence first")
     # A batch as large as the head's width (its [B, d] input reads either way), and as the number of positions
     # ([T, B, d] with T == B): the rows are read from the gradient over both leading axes, never guessed.
     for T, B in [(5, 8), (4, 4)]:
@@ -934,9 +935,7 @@ def test_sequence_first_layers_after_pooling_see_the_batch_first(float64, mode, 
             with pytest.raises(RuntimeError, match="could not read which sample each row"):
                 _seq_first_step(model, mode, path, x, y)
             continue
-        trained = _seq_first_step(model, mode, path, x, y)
-        assert_matches({n: p.grad for n, p in trained.named_parameters()}, _seq_first_reference(model, x, y),
-                       what=f"pooled sequence first, T = {T}, B = {B}")
+        _assert_seq_first_exact(model, mode, path, x, y, what=f"pooled sequence first, T = {T}, B = {B}")
 
 
 class Scale(nn.Module):
@@ -964,9 +963,7 @@ def test_sequence_first_at_T_equal_to_B_is_exact_or_refused(float64, mode, path)
     torch.manual_seed(0)
     model = SequenceFirst().double()
     x, y = torch.randn(5, 5, 6) * 2, torch.randint(0, 3, (5,))
-    trained = _seq_first_step(model, mode, path, x, y)
-    assert_matches({n: p.grad for n, p in trained.named_parameters()}, _seq_first_reference(model, x, y),
-                   what="batch_first=False, T == B")
+    _assert_seq_first_exact(model, mode, path, x, y, what="batch_first=False, T == B")
     # one sample contributing (the others' losses weighted 0) moves the model by at most R
     first_only = torch.zeros(5, dtype=torch.float64)
     first_only[0] = 1.0

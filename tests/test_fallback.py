@@ -21,7 +21,7 @@ import dptrain
 from dptrain.layers import FallbackRule, fallback_modules, resolve_rule
 from dptrain.layers.fallback import SampleMixingError
 from dptrain.layers.norms import RecognisedRMSNormRule
-from dptrain.testing import trainable_named_parameters
+from dptrain.testing import attached_engine, trainable_named_parameters
 from helpers import (
     MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, Case, assert_matches, classify, classify_tokens,
     engine_clipped_sum, reference, resolve_style, reweighted_reference, split_max_grad_norm, with_oracle,
@@ -800,10 +800,7 @@ def test_one_sample_through_a_container_output_moves_the_model_by_at_most_R(mode
     torch.manual_seed(0)
     model, R = ManyOutputsNet("tuple").double(), 0.05  # far below the gradient norm: every step is clipped
     x = torch.randn(1, 3, 4, dtype=torch.float64)
-    engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, noise_multiplier=0.0, clipping_mode=mode,
-                                   max_grad_norm=R)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.attach(optimizer)
+    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R, lr=1.0)
     try:
         for _ in range(2):
             before = [p.detach().clone() for p in model.parameters()]
@@ -835,10 +832,7 @@ def test_empty_batch_and_batch_of_one(mode):
     batch = (torch.randn(3, 2, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (3, 2), generator=g))
     case = Case(net, classify_tokens, batch)
     model = copy.deepcopy(case.model)
-    engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, noise_multiplier=0.0, clipping_mode=mode,
-                                   max_grad_norm=0.5)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    engine.attach(optimizer)
+    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=0.5)
     try:
         x, y = case.batch
         with warnings.catch_warnings():
@@ -910,10 +904,7 @@ def test_aliased_layer_under_a_fallback_root_keeps_its_parameters_and_bounds_one
     model, R = case.model, 0.05  # far below the gradient norm: every step is clipped
     objects = {n: p for n, p in model.named_parameters(remove_duplicate=False)}
     assert objects["shared.weight"] is objects["block.layer.weight"]
-    engine = dptrain.PrivacyEngine(model, batch_size=1, sample_size=100, noise_multiplier=0.0, clipping_mode=mode,
-                                   max_grad_norm=R)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    engine.attach(optimizer)
+    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R, lr=1.0)
     try:
         for _ in range(3):
             before = {n: p.detach().clone() for n, p in model.named_parameters()}

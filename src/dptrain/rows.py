@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .layers.numerics import autocast_state
+
 
 class NonFiniteRows(FloatingPointError):
     """A call's output gradient holds inf or NaN: its rows cannot be read (the step is skipped or refused)."""
@@ -205,15 +207,8 @@ def computing_precision(device: torch.device, params) -> torch.dtype | None:
     ``device``, and the (trainable) parameters' dtypes. A gradient's own dtype does not show it: a float32 input
     of a bf16 model, or a LayerNorm's float32 output under autocast, gets a float32 gradient computed in bf16."""
     lowest = None
-    try:
-        on = torch.is_autocast_enabled(device.type)
-        dtype = torch.get_autocast_dtype(device.type) if on else None
-    except TypeError:  # torch < 2.4: no device argument
-        on = torch.is_autocast_enabled() if device.type == "cuda" else torch.is_autocast_cpu_enabled()
-        dtype = (torch.get_autocast_gpu_dtype() if device.type == "cuda" else torch.get_autocast_cpu_dtype()) if on else None
-    except RuntimeError:  # a device without autocast (meta: plan() without data)
-        dtype = None
-    for dt in ([dtype] if dtype is not None else []) + list(params):
+    _, on, dtype = autocast_state(device.type)
+    for dt in ([dtype] if on else []) + list(params):
         if dt.is_floating_point and (lowest is None or torch.finfo(dt).eps > torch.finfo(lowest).eps):
             lowest = dt
     return lowest

@@ -45,7 +45,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..checks import first_line
-from .numerics import close, scale_samples, swap01, weighted_sum
+from .numerics import autocast_state, close, scale_samples, swap01, weighted_sum
 from .protocol import LayerDims, LayerRule, OutputLeaves
 from .registry import container_params
 
@@ -836,14 +836,6 @@ def _perturb_first(t: torch.Tensor) -> torch.Tensor:
     else:
         out[0] = t[1]
     return out
-
-
-def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
-    """(device type, enabled, dtype) of the autocast in force, to replay a call under it later."""
-    try:
-        return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
-    except RuntimeError:  # a device type without autocast (meta)
-        return "cpu", False, torch.bfloat16
 
 
 def _describe(x) -> str:

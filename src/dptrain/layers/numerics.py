@@ -62,6 +62,19 @@ def float32_at_least(x: torch.Tensor) -> torch.Tensor:
     return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
 
 
+def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
+    """(device type, enabled, dtype) of the autocast in force (to replay a call under it later, or to know the
+    precision a forward computes in)."""
+    try:
+        return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    except TypeError:  # torch < 2.4: no device argument
+        cuda = device_type == "cuda"
+        enabled = torch.is_autocast_enabled() if cuda else torch.is_autocast_cpu_enabled()
+        return device_type, enabled, torch.get_autocast_gpu_dtype() if cuda else torch.get_autocast_cpu_dtype()
+    except RuntimeError:  # a device type without autocast (meta)
+        return "cpu", False, torch.bfloat16
+
+
 def close(a: torch.Tensor, b: torch.Tensor, tol: float, scale=None) -> bool:
     """max |a - b| <= tol * scale (default scale: max |b|), in float32 or wider; shapes and the places of
     non-finite entries must agree."""

@@ -136,6 +136,56 @@ def test_a_broadcast_table_used_as_a_whole_is_refused_naming_the_layer(float64, 
         _backward(engine, model, x, y, path)
 
 
+class ProjectedGrid(nn.Module):
+    """A fixed coordinate grid of batch size 1 projected by a trainable layer, then broadcast over the batch: by a
+    1x1 convolution and ``.repeat(B, 1, 1, 1)`` (timm's XCiT), or by a Linear and an addition."""
+
+    def __init__(self, layer: str):
+        super().__init__()
+        self.layer = layer
+        self.inp = nn.Conv2d(3, D, 1)
+        self.proj = nn.Conv2d(4, D, 1) if layer == "conv" else nn.Linear(4, D)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, x):
+        B, _, H, W = x.shape
+        grid = torch.stack(torch.meshgrid(torch.linspace(-1, 1, H, dtype=x.dtype),
+                                          torch.linspace(-1, 1, W, dtype=x.dtype), indexing="ij"))
+        grid = torch.cat([grid, grid.sin()]).unsqueeze(0)  # [1, 4, H, W]
+        if self.layer == "conv":
+            pos = self.proj(grid).repeat(B, 1, 1, 1)
+        else:
+            pos = self.proj(grid.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+        return self.head(torch.tanh(self.inp(x) + pos).mean((2, 3)))
+
+
+def _images(B, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 3, 4, 5, generator=g, dtype=torch.float64), torch.randint(0, 3, (B,), generator=g)
+
+
+@pytest.mark.parametrize("B", [4, 5])  # 4: B = H
+@pytest.mark.parametrize("layer", ["conv", "linear"])
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_a_projected_grid_broadcast_over_the_batch_is_exact(float64, mode, path, layer, B):
+    torch.manual_seed(0)
+    model = ProjectedGrid(layer).double()
+    batches = [_images(B, seed=1), _images(2, seed=2)]
+    got = clipped_gradient(copy.deepcopy(model), _losses, *batches, mode=mode, max_grad_norm=R, path=RUN[path])
+    assert_matches(got, _reference(model, batches), what=f"{mode}-{path}-{layer}")
+
+
+@pytest.mark.parametrize("layer", ["conv", "linear"])
+@pytest.mark.parametrize("mode,path", [("bk-mixopt", "engine"), ("bk", "plain"), ("ghost", "engine"), ("per-sample", "plain")])
+def test_one_sample_through_a_projected_grid_moves_the_model_by_at_most_R(float64, mode, path, layer):
+    torch.manual_seed(0)
+    model = ProjectedGrid(layer).double()
+    with torch.no_grad():
+        model.head.weight.mul_(50)
+    moved = one_sample_update(model, _losses, _images(1, seed=3), mode=mode, max_grad_norm=R, path=RUN[path])
+    assert moved <= R * (1 + 1e-9)
+
+
 class SometimesWhole(Positions):
     """Broadcasts the table, and on some batches also uses its first row for every sample: a layout cached from
     the first kind of batch must not be taken for the second."""

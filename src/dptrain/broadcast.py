@@ -139,10 +139,22 @@ def _substituted(args, kwargs):
 
 
 def _on_rows(func, args, kwargs, wrapped: list, rowwise: bool):
-    args, kwargs = _substituted(args, kwargs)
-    with torch._C.DisableTorchFunctionSubclass():
-        out = func(*args, **kwargs)
+    out = _run_on_rows(func, args, kwargs)
     return _wrap_rowwise(out, wrapped) if rowwise else out
+
+
+def _run_on_rows(func, args, kwargs):
+    """``func`` with every BroadcastRows argument replaced by its rows; ``t.repeat(B, ...)`` / ``t.tile(B, ...)``
+    of a table that leads with 1 (a broadcast written out, timm's XCiT) is its rows repeated ``(1, ...)``."""
+    if func in (torch.Tensor.repeat, torch.Tensor.tile) and isinstance(args[0], BroadcastRows) and not kwargs:
+        counts = args[1:]
+        if len(counts) == 1 and isinstance(counts[0], (tuple, list)):
+            counts = tuple(counts[0])
+        rows = args[0].dptrain_rows
+        if len(counts) == rows.dim() and counts[0] == rows.shape[0]:
+            return func(rows, (1, *counts[1:]))
+    args, kwargs = _substituted(args, kwargs)
+    return func(*args, **kwargs)
 
 
 def _wrap_rowwise(out, wrapped: list):
@@ -206,9 +218,8 @@ def _judge(func, args, kwargs, wrapped: list, plain) -> tuple[str, object]:
         return "shared", None
     devices = list(dict.fromkeys(w.device.index or 0 for w in wrapped if w.device.type == "cuda"))
     try:
-        sub_args, sub_kwargs = _substituted(args, kwargs)
-        with torch.random.fork_rng(devices=devices), torch._C.DisableTorchFunctionSubclass():
-            on_rows = func(*sub_args, **sub_kwargs)
+        with torch.random.fork_rng(devices=devices):
+            on_rows = _run_on_rows(func, args, kwargs)
     except Exception:  # e.g. a view to the table's own shape: the operation does not take the rows
         return "shared", None
     return _compare(plain, on_rows, batch, wrapped[0].dim()), on_rows

@@ -290,3 +290,14 @@ def test_the_table_is_an_ordinary_tensor_outside_the_engine_and_at_batch_size_on
     model(_data(3, 4, seed=1)[0])
     model(_data(1, 4, seed=1)[0])
     assert kinds == [BroadcastRows, torch.Tensor]
+
+
+def test_last_decisions_show_the_table_s_rows_broadcast_over_the_batch(float64):
+    model = Positions("added").double()
+    engine = _engine(model, "bk-mixopt", loss_reduction="sum")
+    engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
+    x, y = _data(3, 4, seed=1)
+    _backward(engine, model, x, y, "engine")
+    layouts = {d.name: d.layout for d in engine.last_decisions()}
+    assert layouts["wpe"] == "identity (one row broadcast over the batch)"
+    assert layouts["wte"] == "identity"

@@ -314,6 +314,8 @@ class Backward:
         batch = self._batch_of(state, calls)
         ops, dims = layer_operands(state, calls, batch, self._row_map)
         layout = describe_layouts(c.rowmap for c in calls)
+        if any(c.broadcast for c in calls):
+            layout += " (one row broadcast over the batch)"
         if self.units is not None:
             layout = f"per user ({layout} per example)"
         self._ready[id(state)] = ReadyLayer(state, ops, dims, batch, layout)

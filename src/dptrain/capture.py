@@ -71,6 +71,7 @@ class Call:
     tags: torch.Tensor | None = None  # the per-sample tags of that pass
     rowmap: Any = None  # rows.RowMap, once read
     precision: torch.dtype | None = None  # the lowest precision its model call computed in (rows.computing_precision)
+    broadcast: bool = False  # a call on one row, its output broadcast over the batch (broadcast.py)
     shared_use: str | None = None  # an operation that used its output of batch size 1 without broadcasting it
 
 
@@ -745,6 +746,7 @@ class Capture:
         if self.dry:
             return tensor
         if broadcast:  # the model gets the layer's own [1, ...] output; the engine hooks its rows over the batch
+            call.broadcast = True
             returned = broadcast_rows(tensor, shared_use_marker(call, self))
         else:
             returned = tensor

@@ -66,7 +66,9 @@ def _dispatch(func, args, kwargs):
     if func is torch.Tensor.register_hook and isinstance(args[0], BroadcastRows):
         return _hook_rows(args[0], args[1] if len(args) > 1 else kwargs["hook"])
     leaves = pytree.tree_leaves((args, kwargs))
-    wrapped = [a for a in leaves if isinstance(a, BroadcastRows)]
+    wrapped = [a for a in leaves if isinstance(a, BroadcastRows) and hasattr(a, "dptrain_rows")]
+    if not wrapped:  # (one that lost its rows, unpickled: an ordinary tensor)
+        return _plain(func, args, kwargs)
     signature = _signature(func, leaves)
     verdict = _VERDICTS.get(signature) if signature is not None else None
     if verdict in ("batch", "rowwise"):
@@ -93,7 +95,7 @@ def broadcast_rows(rows: torch.Tensor, on_shared_use: Callable[[str], None]) -> 
 
 def rows_of(t):
     """``t``'s rows over the batch if it is a :class:`BroadcastRows`, else ``t``."""
-    return t.dptrain_rows if isinstance(t, BroadcastRows) else t
+    return getattr(t, "dptrain_rows", t) if isinstance(t, BroadcastRows) else t
 
 
 def shared_use_marker(call, capture) -> Callable[[str], None]:

@@ -716,7 +716,7 @@ class Capture:
         swap = (lambda t: _batch_to_front(t, forward_batch, state)) if not self.batch_first else (lambda t: t)
         # A table broadcast over the batch that an earlier layer handed over ([1, ...], broadcast.py) is seen by the
         # rule as its rows over the batch, the call's output too where it is one (a LayerNorm on a position table).
-        inputs = swap(pytree.tree_map_only(BroadcastRows, rows_of, inputs))
+        inputs = swap(_broadcast_rows_of(inputs))
         broadcast = isinstance(tensor, BroadcastRows)
         if broadcast:
             tensor = rows_of(tensor)
@@ -887,6 +887,15 @@ class Capture:
 
 
 @torch._dynamo.disable
+def _broadcast_rows_of(inputs: tuple) -> tuple:
+    """A layer call's inputs ((args, kwargs), or a capture site's tensors) with each BroadcastRows replaced by its rows
+    over the batch (a quick look first: this runs at every layer call)."""
+    flat = (*inputs[0], *inputs[1].values()) if len(inputs) == 2 and isinstance(inputs[1], dict) else inputs
+    if any(type(a) is BroadcastRows or isinstance(a, (list, tuple, dict)) for a in flat):
+        return pytree.tree_map_only(BroadcastRows, rows_of, inputs)
+    return inputs
+
+
 def _start_watch(batch: int, inputs: list, axis: int, anchor, record, precision) -> ReorderWatch:
     """A verifying model call's watch (``rows.ReorderWatch``), entered; run eagerly under torch.compile, whose
     tracing would rebuild the mode without its state."""

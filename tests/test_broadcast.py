@@ -61,7 +61,7 @@ class Positions(nn.Module):
         self.seen: list[tuple] = []
 
     def forward(self, x):
-        pos = self.wpe(torch.arange(x.shape[1]).unsqueeze(0))
+        pos = self.wpe(torch.arange(x.shape[1], device=x.device).unsqueeze(0))
         if self.norm is not None:
             pos = self.norm(pos)  # a covered layer on the table alone: row by row
         self.seen.append(tuple(pos.shape))
@@ -149,8 +149,8 @@ class ProjectedGrid(nn.Module):
 
     def forward(self, x):
         B, _, H, W = x.shape
-        grid = torch.stack(torch.meshgrid(torch.linspace(-1, 1, H, dtype=x.dtype),
-                                          torch.linspace(-1, 1, W, dtype=x.dtype), indexing="ij"))
+        grid = torch.stack(torch.meshgrid(torch.linspace(-1, 1, H, dtype=x.dtype, device=x.device),
+                                          torch.linspace(-1, 1, W, dtype=x.dtype, device=x.device), indexing="ij"))
         grid = torch.cat([grid, grid.sin()]).unsqueeze(0)  # [1, 4, H, W]
         if self.layer == "conv":
             pos = self.proj(grid).repeat(B, 1, 1, 1)
@@ -195,7 +195,7 @@ class SometimesWhole(Positions):
         self.whole = False
 
     def forward(self, x):
-        pos = self.wpe(torch.arange(x.shape[1]).unsqueeze(0))
+        pos = self.wpe(torch.arange(x.shape[1], device=x.device).unsqueeze(0))
         h = self.wte(x) + pos
         if self.whole:
             h = h + pos[0]
@@ -224,7 +224,7 @@ class FrozenTableAsAWhole(Positions):
     """The table's output is used as a whole where no gradient reaches it: nothing to refuse."""
 
     def forward(self, x):
-        pos = self.wpe(torch.arange(x.shape[1]).unsqueeze(0))
+        pos = self.wpe(torch.arange(x.shape[1], device=x.device).unsqueeze(0))
         scale = pos.detach().sum(0).abs().mean()  # a statistic of the table, no gradient
         return self.head(torch.tanh((self.wte(x) + pos) * scale).mean(1))
 
@@ -244,7 +244,7 @@ class HookedTable(Positions):
         self.hook = hook
 
     def forward(self, x):
-        pos = self.wpe(torch.arange(x.shape[1]).unsqueeze(0))
+        pos = self.wpe(torch.arange(x.shape[1], device=x.device).unsqueeze(0))
         if pos.requires_grad:
             pos.register_hook(self.hook)
         return self.head(torch.tanh(self.wte(x) + pos).mean(1))

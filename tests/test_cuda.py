@@ -17,7 +17,7 @@ from torch import nn
 
 import dptrain
 from dptrain.testing import attached_engine, clipped_gradient, reference_clipped_gradient
-from helpers import MODES, assert_matches, free_port, get_case, split_max_grad_norm
+from helpers import MODES, Case, assert_matches, free_port, get_case, split_max_grad_norm
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -80,6 +80,26 @@ def test_fp16_with_a_grad_scaler_works_from_the_first_step(float64, case_name, m
     scaler = torch.amp.GradScaler("cuda")  # the default initial scale, 2^16
     got = _cuda_clipped_sum(case, mode, R, autocast=torch.float16, scaler=scaler)
     assert_matches(got, _oracle(case, R), rtol=1e-2, what=f"{case_name}/{mode}")
+
+
+def _broadcast_table_case(kind: str) -> Case:
+    """A position table on [1, T] ids through a LayerNorm, or a grid [1, C, H, W] through a 1x1 conv and
+    .repeat(B, ...), broadcast over the batch (dptrain.broadcast), B = T."""
+    from test_broadcast import Positions, ProjectedGrid, _data, _images, _losses
+    torch.manual_seed(0)
+    if kind == "positions":
+        return Case(Positions("added", norm=True).double(), _losses, _data(4, 4, seed=1))
+    return Case(ProjectedGrid("conv").double(), _losses, _images(4, seed=1))
+
+
+@pytest.mark.parametrize("kind", ["positions", "grid"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16])
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost", "per-sample"])
+def test_a_table_broadcast_over_the_batch_on_cuda(float64, kind, autocast, mode):
+    case = _broadcast_table_case(kind)
+    R = split_max_grad_norm(case, "all-layer")
+    got = _cuda_clipped_sum(case, mode, R, autocast=autocast)
+    assert_matches(got, _oracle(case, R), rtol=1e-4 if autocast is None else 4e-2, what=f"{kind}/{mode}/{autocast}")
 
 
 def _conv_net():

@@ -34,7 +34,6 @@ from .layers.numerics import close
 # rows), "rowwise" (row by row: run it on the rows, the result is a BroadcastRows again), "shared" (run it as it is)
 _VERDICTS: dict[tuple, str] = {}
 _MAX_VERDICTS = 4096
-_UNHASHABLE = object()
 
 
 class BroadcastRows(torch.Tensor):
@@ -69,7 +68,7 @@ def _dispatch(func, args, kwargs):
     wrapped = [a for a in leaves if isinstance(a, BroadcastRows) and hasattr(a, "dptrain_rows")]
     if not wrapped:  # (one that lost its rows, unpickled: an ordinary tensor)
         return _plain(func, args, kwargs)
-    signature = _signature(func, leaves)
+    signature = _signature(func, args, kwargs, leaves)
     verdict = _VERDICTS.get(signature) if signature is not None else None
     if verdict in ("batch", "rowwise"):
         return _on_rows(func, args, kwargs, wrapped, verdict == "rowwise")
@@ -267,10 +266,11 @@ def _tell_shared(func, wrapped: list, plain) -> None:
             callback(name)
 
 
-def _signature(func, leaves: list) -> tuple | None:
-    """What the verdict depends on: the function, and each argument's shape, dtype, device and gradient flag (tensors)
-    or value (others); ``None`` where an argument has no hashable description (never remembered)."""
-    key = [func]
+def _signature(func, args, kwargs, leaves: list) -> tuple | None:
+    """What the verdict depends on: the function, how it was given its arguments, and each argument's shape, dtype,
+    device and gradient flag (tensors) or value (others); ``None`` where an argument has no hashable description
+    (never remembered)."""
+    key = [func, len(args), tuple(kwargs)]
     for a in leaves:
         if isinstance(a, torch.Tensor):
             key.append((isinstance(a, BroadcastRows), tuple(a.shape), a.dtype, a.device.type, a.requires_grad))

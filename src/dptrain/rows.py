@@ -648,9 +648,10 @@ class BackwardRows:
                 raise RowsMixSamples(
                     f"{name}: {err} (output of shape {tuple(call.grad.shape)}, batch of {batch}): per-sample "
                     "clipping cannot split such rows. Typical causes: a table broadcast over the batch (position "
-                    "embeddings looked up on [T] or [1, T] ids and then indexed or reduced over the batch), per-class "
-                    "or pooled vectors, an input of the model concatenated with itself. Freeze this layer, feed it "
-                    "per-sample rows (ids.expand(B, -1)), or register a rule for the module that mixes the samples"
+                    "embeddings looked up on [T] ids), per-class or pooled vectors, an input of the model concatenated "
+                    "with itself. Freeze this layer; for a table, give it ids with a batch axis of size 1 "
+                    "(torch.arange(T)[None]: its [1, T, d] output then broadcasts over the batch, exactly) or per-sample "
+                    "ids (ids.expand(B, -1)); or register a rule for the module that mixes the samples"
                 ) from None
             if rowmap.layout is not None and call.cacheable and rowmap.complete:
                 self.reader.layouts[self.reader.pattern(state, call)] = rowmap.layout

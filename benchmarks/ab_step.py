@@ -6,6 +6,7 @@ prints a JSON line: ``first_s`` (the first step: the tag passes that read each l
 each checkout, alternately, to compare two commits on a busy machine (see benchmarks/results/ab-notes.md).
 
     PYTHONPATH=src:benchmarks python benchmarks/ab_step.py gpt2-t64 bk-mixopt --steps 20
+    PYTHONPATH=src:benchmarks python benchmarks/ab_step.py gpt2-t100 bk-mixopt --device cuda   # a GPU configuration
 """
 from __future__ import annotations
 
@@ -26,14 +27,17 @@ def main() -> None:
     parser.add_argument("arm", choices=["bk-mixopt", "non-private"])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--device", default="cpu", help="cpu (the CPU configurations, one thread) or cuda (the GPU ones)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    config = zoo.configs_for("cpu")[args.config]
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    config = zoo.configs_for("cpu" if device.type == "cpu" else "gpu")[args.config]
     task = config.task()
     torch.manual_seed(0)
-    model = task.build()
+    model = task.build().to(device)
     model.train()
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator(device).manual_seed(0)
     batches = [task.make_batch(config.batch_size, generator) for _ in range(4)]
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     engine = None
@@ -52,8 +56,10 @@ def main() -> None:
             engine.backward(losses)
         optimizer.step()
         optimizer.zero_grad()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)
-    print(json.dumps({"config": args.config, "arm": args.arm, "first_s": times[0],
+    print(json.dumps({"config": args.config, "arm": args.arm, "device": str(device), "first_s": times[0],
                       "median_s": statistics.median(times[args.warmup:]), "dptrain": dptrain.__file__}))
 
 

@@ -223,36 +223,6 @@ class HFViTEmbeddingsRule(TokenParamsRule):
         return out
 
 
-@register_layer
-class T5RelativeBiasRule(LayerRule):
-    """Refuses a trainable T5 relative attention bias, with the reason.
-
-    ``relative_attention_bias`` is an ``nn.Embedding`` called on bucket ids ``[q_len, k_len]`` with no
-    batch dimension; the first layer turns it into a bias ``[1, heads, q, k]`` that every layer adds
-    to its attention scores, broadcast over the batch, outside any module. No capture point sees its
-    per-sample gradient, and the embedding rule would take ``q_len`` for the batch. The stack would (its inputs and
-    outputs are per sample), but a replay of T5Stack one sample at a time under vmap fails: transformers builds its
-    attention masks with a branch on the mask's values. This rule claims the parameter from the embedding (an
-    engine with claims) so that validation names the fix.
-    """
-
-    module_types = (
-        "transformers.models.t5.modeling_t5.T5Attention",
-        "transformers.models.mt5.modeling_mt5.MT5Attention",
-    )
-    param_names = ("relative_attention_bias.weight",)
-
-    def claims(self, module):
-        return ("relative_attention_bias.weight",) if getattr(module, "has_relative_attention_bias", False) else ()
-
-    def validate(self, module):
-        raise ValueError(
-            "T5's relative_attention_bias is added to the attention scores of every layer, broadcast over the batch, "
-            "so its per-sample gradient is not available: freeze it, e.g. for n, p in model.named_parameters(): "
-            "p.requires_grad_('relative_attention_bias' not in n)"
-        )
-
-
 def _relative_bias_tables(module) -> tuple[str, ...]:
     """The weights of the relative position bias tables (``relative_attention_bias``, WavLM's ``rel_attn_embed``, LongT5's
     ``global_relative_attention_bias``) anywhere under ``module``."""
@@ -264,11 +234,17 @@ def _relative_bias_tables(module) -> tuple[str, ...]:
 # A relative position bias table (an ``nn.Embedding`` looked up on bucket ids [q_len, k_len], no batch) whose bias one
 # module computes and passes on to every layer (position_bias), broadcast over the batch: no layer call sees a
 # per-sample gradient of the table, the enclosing module does (its inputs and outputs are per sample). It claims the
-# table, and the per-sample fallback replays the whole encoder with respect to the table only (its layers keep their
-# own rules): one more forward of the encoder per step, vectorised over the batch. Freeze the table to avoid it.
-# (T5's stacks would do the same, but they build their attention masks from the mask's values, which the fallback's
-# vmap cannot replay: T5Attention's rule below refuses the table with the fix.)
+# table, and the per-sample fallback replays the whole encoder (or stack) with respect to the table only (its layers
+# keep their own rules): one more forward of the encoder per step. Freeze the table to avoid it.
+# T5's stacks (and those of the models built from them: mT5, LongT5, Switch Transformers) look their tables up in the
+# first block and pass the bias on; they build their attention masks with a branch on the mask's values, which vmap
+# cannot run, so the fallback replays them one sample at a time (a warning names them): B more forwards and backwards
+# of the stack per step.
 for _encoder in ("transformers.models.mpnet.modeling_mpnet.MPNetEncoder",
+                 "transformers.models.t5.modeling_t5.T5Stack",
+                 "transformers.models.mt5.modeling_mt5.MT5Stack",
+                 "transformers.models.longt5.modeling_longt5.LongT5Stack",
+                 "transformers.models.switch_transformers.modeling_switch_transformers.SwitchTransformersStack",
                  ):
     reads_child_params(_encoder, _relative_bias_tables)
 

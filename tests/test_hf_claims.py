@@ -43,6 +43,12 @@ CLAIMS = [
     ("t5", 2, "T5Stack", True),
     ("mt5", 2, "MT5Stack", True),
     ("longt5", 2, "LongT5Stack", True),
+    # SEW-D's encoder: rel_embeddings and the LayerNorm on it ([positions, d], no batch), and every layer's
+    # query_proj / key_proj, which project the table besides the hidden states
+    ("sew-d", 2, "SEWDTransformerEncoder", False),
+    # JetMoE's mixtures call their experts on the batch's tokens sorted by expert (the attention reads experts.bias)
+    ("jetmoe", 1, "JetMoeAttention", True),
+    ("jetmoe", 1, "JetMoeMoE", True),
     ("switch_transformers", 1, "SwitchTransformersStack", True),  # (its router is float32: one layer builds in float64)
 ]
 
@@ -69,7 +75,8 @@ def test_delta_attention_conv_is_exact_through_the_fallback(model_type, claimer)
 @pytest.mark.filterwarnings("ignore:.*one sample at a time:UserWarning")
 @pytest.mark.parametrize("model_type,layers,rtol", [("mpnet", 2, 1e-9), ("wavlm", 2, 1e-9),
                                                     ("gpt_neox_japanese", 1, 1e-9), ("lfm3", 1, zoo.FLOAT32_RTOL),
-                                                    ("t5", 2, zoo.FLOAT32_RTOL)])
+                                                    ("t5", 2, zoo.FLOAT32_RTOL), ("sew-d", 2, 1e-9),
+                                                    ("jetmoe", 1, zoo.FLOAT32_RTOL)])
 def test_a_batch_of_one_is_clipped_to_the_bound(model_type, layers, rtol):
     case = _case(model_type, layers)
     one = Case(case.model, case.losses_fn, tuple(t[:1] for t in case.batch))

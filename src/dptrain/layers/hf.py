@@ -262,6 +262,23 @@ def _wavlm_attention_params(module) -> tuple[str, ...]:
                   _parameters_under("q_proj", "k_proj", "v_proj", "out_proj", "rel_attn_embed")(attention)]
         names += [f"layers.{i}.attention.{n}" for n, _ in attention.named_parameters(recurse=False)]
     return tuple(names)
+def _disentangled_encoder_params(module) -> tuple[str, ...]:
+    """A DeBERTa-style encoder with relative attention (SEW-D's): it reads its ``rel_embeddings`` table itself, normalises
+    it with its own ``LayerNorm`` ([positions, d], no batch) and hands it to every layer, whose attention projects it
+    with ``query_proj`` / ``key_proj`` (or ``pos_query_proj`` / ``pos_key_proj``) on [1, positions, d], broadcast over
+    the batch, besides projecting the hidden states. The encoder claims the table, the norm and those projections,
+    and its replay gives their per-sample gradients through both uses (the layers' other parameters keep their
+    rules)."""
+    if getattr(module, "rel_embeddings", None) is None:
+        return ()
+    names = _parameters_under("rel_embeddings", "LayerNorm")(module)
+    for i, layer in enumerate(module.layer):
+        names += tuple(f"layer.{i}.attention.self.{n}" for n in _parameters_under(
+            "query_proj", "key_proj", "pos_query_proj", "pos_key_proj")(layer.attention.self))
+    return names
+
+
+reads_child_params("transformers.models.sew_d.modeling_sew_d.SEWDTransformerEncoder", _disentangled_encoder_params)
 # UMT5's attention looks up its own table in every layer and uses the bias itself: the attention's replay suffices.
 reads_child_params("transformers.models.umt5.modeling_umt5.UMT5Attention", _relative_bias_tables)
 
@@ -280,6 +297,14 @@ reads_child_params("transformers.models.wavlm.modeling_wavlm.WavLMEncoderStableL
 reads_child_params("transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseLayer",
                    lambda module: ("attention.dense_bias",) if getattr(module.attention, "dense_bias", None) is not None
                    else ())
+# JetMoE's mixture of attention experts (JetMoeMoA) is never called: the attention runs its map and reduce methods,
+# which read the experts' bias and call its router and parallel experts on the batch's tokens flattened together.
+# Its experts (JetMoeParallelExperts) are called on the tokens sorted by expert with the count of each expert's tokens
+# in the whole batch, which no replay of one sample's rows can take: the mixtures (attention and MLP, whose inputs and
+# outputs are per sample) claim them, and the fallback replays each mixture per sample.
+reads_child_params("transformers.models.jetmoe.modeling_jetmoe.JetMoeAttention", _parameters_under("experts"))
+reads_child_params("transformers.models.jetmoe.modeling_jetmoe.JetMoeMoE",
+                   _parameters_under("input_linear", "output_linear", "router"))
 # Short convolutions and delta attention run causal_conv1d_fn on conv.weight / conv1d.weight (and bias) themselves.
 reads_child_params("transformers.models.lfm3.modeling_lfm3.Lfm3ShortConv", _parameters_under("conv"))
 reads_child_params("transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",

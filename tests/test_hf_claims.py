@@ -49,6 +49,10 @@ CLAIMS = [
     # JetMoE's mixtures call their experts on the batch's tokens sorted by expert (the attention reads experts.bias)
     ("jetmoe", 1, "JetMoeAttention", True),
     ("jetmoe", 1, "JetMoeMoE", True),
+    # children run on a table without the batch inside the attention: Swin V2's position-bias MLP on the relative
+    # coordinates (the attention called on windows folded into the batch), the Conformer's linear_pos
+    ("swinv2", 1, "Swinv2SelfAttention", False),
+    ("wav2vec2-conformer", 2, "Wav2Vec2ConformerSelfAttention", False),
     ("switch_transformers", 1, "SwitchTransformersStack", True),  # (its router is float32: one layer builds in float64)
 ]
 
@@ -76,7 +80,8 @@ def test_delta_attention_conv_is_exact_through_the_fallback(model_type, claimer)
 @pytest.mark.parametrize("model_type,layers,rtol", [("mpnet", 2, 1e-9), ("wavlm", 2, 1e-9),
                                                     ("gpt_neox_japanese", 1, 1e-9), ("lfm3", 1, zoo.FLOAT32_RTOL),
                                                     ("t5", 2, zoo.FLOAT32_RTOL), ("sew-d", 2, 1e-9),
-                                                    ("jetmoe", 1, zoo.FLOAT32_RTOL)])
+                                                    ("jetmoe", 1, zoo.FLOAT32_RTOL), ("swinv2", 1, 1e-9),
+                                                    ("wav2vec2-conformer", 2, 1e-9)])
 def test_a_batch_of_one_is_clipped_to_the_bound(model_type, layers, rtol):
     case = _case(model_type, layers)
     one = Case(case.model, case.losses_fn, tuple(t[:1] for t in case.batch))

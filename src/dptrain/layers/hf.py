@@ -305,6 +305,14 @@ reads_child_params("transformers.models.gpt_neox_japanese.modeling_gpt_neox_japa
 reads_child_params("transformers.models.jetmoe.modeling_jetmoe.JetMoeAttention", _parameters_under("experts"))
 reads_child_params("transformers.models.jetmoe.modeling_jetmoe.JetMoeMoE",
                    _parameters_under("input_linear", "output_linear", "router"))
+# Children called on a table without the batch, whose output the attention adds to every sample's scores: Swin V2's
+# continuous_position_bias_mlp (run on the relative coordinates [1, 2W-1, 2W-1, 2]) and the Conformer's linear_pos
+# (on the relative position embeddings [1, 2T-1, d]). The attention (per-sample inputs and outputs; Swin V2's on its
+# windows folded into the batch, which the fallback regroups by sample) claims them.
+reads_child_params("transformers.models.swinv2.modeling_swinv2.Swinv2SelfAttention",
+                   _parameters_under("continuous_position_bias_mlp"))
+reads_child_params("transformers.models.wav2vec2_conformer.modeling_wav2vec2_conformer.Wav2Vec2ConformerSelfAttention",
+                   _parameters_under("linear_pos"))
 # Short convolutions and delta attention run causal_conv1d_fn on conv.weight / conv1d.weight (and bias) themselves.
 reads_child_params("transformers.models.lfm3.modeling_lfm3.Lfm3ShortConv", _parameters_under("conv"))
 reads_child_params("transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",

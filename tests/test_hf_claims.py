@@ -53,6 +53,10 @@ CLAIMS = [
     # coordinates (the attention called on windows folded into the batch), the Conformer's linear_pos
     ("swinv2", 1, "Swinv2SelfAttention", False),
     ("wav2vec2-conformer", 2, "Wav2Vec2ConformerSelfAttention", False),
+    # learned positions looked up on [T] ids, added to every sample's embeddings: the encoder and decoder claim them
+    ("blenderbot", 2, "BlenderbotDecoder", False),
+    ("blenderbot-small", 1, "BlenderbotSmallEncoder", False),
+    ("bigbird_pegasus", 1, "BigBirdPegasusDecoder", False),
     ("switch_transformers", 1, "SwitchTransformersStack", True),  # (its router is float32: one layer builds in float64)
 ]
 
@@ -81,7 +85,7 @@ def test_delta_attention_conv_is_exact_through_the_fallback(model_type, claimer)
                                                     ("gpt_neox_japanese", 1, 1e-9), ("lfm3", 1, zoo.FLOAT32_RTOL),
                                                     ("t5", 2, zoo.FLOAT32_RTOL), ("sew-d", 2, 1e-9),
                                                     ("jetmoe", 1, zoo.FLOAT32_RTOL), ("swinv2", 1, 1e-9),
-                                                    ("wav2vec2-conformer", 2, 1e-9)])
+                                                    ("wav2vec2-conformer", 2, 1e-9), ("blenderbot", 2, 1e-9)])
 def test_a_batch_of_one_is_clipped_to_the_bound(model_type, layers, rtol):
     case = _case(model_type, layers)
     one = Case(case.model, case.losses_fn, tuple(t[:1] for t in case.batch))

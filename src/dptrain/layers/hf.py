@@ -313,6 +313,15 @@ reads_child_params("transformers.models.swinv2.modeling_swinv2.Swinv2SelfAttenti
                    _parameters_under("continuous_position_bias_mlp"))
 reads_child_params("transformers.models.wav2vec2_conformer.modeling_wav2vec2_conformer.Wav2Vec2ConformerSelfAttention",
                    _parameters_under("linear_pos"))
+# Learned positions looked up on [T] ids (Blenderbot, Blenderbot-small, BigBird-Pegasus): the table's rows [T, d] are
+# added to the token embeddings [B, T, d], broadcast over the batch, so the lookup's rows are shared by every sample.
+# The encoder and the decoder (per-sample inputs and outputs) that add them claim the table; the fallback replays them
+# with respect to it alone (their layers keep their rules).
+for _family, _prefix in (("blenderbot", "Blenderbot"), ("blenderbot_small", "BlenderbotSmall"),
+                         ("bigbird_pegasus", "BigBirdPegasus")):
+    for _part in ("Encoder", "Decoder"):
+        reads_child_params(f"transformers.models.{_family}.modeling_{_family}.{_prefix}{_part}",
+                           _parameters_under("embed_positions"))
 # Short convolutions and delta attention run causal_conv1d_fn on conv.weight / conv1d.weight (and bias) themselves.
 reads_child_params("transformers.models.lfm3.modeling_lfm3.Lfm3ShortConv", _parameters_under("conv"))
 reads_child_params("transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",

@@ -57,6 +57,9 @@ CLAIMS = [
     ("blenderbot", 2, "BlenderbotDecoder", False),
     ("blenderbot-small", 1, "BlenderbotSmallEncoder", False),
     ("bigbird_pegasus", 1, "BigBirdPegasusDecoder", False),
+    # XLNet's layers run sequence-first inside the batch-first model: the model claims every relative attention's
+    # parameters (two layers: the relative embeddings and masks passed on)
+    ("xlnet", 2, "XLNetModel", False),
     ("switch_transformers", 1, "SwitchTransformersStack", True),  # (its router is float32: one layer builds in float64)
 ]
 
@@ -85,7 +88,8 @@ def test_delta_attention_conv_is_exact_through_the_fallback(model_type, claimer)
                                                     ("gpt_neox_japanese", 1, 1e-9), ("lfm3", 1, zoo.FLOAT32_RTOL),
                                                     ("t5", 2, zoo.FLOAT32_RTOL), ("sew-d", 2, 1e-9),
                                                     ("jetmoe", 1, zoo.FLOAT32_RTOL), ("swinv2", 1, 1e-9),
-                                                    ("wav2vec2-conformer", 2, 1e-9), ("blenderbot", 2, 1e-9)])
+                                                    ("wav2vec2-conformer", 2, 1e-9), ("blenderbot", 2, 1e-9),
+                                                    ("xlnet", 2, 1e-9)])
 def test_a_batch_of_one_is_clipped_to_the_bound(model_type, layers, rtol):
     case = _case(model_type, layers)
     one = Case(case.model, case.losses_fn, tuple(t[:1] for t in case.batch))

@@ -322,6 +322,13 @@ for _family, _prefix in (("blenderbot", "Blenderbot"), ("blenderbot_small", "Ble
     for _part in ("Encoder", "Decoder"):
         reads_child_params(f"transformers.models.{_family}.modeling_{_family}.{_prefix}{_part}",
                            _parameters_under("embed_positions"))
+# XLNet's transformer runs its layers sequence-first ([T, B, d]) inside a batch-first model: its relative attention
+# uses its own parameters (q, k, v, o, r, the r_*_bias and seg_embed) on sequence-first tensors and relative position
+# embeddings without the batch, so no attention call can be replayed by sample. The model (batch-first inputs and
+# outputs) claims them: the fallback replays the whole transformer with respect to every attention's parameters.
+reads_child_params("transformers.models.xlnet.modeling_xlnet.XLNetModel",
+                   lambda module: tuple(f"layer.{i}.rel_attn.{n}" for i, layer in enumerate(module.layer)
+                                        for n, _ in layer.rel_attn.named_parameters()))
 # Short convolutions and delta attention run causal_conv1d_fn on conv.weight / conv1d.weight (and bias) themselves.
 reads_child_params("transformers.models.lfm3.modeling_lfm3.Lfm3ShortConv", _parameters_under("conv"))
 reads_child_params("transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",

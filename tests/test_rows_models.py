@@ -140,9 +140,6 @@ MODELS = {
 # The parameters each model's full fine-tuning is refused for (below), frozen in its "full-but" variant, which
 # puts the rest of the model to the test at B = T.
 REFUSED_IN_FULL = {
-    # XLNetRelativeAttention: no rule, and its outputs are sequence-first (the fallback refuses them as mixing);
-    # mask_emb: held by XLNetModel itself
-    "xlnet": ["rel_attn.", "mask_emb"],
     # the relative position table, its LayerNorm and the projections it goes through: rows shared by all samples
     "deberta-v2": ["rel_embeddings", "encoder.LayerNorm", "query_proj", "key_proj"],
     "swin": ["relative_position_bias_table"],
@@ -188,7 +185,6 @@ def built(name: str, variant: str, B: int):
 
 # What the engine says where it refuses: the module (or parameter) by name, and the fix.
 REFUSED = {
-    ("xlnet", "full"): r"transformer\.layer\.0\.rel_attn \(XLNetRelativeAttention\).*or freeze it",
     ("deberta-v2", "full"): r"deberta\.encoder\.rel_embeddings\.weight.*or freeze it",
     ("deberta-v2", "lora"): r"query_proj\.lora_A\.default \(Linear\).*mix the gradients of several samples"
                             r".*Freeze this layer",

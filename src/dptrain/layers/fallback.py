@@ -371,11 +371,13 @@ class FallbackRule(LayerRule):
             if hidden:
                 what = (f"a {leaf.dtype} tensor that depends" if isinstance(leaf, torch.Tensor)
                         else f"a {type(leaf).__name__} holding tensors that depend")
+                cache = ("Cache" in type(leaf).__name__ and " (a cache of keys and values, which training does not "
+                         "need: call the model with use_cache=False, or set model.config.use_cache = False)" or "")
                 raise ValueError(
                     f"{self._name(module)}: its output {paths[k] or '(the whole output)'} is {what} on its "
                     "trainable parameters, which the per-sample fallback cannot differentiate: it takes "
                     "floating-point tensors in tuples, lists, dicts, Hugging Face ModelOutputs and other containers "
-                    "registered with torch.utils._pytree. Return such tensors, register a rule for "
+                    f"registered with torch.utils._pytree{cache}. Return such tensors, register a rule for "
                     f"{type(module).__name__} with dptrain.register_layer, or freeze its parameters"
                 )
         known = tuple(k for k in floats if replayed[k].requires_grad)

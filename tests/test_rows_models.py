@@ -140,13 +140,11 @@ MODELS = {
 # The parameters each model's full fine-tuning is refused for (below), frozen in its "full-but" variant, which
 # puts the rest of the model to the test at B = T.
 REFUSED_IN_FULL = {
-    # the relative position table, its LayerNorm and the projections it goes through: rows shared by all samples
-    "deberta-v2": ["rel_embeddings", "encoder.LayerNorm", "query_proj", "key_proj"],
     "swin": ["relative_position_bias_table"],
 }
-# DeBERTa's attention runs query_proj and key_proj on its relative position table as well (share_att_key):
-# with LoRA on them their rows mix samples; value_proj sees only the tokens.
-LORA_BUT = {"deberta-v2": ["value_proj"]}
+# (DeBERTa-v2's attention runs query_proj and key_proj, LoRA on them included, on its relative position table as well
+# (share_att_key): its encoder claims them with the table and its LayerNorm, and the fallback replays the encoder.)
+LORA_BUT: dict[str, list[str]] = {}
 
 VARIANTS = [(name, v) for name in MODELS for v in ("full", "lora")] + [
     (name, "full-but") for name in REFUSED_IN_FULL] + [(name, "lora-but") for name in LORA_BUT]
@@ -185,9 +183,6 @@ def built(name: str, variant: str, B: int):
 
 # What the engine says where it refuses: the module (or parameter) by name, and the fix.
 REFUSED = {
-    ("deberta-v2", "full"): r"deberta\.encoder\.rel_embeddings\.weight.*or freeze it",
-    ("deberta-v2", "lora"): r"query_proj\.lora_A\.default \(Linear\).*mix the gradients of several samples"
-                            r".*Freeze this layer",
     # the relative position bias, computed from its table alone ([1, heads, N, N]) and broadcast over the batch
     # times the windows: one row shared by every sample
     ("swin", "full"): r"relative_position_bias \(\w+\).*mix the gradients of several samples.*Freeze this layer",

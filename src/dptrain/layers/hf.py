@@ -263,7 +263,7 @@ def _wavlm_attention_params(module) -> tuple[str, ...]:
         names += [f"layers.{i}.attention.{n}" for n, _ in attention.named_parameters(recurse=False)]
     return tuple(names)
 def _disentangled_encoder_params(module) -> tuple[str, ...]:
-    """A DeBERTa-style encoder with relative attention (SEW-D's): it reads its ``rel_embeddings`` table itself, normalises
+    """A DeBERTa-v2-style encoder with relative attention (DeBERTa-v2/v3's, SEW-D's): it reads its ``rel_embeddings`` table itself, normalises
     it with its own ``LayerNorm`` ([positions, d], no batch) and hands it to every layer, whose attention projects it
     with ``query_proj`` / ``key_proj`` (or ``pos_query_proj`` / ``pos_key_proj``) on [1, positions, d], broadcast over
     the batch, besides projecting the hidden states. The encoder claims the table, the norm and those projections,
@@ -278,7 +278,9 @@ def _disentangled_encoder_params(module) -> tuple[str, ...]:
     return names
 
 
-reads_child_params("transformers.models.sew_d.modeling_sew_d.SEWDTransformerEncoder", _disentangled_encoder_params)
+for _encoder in ("transformers.models.sew_d.modeling_sew_d.SEWDTransformerEncoder",
+                 "transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder"):
+    reads_child_params(_encoder, _disentangled_encoder_params)
 # UMT5's attention looks up its own table in every layer and uses the bias itself: the attention's replay suffices.
 reads_child_params("transformers.models.umt5.modeling_umt5.UMT5Attention", _relative_bias_tables)
 

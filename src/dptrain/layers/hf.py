@@ -307,12 +307,16 @@ reads_child_params("transformers.models.gpt_neox_japanese.modeling_gpt_neox_japa
 reads_child_params("transformers.models.jetmoe.modeling_jetmoe.JetMoeAttention", _parameters_under("experts"))
 reads_child_params("transformers.models.jetmoe.modeling_jetmoe.JetMoeMoE",
                    _parameters_under("input_linear", "output_linear", "router"))
-# Children called on a table without the batch, whose output the attention adds to every sample's scores: Swin V2's
+# Children called on a table without the batch (or on nothing), whose output the attention adds to every sample's scores: Swin V2's
 # continuous_position_bias_mlp (run on the relative coordinates [1, 2W-1, 2W-1, 2]) and the Conformer's linear_pos
 # (on the relative position embeddings [1, 2T-1, d]). The attention (per-sample inputs and outputs; Swin V2's on its
 # windows folded into the batch, which the fallback regroups by sample) claims them.
 reads_child_params("transformers.models.swinv2.modeling_swinv2.Swinv2SelfAttention",
                    _parameters_under("continuous_position_bias_mlp"))
+# Swin's (and Donut-Swin's) relative position bias is a module called with no argument at all, which returns its table
+# gathered into [1, heads, N, N], broadcast over the batch times the windows: its attention claims it the same way.
+reads_child_params("transformers.models.swin.modeling_swin.SwinAttention",
+                   _parameters_under("relative_position_bias"))
 reads_child_params("transformers.models.wav2vec2_conformer.modeling_wav2vec2_conformer.Wav2Vec2ConformerSelfAttention",
                    _parameters_under("linear_pos"))
 # Learned positions looked up on [T] ids (Blenderbot, Blenderbot-small, BigBird-Pegasus): the table's rows [T, d] are

@@ -277,18 +277,3 @@ def test_maxvit_attention_claims_its_relative_position_table():
     x = torch.randn(3, 2, 2, 8, dtype=torch.float64)  # one 2 x 2 window per sample, channels last
     assert_rule_exact(attn, x, allow_fallback=True)
     assert_one_sample_bounded(attn, x)
-
-
-def test_xcit_model_claims_its_fourier_position_projection():
-    """XCiT's PositionalEncodingFourier projects a coordinate grid (no batch) and repeats it over the batch: the model
-    claims the projection, and its replay per sample is exact in every mode; one sample is clipped to R."""
-    xcit = pytest.importorskip("timm.models.xcit")
-    from dptrain.layers.registry import layer_params
-    torch.manual_seed(0)
-    model = dptrain.fix(xcit.Xcit(img_size=8, patch_size=8, embed_dim=8, depth=1, num_heads=2, cls_attn_layers=1,
-                                  num_classes=3, eta=1.0)).double()  # (its BatchNorms swapped for GroupNorms)
-    assert {"pos_embed.token_projection.weight", "pos_embed.token_projection.bias"} <= set(layer_params(model)[model])
-    assert model.pos_embed.token_projection not in layer_params(model)
-    x = torch.randn(3, 3, 8, 8, dtype=torch.float64)
-    assert_rule_exact(model, x, allow_fallback=True)
-    assert_one_sample_bounded(model, x)

@@ -443,7 +443,3 @@ reads_child_params("timm.models.vision_transformer_relpos.RelPosAttention", _par
 # MaxViT's and CoAtNet's attention read rel_pos.get_bias() the same way (on windows or grids folded into the batch).
 reads_child_params("timm.models.maxxvit.AttentionCl", _parameters_of("rel_pos"))
 reads_child_params("timm.models.maxxvit.Attention2d", _parameters_of("rel_pos"))
-# XCiT's Fourier position encoding projects a grid of coordinates (no batch, no tensor argument: it is called with
-# the batch size and the grid) and repeats the result over the batch, which the model adds to the patch tokens: the
-# model (per-sample inputs and outputs) claims the projection, and the fallback replays the model for it alone.
-reads_child_params("timm.models.xcit.Xcit", _parameters_of("pos_embed"))

@@ -32,6 +32,7 @@ from torch.nn.modules import module as _module_globals
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
+from .broadcast import BroadcastRows, broadcast_rows, rows_of, shared_use_marker
 from .distributed import is_dtensor
 from .layers.numerics import swap01
 from .layers.protocol import LayerDims, LayerRule, OutputLeaves
@@ -70,6 +71,7 @@ class Call:
     tags: torch.Tensor | None = None  # the per-sample tags of that pass
     rowmap: Any = None  # rows.RowMap, once read
     precision: torch.dtype | None = None  # the lowest precision its model call computed in (rows.computing_precision)
+    shared_use: str | None = None  # an operation that used its output of batch size 1 without broadcasting it
 
 
 class CallList:
@@ -466,6 +468,12 @@ class Capture:
             self.state_writes.before()
         return None
 
+    def note_unread_call(self) -> None:
+        """A call of the open model call became one whose rows must be read (a table of batch size 1 used without
+        broadcasting it, broadcast.py): its model outputs are tagged for a plain backward."""
+        if self._open_forward is not None:
+            self._forward_needs_tags = True
+
     def _end_watch(self) -> bool:
         """Stop watching the model call; whether it was watched."""
         watch, self._watch = self._watch, None
@@ -705,7 +713,12 @@ class Capture:
         # the batch (a pooled [B, d]) stays; with T == B it stays as it is for a rule whose rows are read over both
         # leading axes (either layout is then found from the gradient), and is refused for the others.
         swap = (lambda t: _batch_to_front(t, forward_batch, state)) if not self.batch_first else (lambda t: t)
-        inputs = swap(inputs)
+        # A table broadcast over the batch that an earlier layer handed over ([1, ...], broadcast.py) is seen by the
+        # rule as its rows over the batch, the call's output too where it is one (a LayerNorm on a position table).
+        inputs = swap(pytree.tree_map_only(BroadcastRows, rows_of, inputs))
+        broadcast = isinstance(tensor, BroadcastRows)
+        if broadcast:
+            tensor = rows_of(tensor)
         seen_output = swap(tensor)
         if site is None:
             args, kwargs = inputs
@@ -726,15 +739,20 @@ class Capture:
             if expanded is not None:
                 activation, tensor = expanded
                 seen = tensor
+                broadcast = forward_batch > 0  # (an empty batch has no row to hand over: it gets the empty rows)
         call = self._new_call(state, activation, state.rule.dims(module, activation, seen), tuple(seen.shape),
                               forward_batch, recomputed)
         if self.dry:
             return tensor
+        if broadcast:  # the model gets the layer's own [1, ...] output; the engine hooks its rows over the batch
+            returned = broadcast_rows(tensor, shared_use_marker(call, self))
+        else:
+            returned = tensor
         if output_swapped:
             self._on_gradient(tensor, state, lambda g: self.on_grad(state, call, swap01(g)))
         else:
             self._on_gradient(tensor, state, lambda g: self.on_grad(state, call, g))
-        return tensor
+        return returned
 
     def _new_call(self, state: LayerState, activation, dims: LayerDims, shape: tuple, forward_batch: int | None,
                   recomputed: bool) -> Call:

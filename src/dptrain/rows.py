@@ -616,7 +616,8 @@ class BackwardRows:
             call.rowmap = RowMap(1, torch.full((rows,), -1, dtype=torch.long), 0, rows == 0, None)
             return call.rowmap
         name = f"{state.path} ({type(state.module).__name__})"
-        layout = self.reader.cached(state, call)
+        # (a table of batch size 1 used without broadcasting it is read at every step: broadcast.py)
+        layout = self.reader.cached(state, call) if call.shared_use is None else None
         rowmap = map_from_layout(layout, call.shape, batch) if layout is not None else None
         if rowmap is None:
             tagged, tags = call.tagged, call.tags
@@ -636,6 +637,14 @@ class BackwardRows:
                 rowmap = read_rows(reference, tagged, tags, batch,
                                    two_axes=getattr(state.rule, "rows_fold_into_tokens", False), precision=call.precision)
             except RowsMixSamples as err:
+                if call.shared_use is not None:
+                    raise RowsMixSamples(
+                        f"{name}: its output, of batch size 1 and broadcast over the batch ({tuple(call.grad.shape[1:])} "
+                        f"per sample), was used by {call.shared_use} as a whole rather than broadcast against the "
+                        f"batch, so {err} (batch of {batch}): per-sample clipping cannot split such rows. Use the "
+                        "output only where it meets the batch (x + pos), index or reduce it after that, or give the "
+                        "layer per-sample ids (ids.expand(B, -1)), or freeze it"
+                    ) from None
                 raise RowsMixSamples(
                     f"{name}: {err} (output of shape {tuple(call.grad.shape)}, batch of {batch}): per-sample "
                     "clipping cannot split such rows. Typical causes: a table broadcast over the batch (position "

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .numerics import accumulation_dtype, float32_at_least, weighted_sum
-from .protocol import LayerDims, LayerRule
+from .protocol import LayerDims, LayerRule, expand_input_rows
 from .registry import register_layer
 
 
@@ -113,6 +113,7 @@ class ConvCall(NamedTuple):
 @register_layer
 class ConvRule(LayerRule):
     module_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+    expand_batch = expand_input_rows
 
     #: bytes of transient work (patches, Gram matrices, padded copies) a primitive may form at
     #: once for one layer; batch chunks and Gram tiles are sized to stay under it. None: 32 MiB

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .numerics import OneHot, float32_at_least
-from .protocol import LayerDims, LayerRule
+from .protocol import LayerDims, LayerRule, expand_input_rows
 from .registry import register_layer
 
 
@@ -45,8 +45,7 @@ class EmbeddingRule(LayerRule):
             raise ValueError("nn.Embedding got a single token id: private training needs ids of shape [B, ...]")
         return ids.detach()
 
-    def expand_batch(self, module, activation, output, batch):
-        return activation.expand(batch, *activation.shape[1:]), output.expand(batch, *output.shape[1:])
+    expand_batch = expand_input_rows
 
     def dims(self, module, activation, output):
         return LayerDims(T=math.prod(activation.shape[1:]), p=module.embedding_dim, d=module.num_embeddings)

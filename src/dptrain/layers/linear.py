@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from .numerics import accumulation_dtype, flatten_tokens, float32_at_least
-from .protocol import LayerDims, LayerRule
+from .protocol import LayerDims, LayerRule, expand_input_rows
 from .registry import register_layer
 
 
@@ -29,6 +29,7 @@ def gram_inner(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 class LinearRule(LayerRule):
     module_types = (nn.Linear,)
     rows_fold_into_tokens = True
+    expand_batch = expand_input_rows
 
     def dims(self, module, activation, output):
         T = math.prod(activation.shape[1:-1])

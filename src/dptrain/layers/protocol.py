@@ -204,6 +204,13 @@ class LayerRule:
         return None
 
 
+def expand_input_rows(rule, module, activation, output, batch):
+    """``LayerRule.expand_batch`` for a rule whose activation is the call's input tensor, one row per output row
+    (linear, convolution, embedding): a call on one row broadcast over the batch afterwards (a position table on
+    ``[1, T]`` ids, a projection of timm XCiT's Fourier features) has that row for each sample, at no copy."""
+    return activation.expand(batch, *activation.shape[1:]), output.expand(batch, *output.shape[1:])
+
+
 @dataclass(frozen=True)
 class OutputLeaves:
     """The leaves of a container output (in ``torch.utils._pytree`` order) that a rule differentiates.

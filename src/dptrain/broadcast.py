@@ -1,0 +1,288 @@
+"""A layer output of batch size 1 that broadcasts over the batch keeps its shape under the engine.
+
+A position table looked up on ids of shape ``[1, T]`` (Hugging Face passes position ids this way) returns
+``[1, T, d]``, which the model adds to the ``[B, T, d]`` features. The gradient of that output is summed over the
+samples by the broadcast: its per-sample rows exist only where the table meets the batch. So the engine hooks the
+layer's output expanded over the batch (``rows``, ``[B, T, d]``, a view: no copy) and returns a
+:class:`BroadcastRows`, a tensor of the layer's own shape and values whose operations run on ``rows`` instead
+wherever that gives the same result:
+
+- the operation broadcasts it against the batch (``x + pos``, ``torch.where(mask, pos, x)``): the result, as
+  without the engine, carries each sample's gradient back to that sample's row;
+- the operation works row by row (``pos.to(dtype)``, a LayerNorm, ``pos.permute(0, 2, 1)``): the result is such a
+  tensor again, of the shape the operation gives without the engine.
+
+Any other use (``pos[0]``, ``pos.sum(0)``, ``pos.view(T, d)``, dropout on the table alone) runs as without the engine
+on the first row of ``rows``: the values are the same, and its gradient reaches the engine in that row, where the
+row reading (``rows.py``) finds which samples it comes from. The call is then read at every step, never from a
+cached layout: a row that several samples' gradients reach is refused, naming the layer.
+
+Whether an operation gives the same result on ``rows`` is verified by value the first time each signature (the
+function, the arguments' shapes, dtypes and other values) is met, one synchronisation, then remembered.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .layers.numerics import close
+
+# signature -> how the operation treats a BroadcastRows argument: "batch" (broadcast against the batch: run it on the
+# rows), "rowwise" (row by row: run it on the rows, the result is a BroadcastRows again), "shared" (run it as it is)
+_VERDICTS: dict[tuple, str] = {}
+_MAX_VERDICTS = 4096
+_UNHASHABLE = object()
+
+
+class BroadcastRows(torch.Tensor):
+    """A layer's output of batch size 1, broadcast over a batch of B samples (see the module docstring).
+
+    Its value is row 0 of ``dptrain_rows`` (the output expanded over the batch, whose gradient the engine hooks);
+    ``dptrain_shared_use`` are the callbacks told of a use that does not broadcast it (by the operation's name)."""
+
+    dptrain_rows: torch.Tensor
+    dptrain_shared_use: tuple[Callable[[str], None], ...]
+
+    @staticmethod
+    def wrap(rows: torch.Tensor, on_shared_use: tuple[Callable[[str], None], ...]) -> "BroadcastRows":
+        with torch._C.DisableTorchFunctionSubclass():
+            first = rows.narrow(0, 0, 1)
+        out = first.as_subclass(BroadcastRows)
+        out.dptrain_rows = rows
+        out.dptrain_shared_use = on_shared_use
+        return out
+
+    @classmethod
+    @torch._dynamo.disable
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():  # (inside, a BroadcastRows is an ordinary tensor)
+            return _dispatch(func, args, kwargs or {})
+
+
+def _dispatch(func, args, kwargs):
+    if func is torch.Tensor.register_hook and isinstance(args[0], BroadcastRows):
+        return _hook_rows(args[0], args[1] if len(args) > 1 else kwargs["hook"])
+    leaves = pytree.tree_leaves((args, kwargs))
+    wrapped = [a for a in leaves if isinstance(a, BroadcastRows)]
+    signature = _signature(func, leaves)
+    verdict = _VERDICTS.get(signature) if signature is not None else None
+    if verdict in ("batch", "rowwise"):
+        return _on_rows(func, args, kwargs, wrapped, verdict == "rowwise")
+    if _writes(func, kwargs):
+        return _in_place(func, args, kwargs, wrapped, signature)
+    plain = _plain(func, args, kwargs)  # as without the engine (an error is the program's own)
+    if verdict == "shared" or not _needs_gradient(plain):
+        if verdict == "shared":
+            _tell_shared(func, wrapped, plain)
+        return plain
+    verdict, on_rows = _judge(func, args, kwargs, wrapped, plain)
+    _remember(signature, verdict)
+    if verdict == "shared":
+        _tell_shared(func, wrapped, plain)
+        return plain
+    return _wrap_rowwise(on_rows, wrapped) if verdict == "rowwise" else on_rows
+
+
+def broadcast_rows(rows: torch.Tensor, on_shared_use: Callable[[str], None]) -> BroadcastRows:
+    """The ``[1, ...]`` tensor to hand to the model for a layer output expanded over the batch (``rows``)."""
+    return BroadcastRows.wrap(rows, (on_shared_use,))
+
+
+def rows_of(t):
+    """``t``'s rows over the batch if it is a :class:`BroadcastRows`, else ``t``."""
+    return t.dptrain_rows if isinstance(t, BroadcastRows) else t
+
+
+def shared_use_marker(call, capture) -> Callable[[str], None]:
+    """A callback that marks ``call`` as used without broadcasting: its rows are read (tag passes) in its backward,
+    never taken from a cached layout. Both are held weakly."""
+    call_ref, capture_ref = weakref.ref(call), weakref.ref(capture)
+
+    def mark(operation: str) -> None:
+        c = call_ref()
+        if c is None:
+            return
+        c.shared_use = c.shared_use or operation
+        c.unread, c.cacheable = True, False
+        cap = capture_ref()
+        if cap is not None:
+            cap.note_unread_call()
+
+    return mark
+
+
+def _hook_rows(t: BroadcastRows, hook):
+    """A user's hook on the table: it gets the gradient the table gets without the engine, summed over the batch."""
+
+    def on_rows(grad):
+        if hook(grad.sum(0, keepdim=True)) is not None:
+            raise ValueError(
+                f"a hook on a layer's output of shape {tuple(t.shape)}, broadcast over the batch, returned a new "
+                "gradient: each sample's part of it cannot be told, so per-sample clipping would be wrong. Change the "
+                "gradient where the output meets the batch (a hook on x + pos), or give the layer per-sample ids"
+            )
+        return None
+
+    return t.dptrain_rows.register_hook(on_rows)
+
+
+def _plain(func, args, kwargs):
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def _substituted(args, kwargs):
+    return pytree.tree_map(rows_of, (args, kwargs))
+
+
+def _on_rows(func, args, kwargs, wrapped: list, rowwise: bool):
+    out = _run_on_rows(func, args, kwargs)
+    return _wrap_rowwise(out, wrapped) if rowwise else out
+
+
+def _run_on_rows(func, args, kwargs):
+    """``func`` with every BroadcastRows argument replaced by its rows; ``t.repeat(B, ...)`` / ``t.tile(B, ...)``
+    of a table that leads with 1 (a broadcast written out, timm's XCiT) is its rows repeated ``(1, ...)``."""
+    if func in (torch.Tensor.repeat, torch.Tensor.tile) and isinstance(args[0], BroadcastRows) and not kwargs:
+        counts = args[1:]
+        if len(counts) == 1 and isinstance(counts[0], (tuple, list)):
+            counts = tuple(counts[0])
+        rows = args[0].dptrain_rows
+        if len(counts) == rows.dim() and counts[0] == rows.shape[0]:
+            return func(rows, (1, *counts[1:]))
+    args, kwargs = _substituted(args, kwargs)
+    return func(*args, **kwargs)
+
+
+def _wrap_rowwise(out, wrapped: list):
+    callbacks = tuple(dict.fromkeys(cb for w in wrapped for cb in w.dptrain_shared_use))
+    return pytree.tree_map(lambda t: BroadcastRows.wrap(t, callbacks) if isinstance(t, torch.Tensor) else t, out)
+
+
+def _in_place(func, args, kwargs, wrapped: list, signature):
+    """An operation that writes into its first argument (``h += pos``, ``h.add_(pos)``): run once. Into an ordinary
+    tensor, with the table broadcast over the batch, it runs on the rows (checked on copies once per signature);
+    into the table itself, or any other way, as it is (the engine refuses an in-place write to a layer's output)."""
+    target = args[0] if args else None
+    verdict = _VERDICTS.get(signature) if signature is not None else None
+    if verdict is None and isinstance(target, torch.Tensor) and not isinstance(target, BroadcastRows) \
+            and "out" not in kwargs:
+        with torch.no_grad():
+            plain = func(target.detach().clone(), *args[1:], **kwargs)
+            sub_args, sub_kwargs = _substituted(args[1:], kwargs)
+            try:
+                on_rows = func(target.detach().clone(), *sub_args, **sub_kwargs)
+            except Exception:
+                on_rows = None
+        verdict = "shared" if on_rows is None else _compare(plain, on_rows, wrapped[0].dptrain_rows.shape[0],
+                                                            wrapped[0].dim())
+        verdict = "batch" if verdict == "batch" else "shared"
+        _remember(signature, verdict)
+    if verdict == "batch":
+        return _on_rows(func, args, kwargs, wrapped, rowwise=False)
+    out = _plain(func, args, kwargs)
+    _tell_shared(func, wrapped, out)
+    return out
+
+
+def _remember(signature, verdict: str) -> None:
+    if signature is not None:
+        if len(_VERDICTS) >= _MAX_VERDICTS:
+            _VERDICTS.clear()
+        _VERDICTS[signature] = verdict
+
+
+def _writes(func, kwargs) -> bool:
+    """Whether ``func`` writes into an argument (``mul_``, ``+=``, ``x[i] = v``, ``out=``)."""
+    name = getattr(func, "__name__", "")
+    return "out" in kwargs or name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
+
+
+_IN_PLACE_DUNDERS = {f"__i{op}__" for op in ("add", "sub", "mul", "matmul", "truediv", "floordiv", "mod", "pow",
+                                             "and", "or", "xor", "lshift", "rshift")} | {"__setitem__"}
+
+
+def _needs_gradient(out) -> bool:
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out))
+
+
+def _judge(func, args, kwargs, wrapped: list, plain) -> tuple[str, object]:
+    """How ``func`` treats the BroadcastRows among its arguments, from its results (``plain``, as without the engine,
+    and on the rows), by value; and its result on the rows. A random operation draws its numbers for the rows from a
+    copy of the generators' states: the program's own draws are those it makes without the engine."""
+    batch = wrapped[0].dptrain_rows.shape[0]
+    if any(w.dptrain_rows.shape[0] != batch for w in wrapped):
+        return "shared", None
+    devices = list(dict.fromkeys(w.device.index or 0 for w in wrapped if w.device.type == "cuda"))
+    try:
+        with torch.random.fork_rng(devices=devices):
+            on_rows = _run_on_rows(func, args, kwargs)
+    except Exception:  # e.g. a view to the table's own shape: the operation does not take the rows
+        return "shared", None
+    return _compare(plain, on_rows, batch, wrapped[0].dim()), on_rows
+
+
+def _compare(plain, on_rows, batch: int, rank: int) -> str:
+    """"batch" where each result as without the engine broadcasts the table's batch axis of size 1 to the batch (the
+    axis it aligns with, counted from the right, has B entries) and equals the result on the rows; "rowwise" where
+    each result keeps an axis of size 1 in front and the result on the rows is it repeated over the batch; else
+    "shared" (``pos[0]`` equals ``rows[0]``, but only row 0 would get the gradient)."""
+    plain_leaves, plain_spec = pytree.tree_flatten(plain)
+    rows_leaves, rows_spec = pytree.tree_flatten(on_rows)
+    if plain_spec != rows_spec:
+        return "shared"
+    verdicts = set()
+    for a, b in zip(plain_leaves, rows_leaves):
+        if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b:
+                return "shared"
+            continue
+        if a.shape == b.shape and a.dim() >= rank and a.shape[a.dim() - rank] == batch and _same(b, a):
+            verdicts.add("batch")
+        elif a.dim() and a.shape[0] == 1 and b.shape == (batch, *a.shape[1:]) and _same(b, a.expand_as(b)):
+            verdicts.add("rowwise")
+        else:
+            return "shared"
+    return verdicts.pop() if len(verdicts) == 1 else "shared"
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal up to the rounding of another kernel (a product broadcast or over expanded rows)."""
+    if not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)
+    return close(a, b, tol=16 * torch.finfo(a.dtype).eps)
+
+
+def _tell_shared(func, wrapped: list, plain) -> None:
+    if not _needs_gradient(plain):
+        return
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    for w in wrapped:
+        for callback in w.dptrain_shared_use:
+            callback(name)
+
+
+def _signature(func, leaves: list) -> tuple | None:
+    """What the verdict depends on: the function, and each argument's shape, dtype, device and gradient flag (tensors)
+    or value (others); ``None`` where an argument has no hashable description (never remembered)."""
+    key = [func]
+    for a in leaves:
+        if isinstance(a, torch.Tensor):
+            key.append((isinstance(a, BroadcastRows), tuple(a.shape), a.dtype, a.device.type, a.requires_grad))
+        elif isinstance(a, slice):
+            key.append(("slice", a.start, a.stop, a.step))
+        elif a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                         torch.memory_format, type(Ellipsis))):
+            key.append((type(a), a))
+        elif isinstance(a, tuple) and all(isinstance(x, int) or x is None for x in a):  # a torch.Size
+            key.append((type(a), a))
+        else:
+            return None
+    try:
+        hash(tuple(key))
+    except TypeError:
+        return None
+    return tuple(key)

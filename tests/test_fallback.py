@@ -987,3 +987,165 @@ def test_refusals_name_the_module_path():
     with pytest.raises(RuntimeError, match=r"^t \(TimeMix\): the per-sample fallback could not replay"):
         resolve_rule(time_mix, name="t").capture_call(time_mix, (x.transpose(0, 1), lengths), {},
                                                        time_mix(x, lengths).transpose(0, 1))
+
+
+# --------------------------------------------------------------------------- modules vmap cannot run
+class _OldStyleLinear(torch.autograd.Function):
+    """x @ w.T as a custom autograd.Function written for torch < 2.0 (no setup_context): no functorch transform
+    (vmap, vjp) can run it, plain autograd can."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+
+class OldStyleLinear(nn.Module):
+    def __init__(self, d, h):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(h, d) / math.sqrt(d))
+
+    def forward(self, x):
+        return _OldStyleLinear.apply(x, self.w)
+
+
+class ItemScale(nn.Module):
+    """Reads a value on the host with .item() (1 for any non-zero input, in a batch or alone): vmap cannot."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.scale = nn.Parameter(1 + 0.5 * torch.randn(d))
+
+    def forward(self, x):
+        return x * self.scale * int((x.detach().abs().amax() > 0).item())
+
+
+class MaskedGate(nn.Module):
+    """Keeps x * w where x > 0 by boolean-mask indexing (a data-dependent shape): vmap cannot batch it."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(1 + 0.5 * torch.randn(d))
+
+    def forward(self, x):
+        h = x * self.w
+        out = torch.zeros_like(h)
+        out[x > 0] = h[x > 0]
+        return out
+
+
+class NoVmapNet(nn.Module):
+    def __init__(self, d=4, h=5, C=3):
+        super().__init__()
+        self.inp, self.old, self.item, self.gate = nn.Linear(d, h), OldStyleLinear(h, h), ItemScale(h), MaskedGate(h)
+        self.head = nn.Linear(h, C)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.gate(self.item(torch.tanh(self.old(self.inp(x)))))))
+
+
+def no_vmap_case(seed: int = 11, n: int = B) -> Case:
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 3, 4, generator=g) * 2
+    return Case(NoVmapNet(), classify_tokens, (x, torch.randint(0, 3, (n, 3), generator=g)))
+
+
+_NO_VMAP = {}
+
+
+def _no_vmap_built():
+    if "case" not in _NO_VMAP:
+        _NO_VMAP["case"] = with_oracle(no_vmap_case)
+    return _NO_VMAP["case"]
+
+
+@pytest.mark.filterwarnings("ignore:.*one sample at a time:UserWarning")
+@pytest.mark.parametrize("mode, path", [(m, "engine.backward") for m in MODES]
+                         + [(m, "loss.backward") for m in SINGLE_BACKWARD_MODES])
+def test_modules_vmap_cannot_run_are_replayed_one_sample_at_a_time_exactly(mode, path):
+    """A custom autograd.Function without setup_context, .item(), boolean-mask indexing: the fallback replays each
+    sample alone through plain autograd, and every mode matches the oracle (float64)."""
+    case, R, ref = _no_vmap_built()
+    got = _engine(case, mode=mode, max_grad_norm=R, **({} if path == "engine.backward" else {"path": "mean"}))
+    assert_matches(got, ref, what=f"no-vmap modules {mode} {path}")
+    assert set(fallback_modules(case.model)) == {"old", "item", "gate"}
+
+
+@pytest.mark.filterwarnings("ignore:.*one sample at a time:UserWarning")
+@pytest.mark.parametrize("mode", MODES)
+def test_one_sample_through_modules_vmap_cannot_run_moves_the_model_by_R(mode):
+    """A batch of one (noise 0, SGD lr 1), every step clipped: the update's norm is R exactly."""
+    case = no_vmap_case(n=1)
+    model, R = case.model.double(), 0.01
+    x, y = case.batch
+    x = x.double()
+    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R, lr=1.0)
+    try:
+        for _ in range(2):
+            before = [p.detach().clone() for p in model.parameters()]
+            engine.backward(10 * F.cross_entropy(model(x).transpose(1, 2), y, reduction="none").sum(1))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            update = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+            assert R * (1 - 1e-9) <= update.norm() <= R * (1 + 1e-9), f"{mode}: moved by {update.norm():.4g}"
+            assert not torch.equal(model.old.w.detach(), before[2])
+    finally:
+        engine.detach()
+
+
+def test_replaying_one_sample_at_a_time_warns_once_naming_the_module():
+    case = no_vmap_case()
+    engine, _ = attached_engine(case.model, mode="bk-mixopt", max_grad_norm=1.0, lr=0.1)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2):
+                engine.backward(case.losses_fn(case.model, *case.batch))
+    finally:
+        engine.detach()
+    messages = [str(w.message) for w in caught if "one sample at a time" in str(w.message)]
+    assert sorted(m.split(" ")[0] for m in messages) == ["gate", "item", "old"], messages
+
+
+class BatchSizeBranch(nn.Module):
+    """Computes a sample differently alone than in a batch (a branch on the batch size), and reads .item() so that
+    only a loop can replay it: the per-sample replays do not reproduce the batch's rows, and it is refused."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(1 + 0.5 * torch.randn(d))
+
+    def forward(self, x):
+        k = int((x.detach().abs().amax() > 0).item())
+        return x * self.w * (2.0 if x.shape[0] > 1 else 1.0) * k
+
+
+class BatchMaxItem(nn.Module):
+    """Divides by the batch's largest entry, read with .item(): mixes samples."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w = nn.Parameter(1 + 0.5 * torch.randn(d))
+
+    def forward(self, x):
+        return x * self.w / (1 + x.detach().abs().amax().item())
+
+
+@pytest.mark.parametrize("module, why", [
+    (BatchSizeBranch(4), r"^1 \(BatchSizeBranch\): replaying each sample alone .* does not reproduce"),
+    (BatchMaxItem(4), r"^1 \(BatchMaxItem\) mixes the samples"),
+])
+def test_modules_vmap_cannot_run_that_mix_samples_are_refused(module, why):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), module, nn.Linear(4, 3))
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(SampleMixingError, match=why):
+            _one_step(model, x, y)

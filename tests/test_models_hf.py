@@ -9,6 +9,7 @@ fine: its randomness is per sample).
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 
 import dptrain
 
+from dptrain.layers import fallback_modules
+from dptrain.layers.registry import layer_params
 from dptrain.losses import sequence_losses, token_losses
 from helpers import (
     spread_init,
@@ -103,16 +106,19 @@ def _seq2seq_losses(model, ids, mask, labels):
     return sequence_losses(logits, labels, reduction="sum")
 
 
-def t5_case() -> Case:
-    """T5 (RMS layer norms, gated FFN, tied shared embedding / LM head); relative position bias frozen."""
+def t5_case(relative_bias: bool = False, use_cache: bool | None = None) -> Case:
+    """T5 (RMS layer norms, gated FFN, tied shared embedding / LM head); relative position bias frozen, or trainable
+    (``relative_bias``: the stacks claim their tables and the fallback replays them, one sample at a time)."""
     torch.manual_seed(3)
     g = torch.Generator().manual_seed(3)
     cfg = T.T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=1, num_heads=2,
                      dropout_rate=0.0, feed_forward_proj="gated-gelu", tie_word_embeddings=True,
-                     decoder_start_token_id=0, pad_token_id=0)
+                     decoder_start_token_id=0, pad_token_id=0,
+                     use_cache=not relative_bias if use_cache is None else use_cache)
     model = _double(T.T5ForConditionalGeneration(cfg))
     assert model.lm_head.weight is model.shared.weight
-    freeze_t5_relative_bias(model)
+    if not relative_bias:
+        freeze_t5_relative_bias(model)
     L, Ld = 6, 5
     ids = _ids(g, B, L, 40, low=1)
     mask = torch.ones(B, L, dtype=torch.long)
@@ -191,6 +197,7 @@ CASES = {
     "bert-cls": bert_cls_case,
     "roberta-cls": roberta_cls_case,
     "t5": t5_case,
+    "t5-relative-bias": lambda: t5_case(relative_bias=True),
     "vit": vit_case,
     "deit-distilled": deit_case,
 }
@@ -209,7 +216,7 @@ def _engine(case: Case, **kwargs):
 # of sum_i C_i L_i (the two-pass modes) rounds the C_i-scaled gradients there, where the oracle
 # rounds unscaled ones and scales after, so the two differ at float32 precision. Those modes are
 # checked exactly against the same second backward driven by the oracle's own clipping factors.
-FLOAT32_INSIDE = {"t5"}
+FLOAT32_INSIDE = {"t5", "t5-relative-bias"}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -257,13 +264,29 @@ def test_vit_interpolated_position_embedding_is_refused():
         engine.detach()
 
 
-def test_t5_trainable_relative_attention_bias_is_refused_with_the_fix():
+def test_t5_trainable_relative_attention_bias_goes_through_the_stacks():
+    """The tables are looked up in block 0 and the bias passed on to every block, broadcast over the batch: each
+    stack claims its table (and nothing else), and the fallback replays the stack for it."""
     model = T.T5ForConditionalGeneration(T.T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=1,
                                                     num_heads=2, decoder_start_token_id=0))
-    with pytest.raises(ValueError, match="relative_attention_bias.*freeze"):
-        dptrain.validate(model)
-    freeze_t5_relative_bias(model)
     dptrain.validate(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert fallback_modules(model) == ["encoder", "decoder"]
+    claimed = {n for module, params in layer_params(model).items() if module in (model.encoder, model.decoder)
+               for n in params}
+    assert claimed == {"block.0.layer.0.SelfAttention.relative_attention_bias.weight"}
+    freeze_t5_relative_bias(model)
+    assert fallback_modules(model) == []
+
+
+def test_t5_decoder_cache_through_the_fallback_is_refused_naming_use_cache():
+    """With the table trainable the decoder stack is replayed, and its cache of keys and values (use_cache, the
+    default) holds tensors that depend on the table, which the fallback cannot differentiate: refused, naming the
+    decoder and use_cache=False (with which the case above is exact)."""
+    case = t5_case(relative_bias=True, use_cache=True)
+    with pytest.raises(ValueError, match=r"^decoder \(T5Stack\): its output \['cache'\].*use_cache=False"):
+        _engine(case, mode="bk-mixopt", max_grad_norm=1.0)
 
 
 # --------------------------------------------------------------------------- token losses

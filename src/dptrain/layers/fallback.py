@@ -36,6 +36,7 @@ import functools
 import inspect
 import math
 import threading
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +110,30 @@ def replay(module: nn.Module, args: tuple, kwargs: dict, params: dict[str, torch
                 swapped[dotted + leaf] = b.clone()
     with replaying():
         return torch.func.functional_call(_Bypass(module), swapped, (args, kwargs), tie_weights=False)
+
+
+def autograd_vjp(fn, primals: dict[str, torch.Tensor]):
+    """``torch.func.vjp(fn, primals)`` through plain autograd: (output, pullback), the pullback giving
+    ``({name: gradient},)`` (zeros for a parameter the output does not depend on) and callable more than once.
+
+    For the replays that run outside a ``vmap`` (one sample at a time, the checks, the second pass): plain autograd
+    runs what functorch's transforms cannot (a custom ``autograd.Function`` without ``setup_context``, as routers
+    written for torch < 2.0 are), and nothing else differs (the other parameters enter the replay detached)."""
+    leaves = {n: p.detach().requires_grad_(True) for n, p in primals.items()}
+    with torch.enable_grad():
+        out = fn(leaves)
+
+    def pullback(cotangent):
+        outs, cots = [], []
+        for o, c in zip(pytree.tree_leaves(out), pytree.tree_leaves(cotangent)):
+            if isinstance(o, torch.Tensor) and o.requires_grad:
+                outs.append(o)
+                cots.append(c)
+        got = torch.autograd.grad(outs, list(leaves.values()), cots, retain_graph=True, allow_unused=True) \
+            if outs else [None] * len(leaves)
+        return ({n: torch.zeros_like(p) if t is None else t for (n, p), t in zip(leaves.items(), got)},)
+
+    return pytree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, out), pullback
 
 
 @dataclass
@@ -220,6 +245,9 @@ class FallbackRule(LayerRule):
         self._folded_checked: dict[tuple, bool] = {}
         #: container outputs: which leaves depend on the trainable parameters, per call signature and trainable set
         self._depends: dict[tuple, tuple[int, ...]] = {}
+        #: call signatures that vmap cannot replay: one replay per sample (``_per_sample_one_by_one``)
+        self._one_by_one: set[tuple] = set()
+        self._warned_one_by_one = False
 
     # ------------------------------------------------------------------ forward: keep the call
     def capture_call(self, module, args, kwargs, output):
@@ -343,11 +371,13 @@ class FallbackRule(LayerRule):
             if hidden:
                 what = (f"a {leaf.dtype} tensor that depends" if isinstance(leaf, torch.Tensor)
                         else f"a {type(leaf).__name__} holding tensors that depend")
+                cache = ("Cache" in type(leaf).__name__ and " (a cache of keys and values, which training does not "
+                         "need: call the model with use_cache=False, or set model.config.use_cache = False)" or "")
                 raise ValueError(
                     f"{self._name(module)}: its output {paths[k] or '(the whole output)'} is {what} on its "
                     "trainable parameters, which the per-sample fallback cannot differentiate: it takes "
                     "floating-point tensors in tuples, lists, dicts, Hugging Face ModelOutputs and other containers "
-                    "registered with torch.utils._pytree. Return such tensors, register a rule for "
+                    f"registered with torch.utils._pytree{cache}. Return such tensors, register a rule for "
                     f"{type(module).__name__} with dptrain.register_layer, or freeze its parameters"
                 )
         known = tuple(k for k in floats if replayed[k].requires_grad)
@@ -431,7 +461,7 @@ class FallbackRule(LayerRule):
         device, enabled, dtype = call.autocast
         args, kwargs = call.arguments()
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            out, pullback = torch.func.vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
+            out, pullback = autograd_vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
             return pullback(self._cotangent(call, out, scale_samples(g, factor)))[0]
 
     # ------------------------------------------------------------------ the replay
@@ -481,8 +511,12 @@ class FallbackRule(LayerRule):
         return total
 
     def _per_sample_of_call(self, module, call, g, primals) -> dict[str, torch.Tensor]:
+        """[batch, *param] per-sample gradients of a batch-first call: a vmap over the samples of the vjp of the
+        replayed call; where vmap cannot run the module, one replay per sample (``_per_sample_one_by_one``)."""
         if call.bags:
             return self._per_sample_of_bags(module, call, g, primals)
+        if call.signature in self._one_by_one:
+            return self._per_sample_one_by_one(module, call, g, primals)
         batched = call.batched
 
         def one_sample(batched_leaves, g_i):
@@ -501,11 +535,76 @@ class FallbackRule(LayerRule):
         except SampleMixingError:
             raise
         except (RuntimeError, ValueError, TypeError) as err:
-            raise self._cannot_replay(module, err, " one sample at a time") from err
+            # vmap cannot run the module (data-dependent control flow, .item(), a boolean mask, a custom
+            # autograd.Function without setup_context): one replay per sample, checked the same way
+            return self._per_sample_one_by_one(module, call, g, primals, err)
         if call.signature not in self._backward_checked:
             self._check_gradient_sum(module, call, g, primals, grads)
             self._backward_checked.add(call.signature)
         return grads
+
+    def _per_sample_one_by_one(self, module, call, g, primals, vmap_error: BaseException | None = None):
+        """Per-sample gradients of a batch-first call that vmap cannot run: each sample's rows replayed alone (a
+        batch of one), differentiated by plain autograd, B replays in a loop. As exact as the vmap (the same
+        replay, sample by sample) and as checked: once per call signature, each sample's replay must reproduce its
+        rows of the call's output, and the per-sample gradients must sum to the whole call's gradient. Slower (B
+        forwards and backwards of the module instead of one vectorised), never larger: one sample's gradient graph
+        at a time."""
+        device, enabled, dtype = call.autocast
+        check = call.signature not in self._backward_checked
+        grads: dict[str, list[torch.Tensor]] = {n: [] for n in primals}
+        outs = []
+        try:
+            with torch.autocast(device, dtype=dtype, enabled=enabled):
+                for i in range(call.batch):
+                    args, kwargs = call.arguments({k: call.leaves[k][i:i + 1] for k in call.batched})
+                    out, pullback = autograd_vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
+                    for n, t in pullback(self._cotangent(call, out, g[i:i + 1]))[0].items():
+                        grads[n].append(t)
+                    if check:
+                        outs.append(self._joined(call, out))
+        except SampleMixingError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as err:
+            how = " one sample at a time" + (f" (vmap: {first_line(vmap_error)}), nor in a loop"
+                                             if vmap_error is not None else "")
+            raise self._cannot_replay(module, err, how) from err
+        stacked = {n: torch.stack(ts) if ts else primals[n].new_zeros(0, *primals[n].shape)
+                   for n, ts in grads.items()}
+        if check:
+            self._check_split_outputs(module, call, torch.cat(outs) if outs else None)
+            self._check_gradient_sum(module, call, g, primals, stacked)
+            self._backward_checked.add(call.signature)
+        if vmap_error is not None and not self._warned_one_by_one:
+            self._warned_one_by_one = True
+            warnings.warn(
+                f"{self._name(module)}: vmap cannot run this module ({first_line(vmap_error)}), so the per-sample "
+                f"fallback replays it one sample at a time: {call.batch} forwards and backwards of the module per call "
+                "instead of one vectorised (the memory plan() shows is unchanged). Register a rule for "
+                f"{type(module).__name__} with dptrain.register_layer for speed, or freeze its parameters",
+                stacklevel=2)
+        if len(self._one_by_one) >= 256:
+            self._one_by_one.clear()
+        self._one_by_one.add(call.signature)
+        return stacked
+
+    def _check_split_outputs(self, module, call, outs):
+        """Each sample replayed alone reproduces its rows of the call's output: the module computes a sample's rows
+        the same in a batch of one as in the batch (no branch on the batch's size or content, no randomness)."""
+        if outs is None:
+            return
+        device, enabled, dtype = call.autocast
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            args, kwargs = call.arguments()
+            whole = self._joined(call, self._replay_out(module, call, args, kwargs))
+        if not _close(outs, whole):
+            raise SampleMixingError(
+                f"{self._name(module)}: replaying each sample alone (vmap cannot run this module, so the per-sample "
+                "fallback replays one sample at a time) does not reproduce that sample's output in the batch: the "
+                "module computes a sample differently by the batch it is in (a branch on the batch's size or "
+                "values, random operations), so the per-sample fallback cannot split it. Register a rule for "
+                f"{type(module).__name__} with dptrain.register_layer, or freeze its parameters"
+            )
 
     def _per_sample_of_bags(self, module, call, g, primals) -> dict[str, torch.Tensor]:
         """Per-sample gradients of a call whose samples are segments of a flat input: one replay per bag, made of
@@ -518,7 +617,7 @@ class FallbackRule(LayerRule):
         grads: dict[str, list[torch.Tensor]] = {n: [] for n in primals}
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             for (bag_args, bag_kwargs), g_i in zip(per_bag, g):
-                out, pullback = torch.func.vjp(lambda p: self._replay(module, bag_args, bag_kwargs, p), primals)
+                out, pullback = autograd_vjp(lambda p: self._replay(module, bag_args, bag_kwargs, p), primals)
                 for n, t in pullback(g_i.unsqueeze(0).to(out.dtype))[0].items():
                     grads[n].append(t)
         stacked = {n: torch.stack(ts) if ts else torch.zeros(0, *primals[n].shape, dtype=primals[n].dtype,
@@ -606,9 +705,9 @@ class FallbackRule(LayerRule):
         order, counts = rows.chunks()
         positions = [*call.batched, *by_sample]
 
-        def one_sample(sample_leaves, g_s):
+        def one_sample(sample_leaves, g_s, vjp=torch.func.vjp):
             args, kwargs = call.arguments(dict(zip(positions, sample_leaves)))
-            out, pullback = torch.func.vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
+            out, pullback = vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
             grads = pullback(self._cotangent(call, out, g_s))[0]
             # the outputs only for the check (vmap returns tensors only)
             return (grads, self._joined(call, out)) if check else grads
@@ -638,7 +737,7 @@ class FallbackRule(LayerRule):
                             continue
                         leaves = [call.leaves[k][idx.to(call.leaves[k].device)] for k in call.batched]
                         leaves += [call.leaves[k][sample:sample + 1] for k in by_sample]
-                        got = one_sample(leaves, g[idx.to(g.device)])
+                        got = one_sample(leaves, g[idx.to(g.device)], autograd_vjp)  # (no vmap: plain autograd)
                         sample_grads = got[0] if check else got
                         for n, t in sample_grads.items():
                             grads[n].append(t)
@@ -719,7 +818,7 @@ class FallbackRule(LayerRule):
         device, enabled, dtype = call.autocast
         args, kwargs = call.arguments()
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            out, pullback = torch.func.vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
+            out, pullback = autograd_vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
             whole = pullback(self._cotangent(call, out, g))[0]
             # the same sums with a random sign on each term: their size is that of the terms each gradient entry
             # adds up (an RMS estimate), the scale its rounding errors are relative to when the terms cancel

@@ -223,36 +223,6 @@ class HFViTEmbeddingsRule(TokenParamsRule):
         return out
 
 
-@register_layer
-class T5RelativeBiasRule(LayerRule):
-    """Refuses a trainable T5 relative attention bias, with the reason.
-
-    ``relative_attention_bias`` is an ``nn.Embedding`` called on bucket ids ``[q_len, k_len]`` with no
-    batch dimension; the first layer turns it into a bias ``[1, heads, q, k]`` that every layer adds
-    to its attention scores, broadcast over the batch, outside any module. No capture point sees its
-    per-sample gradient, and the embedding rule would take ``q_len`` for the batch. The stack would (its inputs and
-    outputs are per sample), but a replay of T5Stack one sample at a time under vmap fails: transformers builds its
-    attention masks with a branch on the mask's values. This rule claims the parameter from the embedding (an
-    engine with claims) so that validation names the fix.
-    """
-
-    module_types = (
-        "transformers.models.t5.modeling_t5.T5Attention",
-        "transformers.models.mt5.modeling_mt5.MT5Attention",
-    )
-    param_names = ("relative_attention_bias.weight",)
-
-    def claims(self, module):
-        return ("relative_attention_bias.weight",) if getattr(module, "has_relative_attention_bias", False) else ()
-
-    def validate(self, module):
-        raise ValueError(
-            "T5's relative_attention_bias is added to the attention scores of every layer, broadcast over the batch, "
-            "so its per-sample gradient is not available: freeze it, e.g. for n, p in model.named_parameters(): "
-            "p.requires_grad_('relative_attention_bias' not in n)"
-        )
-
-
 def _relative_bias_tables(module) -> tuple[str, ...]:
     """The weights of the relative position bias tables (``relative_attention_bias``, WavLM's ``rel_attn_embed``, LongT5's
     ``global_relative_attention_bias``) anywhere under ``module``."""
@@ -264,11 +234,17 @@ def _relative_bias_tables(module) -> tuple[str, ...]:
 # A relative position bias table (an ``nn.Embedding`` looked up on bucket ids [q_len, k_len], no batch) whose bias one
 # module computes and passes on to every layer (position_bias), broadcast over the batch: no layer call sees a
 # per-sample gradient of the table, the enclosing module does (its inputs and outputs are per sample). It claims the
-# table, and the per-sample fallback replays the whole encoder with respect to the table only (its layers keep their
-# own rules): one more forward of the encoder per step, vectorised over the batch. Freeze the table to avoid it.
-# (T5's stacks would do the same, but they build their attention masks from the mask's values, which the fallback's
-# vmap cannot replay: T5Attention's rule below refuses the table with the fix.)
+# table, and the per-sample fallback replays the whole encoder (or stack) with respect to the table only (its layers
+# keep their own rules): one more forward of the encoder per step. Freeze the table to avoid it.
+# T5's stacks (and those of the models built from them: mT5, LongT5, Switch Transformers) look their tables up in the
+# first block and pass the bias on; they build their attention masks with a branch on the mask's values, which vmap
+# cannot run, so the fallback replays them one sample at a time (a warning names them): B more forwards and backwards
+# of the stack per step.
 for _encoder in ("transformers.models.mpnet.modeling_mpnet.MPNetEncoder",
+                 "transformers.models.t5.modeling_t5.T5Stack",
+                 "transformers.models.mt5.modeling_mt5.MT5Stack",
+                 "transformers.models.longt5.modeling_longt5.LongT5Stack",
+                 "transformers.models.switch_transformers.modeling_switch_transformers.SwitchTransformersStack",
                  ):
     reads_child_params(_encoder, _relative_bias_tables)
 
@@ -286,6 +262,25 @@ def _wavlm_attention_params(module) -> tuple[str, ...]:
                   _parameters_under("q_proj", "k_proj", "v_proj", "out_proj", "rel_attn_embed")(attention)]
         names += [f"layers.{i}.attention.{n}" for n, _ in attention.named_parameters(recurse=False)]
     return tuple(names)
+def _disentangled_encoder_params(module) -> tuple[str, ...]:
+    """A DeBERTa-v2-style encoder with relative attention (DeBERTa-v2/v3's, SEW-D's): it reads its ``rel_embeddings`` table itself, normalises
+    it with its own ``LayerNorm`` ([positions, d], no batch) and hands it to every layer, whose attention projects it
+    with ``query_proj`` / ``key_proj`` (or ``pos_query_proj`` / ``pos_key_proj``) on [1, positions, d], broadcast over
+    the batch, besides projecting the hidden states. The encoder claims the table, the norm and those projections,
+    and its replay gives their per-sample gradients through both uses (the layers' other parameters keep their
+    rules)."""
+    if getattr(module, "rel_embeddings", None) is None:
+        return ()
+    names = _parameters_under("rel_embeddings", "LayerNorm")(module)
+    for i, layer in enumerate(module.layer):
+        names += tuple(f"layer.{i}.attention.self.{n}" for n in _parameters_under(
+            "query_proj", "key_proj", "pos_query_proj", "pos_key_proj")(layer.attention.self))
+    return names
+
+
+for _encoder in ("transformers.models.sew_d.modeling_sew_d.SEWDTransformerEncoder",
+                 "transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder"):
+    reads_child_params(_encoder, _disentangled_encoder_params)
 # UMT5's attention looks up its own table in every layer and uses the bias itself: the attention's replay suffices.
 reads_child_params("transformers.models.umt5.modeling_umt5.UMT5Attention", _relative_bias_tables)
 
@@ -304,6 +299,42 @@ reads_child_params("transformers.models.wavlm.modeling_wavlm.WavLMEncoderStableL
 reads_child_params("transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese.GPTNeoXJapaneseLayer",
                    lambda module: ("attention.dense_bias",) if getattr(module.attention, "dense_bias", None) is not None
                    else ())
+# JetMoE's mixture of attention experts (JetMoeMoA) is never called: the attention runs its map and reduce methods,
+# which read the experts' bias and call its router and parallel experts on the batch's tokens flattened together.
+# Its experts (JetMoeParallelExperts) are called on the tokens sorted by expert with the count of each expert's tokens
+# in the whole batch, which no replay of one sample's rows can take: the mixtures (attention and MLP, whose inputs and
+# outputs are per sample) claim them, and the fallback replays each mixture per sample.
+reads_child_params("transformers.models.jetmoe.modeling_jetmoe.JetMoeAttention", _parameters_under("experts"))
+reads_child_params("transformers.models.jetmoe.modeling_jetmoe.JetMoeMoE",
+                   _parameters_under("input_linear", "output_linear", "router"))
+# Children called on a table without the batch (or on nothing), whose output the attention adds to every sample's scores: Swin V2's
+# continuous_position_bias_mlp (run on the relative coordinates [1, 2W-1, 2W-1, 2]) and the Conformer's linear_pos
+# (on the relative position embeddings [1, 2T-1, d]). The attention (per-sample inputs and outputs; Swin V2's on its
+# windows folded into the batch, which the fallback regroups by sample) claims them.
+reads_child_params("transformers.models.swinv2.modeling_swinv2.Swinv2SelfAttention",
+                   _parameters_under("continuous_position_bias_mlp"))
+# Swin's (and Donut-Swin's) relative position bias is a module called with no argument at all, which returns its table
+# gathered into [1, heads, N, N], broadcast over the batch times the windows: its attention claims it the same way.
+reads_child_params("transformers.models.swin.modeling_swin.SwinAttention",
+                   _parameters_under("relative_position_bias"))
+reads_child_params("transformers.models.wav2vec2_conformer.modeling_wav2vec2_conformer.Wav2Vec2ConformerSelfAttention",
+                   _parameters_under("linear_pos"))
+# Learned positions looked up on [T] ids (Blenderbot, Blenderbot-small, BigBird-Pegasus): the table's rows [T, d] are
+# added to the token embeddings [B, T, d], broadcast over the batch, so the lookup's rows are shared by every sample.
+# The encoder and the decoder (per-sample inputs and outputs) that add them claim the table; the fallback replays them
+# with respect to it alone (their layers keep their rules).
+for _family, _prefix in (("blenderbot", "Blenderbot"), ("blenderbot_small", "BlenderbotSmall"),
+                         ("bigbird_pegasus", "BigBirdPegasus")):
+    for _part in ("Encoder", "Decoder"):
+        reads_child_params(f"transformers.models.{_family}.modeling_{_family}.{_prefix}{_part}",
+                           _parameters_under("embed_positions"))
+# XLNet's transformer runs its layers sequence-first ([T, B, d]) inside a batch-first model: its relative attention
+# uses its own parameters (q, k, v, o, r, the r_*_bias and seg_embed) on sequence-first tensors and relative position
+# embeddings without the batch, so no attention call can be replayed by sample. The model (batch-first inputs and
+# outputs) claims them: the fallback replays the whole transformer with respect to every attention's parameters.
+reads_child_params("transformers.models.xlnet.modeling_xlnet.XLNetModel",
+                   lambda module: tuple(f"layer.{i}.rel_attn.{n}" for i, layer in enumerate(module.layer)
+                                        for n, _ in layer.rel_attn.named_parameters()))
 # Short convolutions and delta attention run causal_conv1d_fn on conv.weight / conv1d.weight (and bias) themselves.
 reads_child_params("transformers.models.lfm3.modeling_lfm3.Lfm3ShortConv", _parameters_under("conv"))
 reads_child_params("transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",

@@ -273,6 +273,35 @@ for _encoder in ("transformers.models.mpnet.modeling_mpnet.MPNetEncoder",
     reads_child_params(_encoder, _relative_bias_tables)
 
 
+def _deberta_v2_relative_params(module) -> tuple[str, ...]:
+    """DeBERTa-v2's encoder with relative attention: ``rel_embeddings`` (an ``nn.Embedding`` whose weight it reads
+    directly), the ``LayerNorm`` it runs on that table (``norm_rel_ebd="layer_norm"``) and the projections of the table
+    in every layer's attention: with ``share_att_key`` the layer's own ``query_proj`` / ``key_proj`` (also called on
+    the tokens), otherwise ``pos_query_proj`` / ``pos_key_proj``. The table is ``[1, 2k, d]``, projected once and
+    ``.repeat``ed over the batch: no call of these layers has per-sample rows. The encoder claims every trainable
+    parameter under them (LoRA adapters included) and its replay gives their per-sample gradients."""
+    if not getattr(module, "relative_attention", False):
+        return ()
+    children = ["rel_embeddings"] + (["LayerNorm"] if "layer_norm" in getattr(module, "norm_rel_ebd", ()) else [])
+    for i, layer in enumerate(module.layer):
+        attention = getattr(getattr(layer, "attention", None), "self", None)
+        if attention is None:
+            continue
+        if getattr(attention, "share_att_key", False):
+            children += [f"layer.{i}.attention.self.{n}" for n in ("query_proj", "key_proj")]
+        else:
+            children += [f"layer.{i}.attention.self.{n}" for n in ("pos_query_proj", "pos_key_proj")
+                         if isinstance(getattr(attention, n, None), nn.Module)]
+    return tuple(f"{child}.{name}" for child in children for name, _ in module.get_submodule(child).named_parameters())
+
+
+# DeBERTa-v2 (and DeBERTa-v3, the same classes) with relative attention: the encoder replays itself per sample with
+# respect to its relative table, that table's LayerNorm and the projections the table goes through (module 4 + 5:
+# one more forward of the whole encoder per step, vectorised over the batch, and a per-sample gradient of those
+# parameters; plan() lists the encoder as a fallback layer of their size). Freeze them to avoid it.
+reads_child_params("transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder", _deberta_v2_relative_params)
+
+
 def _wavlm_attention_params(module) -> tuple[str, ...]:
     """WavLM's encoder: layer 0's attention looks up ``rel_attn_embed`` and passes the bias on to the later layers as
     ``position_bias`` [batch * heads, q, k] (not batch first, so no attention call can be replayed alone); every

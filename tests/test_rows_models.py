@@ -267,3 +267,26 @@ def test_at_B_equals_T_equals_8(name, variant, mode, path):
     case, R, ref = with_oracle(lambda: build_case(name, variant, 8, seq=8))
     got = engine_clipped_sum(case, quiet=True, mode=mode, max_grad_norm=R, path=path if path == "engine" else "mean")
     assert_matches(got, ref, what=f"{name} {variant} B=T=8 {mode} {path}")
+
+
+@pytest.mark.parametrize("name, layers", [("deberta-v2", {"deberta.encoder"}),
+                                          ("xlnet", {"transformer.layer.0.rel_attn", "transformer.layer.1.rel_attn"})])
+def test_plan_shows_the_replays_of_full_fine_tuning(name, layers):
+    """plan() names the layers the per-sample fallback replays, with the size of the parameters it instantiates per
+    sample: DeBERTa-v2's whole encoder (for its relative table, that table's LayerNorm and the projections it goes
+    through, which the encoder claims), XLNet's relative attentions (run sequence-first, their batch axes found)."""
+    import dptrain
+
+    case = build_case(name, "full", SEQ)
+    ids, mask, _ = case.batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planned = {d.name: d for d in dptrain.plan(case.model, input_ids=ids, attention_mask=mask)}
+    replayed = {n for n, d in planned.items() if d.norm == "fallback"}
+    assert replayed == layers
+    if name == "deberta-v2":
+        encoder = case.model.deberta.encoder
+        claimed = [p for n, p in encoder.named_parameters()
+                   if n.startswith(("rel_embeddings.", "LayerNorm.")) or ".query_proj." in n or ".key_proj." in n]
+        assert planned["deberta.encoder"].p == sum(p.numel() for p in claimed)
+        assert not any(n.endswith(("query_proj", "key_proj")) for n in planned)  # claimed: no rule of their own

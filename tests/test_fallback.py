@@ -1096,3 +1096,32 @@ def test_sequence_first_axes_are_searched_once_per_call_pattern(monkeypatch):
     finally:
         engine.detach()
     assert len(calls) == 1
+
+
+class Elementwise(nn.Module):
+    def __init__(self, *shape):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(*shape))
+
+    def forward(self, x):
+        return torch.tanh(x * self.w)
+
+
+def test_two_assignments_of_batch_axes_with_different_gradients_are_refused():
+    """x [B, B] times one weight: the batch along either axis reproduces the call sample by sample, but the per-sample
+    gradients differ (rows or columns): the fallback cannot tell which is right and refuses, naming the module. With
+    one axis of size B there is one assignment."""
+    torch.manual_seed(0)
+    for shape, B in (((4, 4), 4), ((3, 4), 4)):
+        module = Elementwise(1).double()  # one weight for every entry
+        x = torch.randn(*shape, dtype=torch.float64)
+        rule = FallbackRule(module, "block")
+        call = rule._keep_call(module, (x,), {}, x.device)
+        with torch.no_grad():
+            out = module(x)
+        if shape[0] == shape[1]:
+            with pytest.raises(SampleMixingError, match=r"block \(Elementwise\): its batch could sit at more than one"):
+                rule._search_axes(module, call, [out], (0,), ("",), B)
+        else:
+            found = rule._search_axes(module, call, [out], (0,), ("",), B)
+            assert found.args == ((0, 1),) and found.picked.axes == (1,) and found.picked.shapes == ((3,),)

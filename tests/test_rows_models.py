@@ -64,6 +64,15 @@ def _deberta_v2():
     return T.DebertaV2ForSequenceClassification(cfg)
 
 
+def _deberta_v2_pos_proj():
+    # without share_att_key: the relative table goes through pos_query_proj / pos_key_proj of its own
+    cfg = T.DebertaV2Config(**_ENCODER, max_position_embeddings=20, relative_attention=True, position_buckets=4,
+                            max_relative_positions=8, pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm",
+                            share_att_key=False, type_vocab_size=0, position_biased_input=False, pooler_dropout=0.0,
+                            pooler_hidden_size=16)
+    return T.DebertaV2ForSequenceClassification(cfg)
+
+
 def _swin():
     # 8x8 image, 2x2 patches: 16 tokens in 4 windows of 4 tokens (B = T = 4 equals both), then 4 tokens in 1 window
     cfg = T.SwinConfig(image_size=8, patch_size=2, num_channels=3, embed_dim=8, depths=[2, 1], num_heads=[2, 2],
@@ -130,6 +139,8 @@ MODELS = {
     "mpnet": (_mpnet, _classify, _text, dict(target_modules=["q", "v"], task_type="SEQ_CLS")),
     "deberta-v2": (_deberta_v2, _classify, _text, dict(target_modules=["query_proj", "value_proj"],
                                                         task_type="SEQ_CLS")),
+    "deberta-v2-pos-proj": (_deberta_v2_pos_proj, _classify, _text, dict(target_modules=["query_proj", "pos_key_proj"],
+                                                                          task_type="SEQ_CLS")),
     "swin": (_swin, _classify_images, _images,
              dict(target_modules=["q_proj", "v_proj", "fc1"], modules_to_save=["classifier"])),
     "opt": (_opt, _lm, _lm_batch, dict(target_modules=["q_proj", "v_proj"])),

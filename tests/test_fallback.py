@@ -1149,3 +1149,141 @@ def test_modules_vmap_cannot_run_that_mix_samples_are_refused(module, why):
         warnings.simplefilter("ignore")
         with pytest.raises(SampleMixingError, match=why):
             _one_step(model, x, y)
+
+
+# --------------------------------------------------------------------------- the batch at another axis (issue 19)
+class SeqFirstAttention(nn.Module):
+    """No rule: raw parameters in einsums, run sequence-first inside a batch-first model, as XLNet's relative attention:
+    h [T, B, d], a padding mask [T, T, B] (the batch its third axis), positions [T, B, d] expanded over the batch.
+    ``mixes``: it also adds the mean over the batch axis, which no assignment of batch axes can split."""
+
+    def __init__(self, d, kind="tensor", mixes=False):
+        super().__init__()
+        self.kind, self.mixes = kind, mixes
+        self.q, self.k, self.v = (nn.Parameter(torch.randn(d, d) / math.sqrt(d)) for _ in range(3))
+        self.bias = nn.Parameter(0.1 * torch.randn(d))
+
+    def forward(self, h, mask, pos):
+        q = torch.einsum("ibd,de->ibe", h + pos, self.q)
+        k = torch.einsum("ibd,de->ibe", h + pos, self.k)
+        v = torch.einsum("ibd,de->ibe", h, self.v)
+        score = torch.einsum("ibe,jbe->ijb", q, k) - 1e4 * mask
+        out = torch.einsum("ijb,jbe->ibe", torch.softmax(score, dim=1), v) + self.bias
+        if self.mixes:
+            out = out + out.mean(1, keepdim=True)
+        return out if self.kind == "tensor" else (out, None)
+
+
+class SeqFirstNet(nn.Module):
+    def __init__(self, d=4, kind="tensor", mixes=False):
+        super().__init__()
+        self.embed, self.head = nn.Linear(3, d), nn.Linear(d, 3)
+        self.block = SeqFirstAttention(d, kind, mixes)
+        self.register_buffer("positions", torch.randn(16, d))
+
+    def forward(self, x, pad):  # x [B, T, 3], pad [B, T] (1: a padded token)
+        h = self.embed(x).transpose(0, 1)  # [T, B, d]
+        T, B = h.shape[:2]
+        mask = pad.transpose(0, 1).unsqueeze(0).expand(T, T, B).to(h.dtype)  # mask[i, j, b] = pad[b, j]
+        pos = self.positions[:T].unsqueeze(1).expand(T, B, -1)
+        out = self.block(h, mask, pos)
+        out = out if isinstance(out, torch.Tensor) else out[0]
+        return self.head(torch.tanh(out).transpose(0, 1).mean(1))
+
+
+def _seq_first_case(B, kind, T=4, mixes=False):
+    torch.manual_seed(B)
+    g = torch.Generator().manual_seed(B)
+    x = torch.randn(B, T, 3, generator=g)
+    pad = torch.zeros(B, T, dtype=torch.long)
+    pad[1:, T - 1] = 1  # every sample but the first pads its last token: the mask differs between samples
+    if B > 2:
+        pad[2, T - 2] = 1
+    return Case(SeqFirstNet(kind=kind, mixes=mixes).double(), classify, (x.double(), pad, torch.randint(0, 3, (B,), generator=g)))
+
+
+@pytest.mark.parametrize("mode, path", [(m, "engine") for m in MODES] + [(m, "mean") for m in SINGLE_BACKWARD_MODES])
+@pytest.mark.parametrize("B", [4, 3], ids=["B=T", "B!=T"])
+@pytest.mark.parametrize("kind", ["tensor", "tuple"])
+def test_sequence_first_module_in_a_batch_first_model_is_exact(kind, B, mode, path):
+    """The fallback finds each argument's batch axis (h's second, the mask's third, the positions' second) and the
+    output's, among the axes of size B (at B = T several), verifies them and replays each sample along them."""
+    case, R, ref = with_oracle(lambda: _seq_first_case(B, kind))
+    got = engine_clipped_sum(case, quiet=True, mode=mode, max_grad_norm=R, path=path if path == "engine" or B == 4 else "sum")
+    assert_matches(got, ref, what=f"{kind} B={B} {mode} {path}")
+
+
+@pytest.mark.parametrize("mode, path", [(m, "engine") for m in MODES] + [(m, "mean") for m in SINGLE_BACKWARD_MODES])
+def test_sequence_first_module_one_sample_moves_the_model_by_at_most_R(mode, path):
+    """B = T, every sample's loss but the first weighted 0: the clipped sum is one sample's, of norm R."""
+    case = _seq_first_case(4, "tensor")
+
+    def losses(model, *batch):
+        out = classify(model, *batch)
+        return out * (torch.arange(out.shape[0]) == 0).to(out.dtype)
+
+    R = 1e-3
+    got = engine_clipped_sum(Case(case.model, losses, case.batch), quiet=True, mode=mode, max_grad_norm=R, path=path)
+    norm = torch.sqrt(sum(g.square().sum() for g in got.values())).item()
+    assert 0.5 * R < norm <= R * (1 + 1e-9), f"{mode} {path}: one sample moved the model by {norm / R:.4g} R"
+
+
+@pytest.mark.parametrize("B", [4, 3], ids=["B=T", "B!=T"])
+@pytest.mark.parametrize("kind", ["tensor", "tuple"])
+def test_sequence_first_module_that_mixes_the_batch_is_refused(kind, B):
+    """No assignment of batch axes verifies (the output adds the mean over the batch): refused, naming the module."""
+    case = _seq_first_case(B, kind, mixes=True)
+    with pytest.raises((RuntimeError, ValueError), match=r"block \(SeqFirstAttention\) mixes the samples of a batch"):
+        engine_clipped_sum(case, quiet=True, mode="bk-mixopt", max_grad_norm=1.0, path="engine")
+
+
+def test_sequence_first_axes_are_searched_once_per_call_pattern(monkeypatch):
+    """The verified assignment is kept per call pattern: later steps do not search again."""
+    case = _seq_first_case(4, "tensor")
+    model = copy.deepcopy(case.model)
+    calls = []
+    search = FallbackRule._search_axes
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return search(self, *args, **kwargs)
+
+    monkeypatch.setattr(FallbackRule, "_search_axes", counting)
+    engine, optimizer = attached_engine(model, mode="bk", max_grad_norm=1.0)
+    try:
+        for _ in range(3):
+            engine.backward(case.losses(model))
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        engine.detach()
+    assert len(calls) == 1
+
+
+class Elementwise(nn.Module):
+    def __init__(self, *shape):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(*shape))
+
+    def forward(self, x):
+        return torch.tanh(x * self.w)
+
+
+def test_two_assignments_of_batch_axes_with_different_gradients_are_refused():
+    """x [B, B] times one weight: the batch along either axis reproduces the call sample by sample, but the per-sample
+    gradients differ (rows or columns): the fallback cannot tell which is right and refuses, naming the module. With
+    one axis of size B there is one assignment."""
+    torch.manual_seed(0)
+    for shape, B in (((4, 4), 4), ((3, 4), 4)):
+        module = Elementwise(1).double()  # one weight for every entry
+        x = torch.randn(*shape, dtype=torch.float64)
+        rule = FallbackRule(module, "block")
+        call = rule._keep_call(module, (x,), {}, x.device)
+        with torch.no_grad():
+            out = module(x)
+        if shape[0] == shape[1]:
+            with pytest.raises(SampleMixingError, match=r"block \(Elementwise\): its batch could sit at more than one"):
+                rule._search_axes(module, call, [out], (0,), ("",), B)
+        else:
+            found = rule._search_axes(module, call, [out], (0,), ("",), B)
+            assert found.args == ((0, 1),) and found.picked.axes == (1,) and found.picked.shapes == ((3,),)

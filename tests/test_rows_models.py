@@ -64,6 +64,15 @@ def _deberta_v2():
     return T.DebertaV2ForSequenceClassification(cfg)
 
 
+def _deberta_v2_pos_proj():
+    # without share_att_key: the relative table goes through pos_query_proj / pos_key_proj of its own
+    cfg = T.DebertaV2Config(**_ENCODER, max_position_embeddings=20, relative_attention=True, position_buckets=4,
+                            max_relative_positions=8, pos_att_type=["p2c", "c2p"], norm_rel_ebd="layer_norm",
+                            share_att_key=False, type_vocab_size=0, position_biased_input=False, pooler_dropout=0.0,
+                            pooler_hidden_size=16)
+    return T.DebertaV2ForSequenceClassification(cfg)
+
+
 def _swin():
     # 8x8 image, 2x2 patches: 16 tokens in 4 windows of 4 tokens (B = T = 4 equals both), then 4 tokens in 1 window
     cfg = T.SwinConfig(image_size=8, patch_size=2, num_channels=3, embed_dim=8, depths=[2, 1], num_heads=[2, 2],
@@ -130,6 +139,8 @@ MODELS = {
     "mpnet": (_mpnet, _classify, _text, dict(target_modules=["q", "v"], task_type="SEQ_CLS")),
     "deberta-v2": (_deberta_v2, _classify, _text, dict(target_modules=["query_proj", "value_proj"],
                                                         task_type="SEQ_CLS")),
+    "deberta-v2-pos-proj": (_deberta_v2_pos_proj, _classify, _text, dict(target_modules=["query_proj", "pos_key_proj"],
+                                                                          task_type="SEQ_CLS")),
     "swin": (_swin, _classify_images, _images,
              dict(target_modules=["q_proj", "v_proj", "fc1"], modules_to_save=["classifier"])),
     "opt": (_opt, _lm, _lm_batch, dict(target_modules=["q_proj", "v_proj"])),
@@ -139,10 +150,22 @@ MODELS = {
 
 # The parameters each model's full fine-tuning is refused for (below), frozen in its "full-but" variant, which
 # puts the rest of the model to the test at B = T.
-REFUSED_IN_FULL: dict[str, list[str]] = {}  # none now: XLNet's, DeBERTa-v2's and Swin's are claimed (layers.hf)
-# (DeBERTa-v2's attention runs query_proj and key_proj, LoRA on them included, on its relative position table as well
-# (share_att_key): its encoder claims them with the table and its LayerNorm, and the fallback replays the encoder.)
-LORA_BUT: dict[str, list[str]] = {}
+# No full fine-tuning is refused now. The parameters that go through a per-sample replay in full fine-tuning are
+# frozen in each model's "full-but" variant, which puts the rest of the model to the test at B = T without it.
+REFUSED_IN_FULL = {
+    # XLNetRelativeAttention: no rule, run sequence-first ([T, B, d], a mask [T, T, B, 1]): the per-sample fallback
+    # finds and verifies each argument's batch axis; mask_emb: held by XLNetModel itself (its fallback)
+    "xlnet": ["rel_attn.", "mask_emb"],
+    # the relative position table, its LayerNorm and the projections it goes through: rows shared by all samples,
+    # claimed by the encoder (layers/hf.py), whose per-sample replay gives their gradients
+    "deberta-v2": ["rel_embeddings", "encoder.LayerNorm", "query_proj", "key_proj"],
+    # the relative position bias, computed from its table alone ([1, heads, N, N]) and broadcast over the batch
+    # times the windows: claimed by the attention, replayed on each sample's windows
+    "swin": ["relative_position_bias_table"],
+}
+# DeBERTa's attention runs query_proj and key_proj on its relative position table as well (share_att_key): with
+# LoRA on them the encoder claims the adapters and replays itself; value_proj sees only the tokens (no replay).
+LORA_BUT = {"deberta-v2": ["value_proj"]}
 
 VARIANTS = [(name, v) for name in MODELS for v in ("full", "lora")] + [
     (name, "full-but") for name in REFUSED_IN_FULL] + [(name, "lora-but") for name in LORA_BUT]
@@ -242,9 +265,36 @@ def test_one_sample_moves_the_model_by_at_most_R_at_B_equals_T(name, variant, mo
 
 
 @pytest.mark.parametrize("mode,path", PATHS)
-def test_xlnet_lora_at_B_equals_T_equals_8(mode, path):
-    """The probe's case (0.66-2.3 relative error before the rows were read): XLNet's layers run sequence-first,
-    [T, B, d], and at B = T = 8 two tag passes tell the samples apart."""
-    case, R, ref = with_oracle(lambda: build_case("xlnet", "lora", 8, seq=8))
+@pytest.mark.parametrize("name,variant", [("xlnet", "lora"), ("xlnet", "full"), ("deberta-v2", "full"),
+                                          ("deberta-v2", "lora")])
+def test_at_B_equals_T_equals_8(name, variant, mode, path):
+    """The probe's case (XLNet with LoRA: 0.66-2.3 relative error before the rows were read): XLNet's layers run
+    sequence-first, [T, B, d], and at B = T = 8 two tag passes tell the samples apart; in full fine-tuning its relative
+    attention (no rule) is replayed per sample along the batch axes the fallback finds and verifies (issue 19).
+    DeBERTa-v2's relative table goes through query_proj / key_proj: its encoder's replay (a claim)."""
+    case, R, ref = with_oracle(lambda: build_case(name, variant, 8, seq=8))
     got = engine_clipped_sum(case, quiet=True, mode=mode, max_grad_norm=R, path=path if path == "engine" else "mean")
-    assert_matches(got, ref, what=f"xlnet lora B=T=8 {mode} {path}")
+    assert_matches(got, ref, what=f"{name} {variant} B=T=8 {mode} {path}")
+
+
+@pytest.mark.parametrize("name, layers", [("deberta-v2", {"deberta.encoder"}),
+                                          ("xlnet", {"transformer.layer.0.rel_attn", "transformer.layer.1.rel_attn"})])
+def test_plan_shows_the_replays_of_full_fine_tuning(name, layers):
+    """plan() names the layers the per-sample fallback replays, with the size of the parameters it instantiates per
+    sample: DeBERTa-v2's whole encoder (for its relative table, that table's LayerNorm and the projections it goes
+    through, which the encoder claims), XLNet's relative attentions (run sequence-first, their batch axes found)."""
+    import dptrain
+
+    case = build_case(name, "full", SEQ)
+    ids, mask, _ = case.batch
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        planned = {d.name: d for d in dptrain.plan(case.model, input_ids=ids, attention_mask=mask)}
+    replayed = {n for n, d in planned.items() if d.norm == "fallback"}
+    assert replayed == layers
+    if name == "deberta-v2":
+        encoder = case.model.deberta.encoder
+        claimed = [p for n, p in encoder.named_parameters()
+                   if n.startswith(("rel_embeddings.", "LayerNorm.")) or ".query_proj." in n or ".key_proj." in n]
+        assert planned["deberta.encoder"].p == sum(p.numel() for p in claimed)
+        assert not any(n.endswith(("query_proj", "key_proj")) for n in planned)  # claimed: no rule of their own

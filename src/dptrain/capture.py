@@ -650,6 +650,8 @@ class Capture:
                 return None  # (None: the forward raised, and this always-called hook runs on its way out)
             if not isinstance(output, torch.Tensor) and state.rule.takes_output_leaves:
                 return self._record_leaves(state, module, args, kwargs, output)
+            if self._batch_not_leading(state, module, args, kwargs, output):
+                return self._record_leaves(state, module, args, kwargs, output)
             if not isinstance(output, torch.Tensor):
                 state.rule.capture_call(module, args, kwargs, output)  # a rule may refuse with its own reason
                 raise ValueError(
@@ -661,6 +663,21 @@ class Capture:
             return self._record(state, module, (args, kwargs), output)
 
         return post_hook
+
+    def _batch_not_leading(self, state: LayerState, module: nn.Module, args, kwargs, output) -> bool:
+        """A tensor output of a batch-first model whose batch the rule verified at another axis than the first (the
+        per-sample fallback on a module run sequence-first, ``[T, B, d]``): it is taken through its leaves, whose
+        gradient reaches the rule with the batch first. Only an output with an axis of the batch's size after the
+        first is looked at (once per call pattern, by the rule)."""
+        if not self.batch_first or not isinstance(output, torch.Tensor) or output.dim() < 2:
+            return False
+        check = getattr(state.rule, "batch_not_leading", None)
+        if check is None:
+            return False
+        batch = self.forward_batch if self._open_forward is not None or in_backward() else None
+        if batch is None or batch <= 1 or batch not in output.shape[1:]:
+            return False
+        return check(module, args, kwargs, output, batch)
 
     def _make_source_hook(self, module: nn.Module, site: int, from_input: bool):
         """Keeps a capture site's activation (its source's output or first input) until its target runs."""

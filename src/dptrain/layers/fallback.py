@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import itertools
 import math
 import threading
 import warnings
@@ -152,6 +153,9 @@ class FallbackCall:
     bags: bool = False
     #: a container output (tuple, dict, ModelOutput): the leaves replayed and differentiated; None: a tensor output
     outputs: OutputLeaves | None = None
+    #: the batch axis of each leaf in ``batched`` where the call's batch is not its arguments' first axis (a module
+    #: run sequence-first in a batch-first model), found and verified by ``FallbackRule._batch_axes``; None: axis 0
+    axes: list[int] | None = None
 
     def arguments(self, replaced: dict[int, torch.Tensor] | None = None) -> tuple[tuple, dict]:
         leaves = list(self.leaves)
@@ -222,7 +226,269 @@ class SampleMixingError(RuntimeError):
     """A module given to the fallback does not treat the samples of a batch independently."""
 
 
-class FallbackRule(LayerRule):
+# ---------------------------------------------------------------------------------------------------------------------
+# The batch at another axis: a module run sequence-first inside a batch-first model (XLNet's relative attention takes
+# h [T, B, d], a mask [T, T, B, 1], positions [2T, B, d] and returns [T, B, d]). The batch axis of each argument and
+# output leaf is found among the axes of size B (several where B equals T) and verified, never taken from a shape.
+
+_UNKNOWN = object()
+#: the most assignments of batch axes verified for one call pattern (each costs a few replays of the module)
+_MAX_ASSIGNMENTS = 16
+
+
+@dataclass(frozen=True)
+class _AxisAssignment:
+    """A verified assignment of batch axes for one call pattern: (leaf position, batch axis) of each argument that
+    carries the batch (the others are shared by every sample), and the output leaves with their batch axes."""
+
+    args: tuple[tuple[int, int], ...]
+    picked: OutputLeaves
+
+    def apply(self, call: FallbackCall, batch: int) -> FallbackCall:
+        call.batched = [k for k, _ in self.args]
+        call.axes = [a for _, a in self.args]
+        call.batch = batch
+        call.outputs = self.picked
+        call.signature = (*call.signature, ("axes", self.args, self.picked.per_sample, self.picked.axes,
+                                            self.picked.shared))
+        return call
+
+
+class _BatchAxes:
+    """``FallbackRule``'s search for the batch axes of a call (mixed into it; see the section's comment above).
+
+    A call is searched only where its leading axis is not verified as the batch: the batch-first reading's check
+    failed, or no output leaf that depends on the parameters leads with the batch while one has it at another axis.
+    Each candidate is verified: the whole replay reproduces the call; perturbing one sample along the chosen axes of
+    the arguments moves that sample's outputs along the chosen output axes and no other sample's; replaying each
+    sample alone (its slice along each chosen axis, the other arguments whole) reproduces its outputs. Where two
+    assignments verify, their per-sample gradients (for a random output gradient) must agree, or the call is
+    refused. The result is kept per call pattern (``_axes_found``)."""
+
+    def _batch_axes(self, module, call: FallbackCall, output, leaves: list, depends: tuple[int, ...],
+                    paths: tuple[str, ...], batch: int) -> _AxisAssignment | None:
+        """The verified assignment of a call with a container output, or None: the batch-first reading applies (its
+        own check searches if it fails, ``_axes_after_refusal``). Searches only a call none of whose output leaves
+        leads with the batch while one has it at another axis."""
+        key = (call.signature, depends)
+        known = self._axes_found.get(key, _UNKNOWN)
+        if known is not _UNKNOWN:
+            return known
+        if self.swapped:
+            return None
+        shapes = [tuple(leaves[k].shape) for k in depends]
+        if any(s and s[0] == batch for s in shapes) or not any(batch in s[1:] for s in shapes):
+            return None  # the usual reading (not kept here: its check decides)
+        found = self._search_axes(module, call, leaves, depends, paths, batch)
+        self._keep_axes(key, found)  # None: nothing verified, the rows are read from the gradient as they are
+        return found
+
+    def _axes_after_refusal(self, module, call: FallbackCall, leaves: list, depends: tuple[int, ...],
+                            paths: tuple[str, ...], batch: int | None, err: SampleMixingError) -> _AxisAssignment:
+        """The batch-first reading was refused (perturbing row 0 moved other rows): the verified assignment of batch
+        axes, or that refusal, naming the module."""
+        found = None
+        if not self.swapped and batch is not None and batch > 1:
+            found = self._search_axes(module, call, leaves, depends, paths, batch)
+        if found is None:
+            raise SampleMixingError(
+                f"{err} (No assignment of the batch to other axes of size {batch} of its arguments and outputs "
+                "verified either: replaying each sample alone did not reproduce the call, or changing one sample "
+                "moved the others.)") from None
+        self._keep_axes((call.signature, depends), found)
+        return found
+
+    def _keep_axes(self, key, found) -> None:
+        if len(self._axes_found) >= 256:  # shapes that change at every step: verifying again is always safe
+            self._axes_found.clear()
+        self._axes_found[key] = found
+
+    def batch_not_leading(self, module, args, kwargs, output: torch.Tensor, batch: int | None) -> bool:
+        """For the capture: whether a call with a tensor output has its batch at another axis than the first
+        (verified); such a call is then taken through its leaves (``capture_leaves``), whose gradient the engine
+        hands over with the batch first. Looks only at a call whose output has an axis of size ``batch`` after the
+        first; once per call pattern."""
+        if (self.swapped or output.is_meta or batch is None or batch <= 1 or output.dim() < 2
+                or batch not in tuple(output.shape[1:]) or not output.is_floating_point()):
+            return False
+        call = self._keep_call(module, args, kwargs, output.device)
+        key = (call.signature, (0,))
+        known = self._axes_found.get(key, _UNKNOWN)
+        if known is not _UNKNOWN:
+            return known is not None
+        err = None
+        if output.shape[0] == batch:  # the batch-first reading first, checked as capture_call would
+            self._set_rows(module, args, kwargs, call, batch)
+            try:
+                self._check_independence(module, call, output)
+            except SampleMixingError as e:
+                err = e
+            else:
+                self._forward_checked.add(call.signature)
+                self._keep_axes(key, None)
+                return False
+            call.batched, call.batch = [], 0
+        if err is not None:
+            found = self._axes_after_refusal(module, call, [output], (0,), ("",), batch, err)
+        else:
+            found = self._search_axes(module, call, [output], (0,), ("",), batch)
+            self._keep_axes(key, found)
+        return found is not None
+
+    def _search_axes(self, module, call: FallbackCall, leaves: list, depends: tuple[int, ...],
+                     paths: tuple[str, ...], batch: int) -> _AxisAssignment | None:
+        """The assignment of batch axes that verifies (see the class), None if none does; refuses the call if two
+        verify and give different per-sample gradients."""
+        per_sample = tuple(k for k in depends if leaves[k].dim() > 0 and batch in tuple(leaves[k].shape))
+        candidates = {k: [a for a, n in enumerate(t.shape) if n == batch] for k, t in enumerate(call.leaves)
+                      if isinstance(t, torch.Tensor) and t.dim() > 0}
+        candidates = {k: axes for k, axes in candidates.items() if axes}
+        if not per_sample or not candidates:
+            return None
+        device, enabled, dtype = call.autocast
+        verified = []
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            try:
+                whole = pytree.tree_leaves(self._replay(module, *call.arguments()))
+            except (RuntimeError, ValueError, TypeError) as err:
+                raise self._cannot_replay(module, err) from err
+            if len(whole) != len(leaves) or not all(
+                    isinstance(whole[k], torch.Tensor) and whole[k].shape == leaves[k].shape
+                    and _close(whole[k], leaves[k]) for k in depends):
+                raise self._not_reproduced(module)
+            out_options = itertools.product(*[[a for a, n in enumerate(leaves[k].shape) if n == batch]
+                                              for k in per_sample])
+            tried = 0
+            for outs in out_options:
+                expected = [whole[k].movedim(o, 0) for k, o in zip(per_sample, outs)]
+                # each argument alone: the axes along which one sample's change moves that sample only
+                options = {}
+                for k, axes in candidates.items():
+                    passing = [a for a in axes
+                               if self._moves_one_sample(module, call, {k: a}, per_sample, outs, expected) is True]
+                    if passing:
+                        options[k] = passing
+                if not options:
+                    continue
+                for combo in itertools.product(*options.values()):
+                    if tried >= _MAX_ASSIGNMENTS:
+                        break
+                    tried += 1
+                    axes = dict(zip(options, combo))
+                    if (self._moves_one_sample(module, call, axes, per_sample, outs, expected) is True
+                            and self._samples_reproduce(module, call, axes, per_sample, outs, expected)):
+                        verified.append((axes, outs))
+        if not verified:
+            return None
+        assignments = [self._assignment(leaves, depends, per_sample, paths, batch, axes, outs)
+                       for axes, outs in verified]
+        if len(assignments) > 1:
+            self._same_gradients(module, call, leaves, assignments, batch)
+        return assignments[0]
+
+    @staticmethod
+    def _assignment(leaves, depends, per_sample, paths, batch, axes: dict[int, int], outs) -> _AxisAssignment:
+        shapes = tuple(tuple(n for a, n in enumerate(leaves[k].shape) if a != o) for k, o in zip(per_sample, outs))
+        picked = OutputLeaves(
+            count=len(leaves), rows=batch, per_sample=per_sample, shapes=shapes,
+            dtypes=tuple(leaves[k].dtype for k in per_sample),
+            shared=tuple(k for k in depends if k not in per_sample), paths=paths, axes=tuple(outs),
+        )
+        return _AxisAssignment(tuple(sorted(axes.items())), picked)
+
+    def _moves_one_sample(self, module, call, axes: dict[int, int], per_sample, outs, expected) -> bool | None:
+        """Sample 0 changed along ``axes`` (argument position -> axis): True where only sample 0's outputs move along
+        ``outs``, None where nothing moves, False where another sample's do (or the replay fails)."""
+        perturbed = {k: _perturb_along(call.leaves[k], a) for k, a in axes.items()}
+        try:
+            moved = pytree.tree_leaves(self._replay(module, *call.arguments(perturbed)))
+            moved = [moved[k].movedim(o, 0) for k, o in zip(per_sample, outs)]
+        except (RuntimeError, ValueError, TypeError, IndexError):
+            return False
+        if not all(_rows_kept(m, e) for m, e in zip(moved, expected)):
+            return False
+        if all(_close(m[:1], e[:1]) for m, e in zip(moved, expected)):
+            return None
+        return True
+
+    def _samples_reproduce(self, module, call, axes: dict[int, int], per_sample, outs, expected) -> bool:
+        """Each sample replayed alone (its slice along ``axes``, the other arguments whole) gives its outputs."""
+        positions = list(axes)
+
+        def one(sample_leaves):
+            args, kwargs = call.arguments({k: t.unsqueeze(axes[k]) for k, t in zip(positions, sample_leaves)})
+            out = pytree.tree_leaves(self._replay(module, args, kwargs))
+            picked = []
+            for k, o in zip(per_sample, outs):
+                if out[k].dim() <= o or out[k].shape[o] != 1:
+                    raise ValueError("a sample's replay does not keep one row along the output's batch axis")
+                picked.append(out[k].squeeze(o))
+            return tuple(picked)
+
+        try:
+            got = torch.func.vmap(one, randomness="error")([call.leaves[k].movedim(axes[k], 0) for k in positions])
+        except (RuntimeError, ValueError, TypeError, IndexError):
+            return False
+        return all(g.shape == e.shape and _close(g, e) for g, e in zip(got, expected))
+
+    def _same_gradients(self, module, call, leaves, assignments: list[_AxisAssignment], batch: int) -> None:
+        """Several assignments verify: their per-sample gradients for one random output gradient must agree."""
+        names = [n for n in self.param_names if module.get_parameter(n).requires_grad]
+        if not names:
+            return
+        primals = {n: module.get_parameter(n).detach() for n in names}
+        gen = torch.Generator(device=leaves[0].device).manual_seed(12345)  # never the user's random stream
+        results = []
+        for found in assignments:
+            grads = [torch.randn(leaves[k].shape, generator=gen, device=leaves[k].device, dtype=leaves[k].dtype)
+                     for k in found.picked.per_sample]
+            gen.manual_seed(12345)  # the same output gradient for each assignment
+            trial = found.apply(dataclasses.replace(call, batched=[], axes=None, outputs=None), batch)
+            with torch.enable_grad():
+                results.append(self._per_sample_of_axes(module, trial, found.picked.join(grads), primals))
+        first = results[0]
+        for other, found in zip(results[1:], assignments[1:]):
+            if not all(_close(other[n], first[n]) for n in names):
+                raise SampleMixingError(
+                    f"{self._name(module)}: its batch could sit at more than one axis of size {batch} (arguments "
+                    f"{dict(assignments[0].args)} or {dict(found.args)}, outputs at {assignments[0].picked.axes} or "
+                    f"{found.picked.axes}): both reproduce the call sample by sample but give different per-sample "
+                    "gradients, so the per-sample fallback cannot tell which is right. Use another batch size for "
+                    f"this step, register a rule for {type(module).__name__} with dptrain.register_layer, or freeze "
+                    "its parameters"
+                )
+
+    def _per_sample_of_axes(self, module, call: FallbackCall, g, primals) -> dict[str, torch.Tensor]:
+        """[B, *param] per-sample gradients of a call whose arguments carry the batch at ``call.axes``: a vmap over
+        each argument's batch axis; the output gradient ``g`` has the batch first (``OutputLeaves.axes``)."""
+        positions, axes = call.batched, call.axes
+
+        def one_sample(sample_leaves, g_i):
+            args, kwargs = call.arguments({k: t.unsqueeze(a) for k, a, t in zip(positions, axes, sample_leaves)})
+            out, pullback = torch.func.vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
+            return pullback(self._cotangent(call, out, g_i.unsqueeze(0)))[0]
+
+        device, enabled, dtype = call.autocast
+        try:
+            with torch.autocast(device, dtype=dtype, enabled=enabled):
+                grads = torch.func.vmap(one_sample, randomness="error")(
+                    [call.leaves[k].movedim(a, 0) for k, a in zip(positions, axes)], g)
+        except SampleMixingError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as err:
+            raise self._cannot_replay(module, err, " one sample at a time") from err
+        if call.signature not in self._backward_checked:
+            self._check_gradient_sum(module, call, g, primals, grads)
+            self._backward_checked.add(call.signature)
+        return grads
+
+
+def _perturb_along(t: torch.Tensor, axis: int) -> torch.Tensor:
+    """``t`` with sample 0 along ``axis`` changed (``_perturb_first`` on that axis)."""
+    return _perturb_first(t.movedim(axis, 0)).movedim(0, axis) if axis else _perturb_first(t)
+
+
+class FallbackRule(_BatchAxes, LayerRule):
     """Per-sample gradients of a module's own trainable parameters by replaying its calls (``torch.func``).
 
     One instance per module (``dptrain.layers.resolve_rule`` builds it); it is never registered.
@@ -248,6 +514,9 @@ class FallbackRule(LayerRule):
         #: call signatures that vmap cannot replay: one replay per sample (``_per_sample_one_by_one``)
         self._one_by_one: set[tuple] = set()
         self._warned_one_by_one = False
+        #: calls whose batch is not the leading axis of every argument and output: per call signature and output
+        #: leaves, the verified assignment of batch axes (``_AxisAssignment``), or None for the batch-first reading
+        self._axes_found: dict[tuple, _AxisAssignment | None] = {}
 
     # ------------------------------------------------------------------ forward: keep the call
     def capture_call(self, module, args, kwargs, output):
@@ -284,10 +553,15 @@ class FallbackRule(LayerRule):
         for k in floats:
             self._refuse_output_hooks(module, leaves[k])
         call = self._keep_call(module, args, kwargs, leaves[floats[0]].device)
+        base_signature = call.signature
         meta = any(leaves[k].is_meta for k in floats)  # (plan on the meta device: shapes only, every leaf counts)
         depends = floats if meta else self._depending(module, call, leaves, floats, paths)
         if not depends:
             return None
+        if not meta and batch is not None and batch > 1:
+            found = self._batch_axes(module, call, output, leaves, tuple(depends), paths, batch)
+            if found is not None:
+                return found.apply(call, batch), found.picked
         leading = [leaves[k].shape[0] for k in depends if leaves[k].dim() > 0]
         rows = batch if batch in leading else leading[0] if leading else None
         per_sample = tuple(k for k in depends if leaves[k].dim() > 0 and leaves[k].shape[0] == rows)
@@ -301,7 +575,12 @@ class FallbackRule(LayerRule):
         call.signature = (*call.signature, ("rows", rows, per_sample, picked.shared))
         self._set_rows(module, args, kwargs, call, rows or 0)
         if call.signature not in self._forward_checked and call.batch > 1 and per_sample and not meta:
-            self._check_independence(module, call, output)
+            try:
+                self._check_independence(module, call, output)
+            except SampleMixingError as err:  # the batch may sit at another axis (a module run sequence-first)
+                call.signature, call.outputs = base_signature, None
+                found = self._axes_after_refusal(module, call, leaves, tuple(depends), paths, batch, err)
+                return found.apply(call, batch), found.picked
             self._forward_checked.add(call.signature)
         return call, picked
 
@@ -403,6 +682,9 @@ class FallbackRule(LayerRule):
     def dims(self, module, activation, output):
         size = sum(module.get_parameter(n).numel() for n in self.param_names)
         T = math.prod(output.shape[1:-1]) if output.dim() > 2 else 1
+        picked = getattr(activation, "outputs", None)
+        if picked is not None and picked.axes is not None and picked.shapes:  # the batch axis is not the first
+            T = math.prod(picked.shapes[0][:-1]) if len(picked.shapes[0]) > 1 else 1
         return LayerDims(T=T, p=size, d=1, ghost_supported=False, fallback=True)
 
     # ------------------------------------------------------------------ backward
@@ -515,6 +797,8 @@ class FallbackRule(LayerRule):
         replayed call; where vmap cannot run the module, one replay per sample (``_per_sample_one_by_one``)."""
         if call.bags:
             return self._per_sample_of_bags(module, call, g, primals)
+        if call.axes is not None:
+            return self._per_sample_of_axes(module, call, g, primals)
         if call.signature in self._one_by_one:
             return self._per_sample_one_by_one(module, call, g, primals)
         batched = call.batched
@@ -652,6 +936,11 @@ class FallbackRule(LayerRule):
         if samples is None or samples.numel() != g.shape[0]:
             raise ValueError(f"{self._name(module)}: {g.shape[0]} rows in the call, a sample for "
                              f"{None if samples is None else samples.numel()} of them")
+        if call.axes is not None:
+            raise SampleMixingError(
+                f"{self._name(module)}: its batch is not its arguments' first axis (found per argument: "
+                f"{call.axes}), and the rows of its output are not the samples in order, which the per-sample "
+                "fallback cannot regroup. Register a rule for it with dptrain.register_layer, or freeze its parameters")
         rows = FoldedRows(call, g, samples.to("cpu", torch.long), batch)
         counts = rows.chunks()[1]
         per_row = self.dims(module, call, g)

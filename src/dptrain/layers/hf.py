@@ -249,6 +249,35 @@ for _encoder in ("transformers.models.mpnet.modeling_mpnet.MPNetEncoder",
     reads_child_params(_encoder, _relative_bias_tables)
 
 
+def _deberta_v2_relative_params(module) -> tuple[str, ...]:
+    """DeBERTa-v2's encoder with relative attention: ``rel_embeddings`` (an ``nn.Embedding`` whose weight it reads
+    directly), the ``LayerNorm`` it runs on that table (``norm_rel_ebd="layer_norm"``) and the projections of the table
+    in every layer's attention: with ``share_att_key`` the layer's own ``query_proj`` / ``key_proj`` (also called on
+    the tokens), otherwise ``pos_query_proj`` / ``pos_key_proj``. The table is ``[1, 2k, d]``, projected once and
+    ``.repeat``ed over the batch: no call of these layers has per-sample rows. The encoder claims every trainable
+    parameter under them (LoRA adapters included) and its replay gives their per-sample gradients."""
+    if not getattr(module, "relative_attention", False):
+        return ()
+    children = ["rel_embeddings"] + (["LayerNorm"] if "layer_norm" in getattr(module, "norm_rel_ebd", ()) else [])
+    for i, layer in enumerate(module.layer):
+        attention = getattr(getattr(layer, "attention", None), "self", None)
+        if attention is None:
+            continue
+        if getattr(attention, "share_att_key", False):
+            children += [f"layer.{i}.attention.self.{n}" for n in ("query_proj", "key_proj")]
+        else:
+            children += [f"layer.{i}.attention.self.{n}" for n in ("pos_query_proj", "pos_key_proj")
+                         if isinstance(getattr(attention, n, None), nn.Module)]
+    return tuple(f"{child}.{name}" for child in children for name, _ in module.get_submodule(child).named_parameters())
+
+
+# DeBERTa-v2 (and DeBERTa-v3, the same classes) with relative attention: the encoder replays itself per sample with
+# respect to its relative table, that table's LayerNorm and the projections the table goes through (module 4 + 5:
+# one more forward of the whole encoder per step, vectorised over the batch, and a per-sample gradient of those
+# parameters; plan() lists the encoder as a fallback layer of their size). Freeze them to avoid it.
+reads_child_params("transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder", _deberta_v2_relative_params)
+
+
 def _wavlm_attention_params(module) -> tuple[str, ...]:
     """WavLM's encoder: layer 0's attention looks up ``rel_attn_embed`` and passes the bias on to the later layers as
     ``position_bias`` [batch * heads, q, k] (not batch first, so no attention call can be replayed alone); every
@@ -263,7 +292,7 @@ def _wavlm_attention_params(module) -> tuple[str, ...]:
         names += [f"layers.{i}.attention.{n}" for n, _ in attention.named_parameters(recurse=False)]
     return tuple(names)
 def _disentangled_encoder_params(module) -> tuple[str, ...]:
-    """A DeBERTa-v2-style encoder with relative attention (DeBERTa-v2/v3's, SEW-D's): it reads its ``rel_embeddings`` table itself, normalises
+    """A DeBERTa-v2-style encoder with relative attention (SEW-D's): it reads its ``rel_embeddings`` table itself, normalises
     it with its own ``LayerNorm`` ([positions, d], no batch) and hands it to every layer, whose attention projects it
     with ``query_proj`` / ``key_proj`` (or ``pos_query_proj`` / ``pos_key_proj``) on [1, positions, d], broadcast over
     the batch, besides projecting the hidden states. The encoder claims the table, the norm and those projections,
@@ -278,9 +307,8 @@ def _disentangled_encoder_params(module) -> tuple[str, ...]:
     return names
 
 
-for _encoder in ("transformers.models.sew_d.modeling_sew_d.SEWDTransformerEncoder",
-                 "transformers.models.deberta_v2.modeling_deberta_v2.DebertaV2Encoder"):
-    reads_child_params(_encoder, _disentangled_encoder_params)
+# (DeBERTa-v2's own encoder claims only the projections the table goes through: _deberta_v2_relative_params above)
+reads_child_params("transformers.models.sew_d.modeling_sew_d.SEWDTransformerEncoder", _disentangled_encoder_params)
 # UMT5's attention looks up its own table in every layer and uses the bias itself: the attention's replay suffices.
 reads_child_params("transformers.models.umt5.modeling_umt5.UMT5Attention", _relative_bias_tables)
 
@@ -328,13 +356,8 @@ for _family, _prefix in (("blenderbot", "Blenderbot"), ("blenderbot_small", "Ble
     for _part in ("Encoder", "Decoder"):
         reads_child_params(f"transformers.models.{_family}.modeling_{_family}.{_prefix}{_part}",
                            _parameters_under("embed_positions"))
-# XLNet's transformer runs its layers sequence-first ([T, B, d]) inside a batch-first model: its relative attention
-# uses its own parameters (q, k, v, o, r, the r_*_bias and seg_embed) on sequence-first tensors and relative position
-# embeddings without the batch, so no attention call can be replayed by sample. The model (batch-first inputs and
-# outputs) claims them: the fallback replays the whole transformer with respect to every attention's parameters.
-reads_child_params("transformers.models.xlnet.modeling_xlnet.XLNetModel",
-                   lambda module: tuple(f"layer.{i}.rel_attn.{n}" for i, layer in enumerate(module.layer)
-                                        for n, _ in layer.rel_attn.named_parameters()))
+# (XLNet's relative attention, run sequence-first inside a batch-first model, is the fallback's own: it finds the batch
+# axis of each argument and output, layers/fallback.py)
 # Short convolutions and delta attention run causal_conv1d_fn on conv.weight / conv1d.weight (and bias) themselves.
 reads_child_params("transformers.models.lfm3.modeling_lfm3.Lfm3ShortConv", _parameters_under("conv"))
 reads_child_params("transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",

@@ -221,7 +221,10 @@ class OutputLeaves:
     the widest of their dtypes, zeros for a leaf that no gradient reached. ``shared``: the positions of leaves that
     depend on those parameters without leading with the rows (a table broadcast over the batch, a scalar): which
     sample a gradient on them comes from cannot be told, so one that receives a gradient is refused. ``paths``:
-    every leaf's key path (``[1]``, ``.attentions[0]``), which refusals name.
+    every leaf's key path (``[1]``, ``.attentions[0]``), which refusals name. ``axes``: where a per-sample leaf's
+    batch is not its first axis (a module run sequence-first, ``[T, B, d]``, in a batch-first model), each per-sample
+    leaf's batch axis, verified by the rule (``FallbackRule``); ``join`` moves it to the front and ``split`` back, so
+    the rows of the joined gradient are the samples. ``None``: every per-sample leaf leads with its rows.
     """
 
     count: int
@@ -231,6 +234,7 @@ class OutputLeaves:
     dtypes: tuple[torch.dtype, ...]
     shared: tuple[int, ...]
     paths: tuple[str, ...]
+    axes: tuple[int, ...] | None = None
 
     @property
     def width(self) -> int:
@@ -241,6 +245,8 @@ class OutputLeaves:
         """The joined gradient ``[rows, width]`` of the per-sample leaves' gradients (``None``: zeros)."""
         dtype = functools.reduce(torch.promote_types, self.dtypes)
         like = next(g for g in grads if g is not None)
+        if self.axes is not None:  # each leaf's batch axis to the front (a leaf of zeros is made that way)
+            grads = [g if g is None else g.movedim(axis, 0) for g, axis in zip(grads, self.axes)]
         parts = [(g if g is not None else like.new_zeros(self.rows, *shape, dtype=dtype)).reshape(self.rows, -1)
                  for g, shape in zip(grads, self.shapes)]
         return torch.cat([part.to(dtype) for part in parts], 1)
@@ -248,7 +254,11 @@ class OutputLeaves:
     def split(self, g: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """A joined gradient ``[..., width]`` (rows or one row) cut into the leaves' ``[..., *shape]``."""
         sizes = [math.prod(s) for s in self.shapes]
-        return tuple(part.reshape(*g.shape[:-1], *shape) for part, shape in zip(g.split(sizes, -1), self.shapes))
+        parts = tuple(part.reshape(*g.shape[:-1], *shape) for part, shape in zip(g.split(sizes, -1), self.shapes))
+        if self.axes is None or g.dim() < 2:
+            return parts
+        lead = g.dim() - 2  # the rows' axis, after any axes vmap left in front
+        return tuple(part.movedim(lead, lead + axis) for part, axis in zip(parts, self.axes))
 
     def pick(self, output) -> tuple[torch.Tensor, ...]:
         """The per-sample leaves of an output of the same call (a replay's)."""

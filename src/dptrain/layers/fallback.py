@@ -317,17 +317,22 @@ class _BatchAxes:
         if known is not _UNKNOWN:
             return known is not None
         err = None
-        if output.shape[0] == batch:  # the batch-first reading first, checked as capture_call would
-            self._set_rows(module, args, kwargs, call, batch)
+        # The reading by leading rows first (the batch first, or rows folded into the batch, which the row reader
+        # then maps to samples: windows [B * W, N, d] with N = B), checked as capture_call would: where changing one
+        # leading row of the arguments moves only that row of the output, the call is left to it.
+        # Where the leading rows are not the batch and mix, the search below decides, and a call none verifies is
+        # left to the row reader too (rows of one sample that interact are replayed together: regroup_call).
+        self._set_rows(module, args, kwargs, call, output.shape[0])
+        if call.batched:
             try:
                 self._check_independence(module, call, output)
             except SampleMixingError as e:
-                err = e
+                err = e if output.shape[0] == batch else None
             else:
                 self._forward_checked.add(call.signature)
                 self._keep_axes(key, None)
                 return False
-            call.batched, call.batch = [], 0
+        call.batched, call.batch = [], 0
         if err is not None:
             found = self._axes_after_refusal(module, call, [output], (0,), ("",), batch, err)
         else:
@@ -574,7 +579,8 @@ class FallbackRule(_BatchAxes, LayerRule):
         call.outputs = picked
         call.signature = (*call.signature, ("rows", rows, per_sample, picked.shared))
         self._set_rows(module, args, kwargs, call, rows or 0)
-        if call.signature not in self._forward_checked and call.batch > 1 and per_sample and not meta:
+        # (one sample in the model call: its rows may interact, nothing can mix)
+        if call.signature not in self._forward_checked and call.batch > 1 and per_sample and not meta and batch != 1:
             try:
                 self._check_independence(module, call, output)
             except SampleMixingError as err:  # the batch may sit at another axis (a module run sequence-first)

@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -624,3 +625,40 @@ def spread_init(model):
             else:
                 p.add_(0.5 * torch.randn_like(p))
     return model
+
+
+# --------------------------------------------------------------------------- the property tests' oracle and checks
+def weighted_oracle(case: Case) -> tuple[float, dict]:
+    """For a case whose batch ends with per-sample loss weights (``(x, y, weights)``): a max_grad_norm that clips
+    some samples and not others, and the oracle's clipped sum. With fewer than two samples of non-zero loss weight:
+    half the norm of the one that has a gradient (1 where none has)."""
+    if int((case.batch[-1] != 0).sum()) > 1:
+        _, R, ref = with_oracle(lambda: case)
+        return R, ref
+    with default_dtype(torch.float64):
+        grads = reference(case, max_grad_norm=math.inf)
+        R = 0.5 * math.sqrt(sum(float(g.square().sum()) for g in grads.values())) or 1.0
+        return R, reference(case, max_grad_norm=R)
+
+
+def layer_names(model) -> list[str]:
+    """The modules of ``model`` that hold parameters of their own: those a refusal may name."""
+    return [name for name, m in model.named_modules() if name and any(True for _ in m.parameters(recurse=False))]
+
+
+def assert_refused_naming_a_layer(case: Case, run) -> None:
+    """``run()`` raises a ValueError or RuntimeError whose message names a layer of the case's model."""
+    with pytest.raises((ValueError, RuntimeError)) as refusal:
+        run()
+    message = str(refusal.value)
+    assert any(f"{name} (" in message for name in layer_names(case.model)), f"names no layer: {message}"
+
+
+def one_sample_contributes(losses_fn):
+    """``losses_fn`` with every sample's loss but the first weighted 0."""
+    def losses(model, *batch):
+        out = losses_fn(model, *batch)
+        weights = torch.zeros_like(out)
+        weights[0] = 1.0
+        return out * weights
+    return losses

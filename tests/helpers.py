@@ -539,15 +539,16 @@ run_engine = clipped_gradient  # the name under which tests written before dptra
 
 
 def engine_clipped_sum(case: Case, model: nn.Module | None = None, quiet: bool = False,
-                       **kwargs) -> dict[str, torch.Tensor]:
+                       batches: Sequence[tuple] | None = None, **kwargs) -> dict[str, torch.Tensor]:
     """``dptrain.testing.clipped_gradient`` for a case, on ``model``, by default a fresh copy of the case's model
     (the case's own model is never attached, it serves the oracle). Pass a copy to reuse it over several runs.
-    ``quiet``: no warning at all (model zoos warn about their configurations, the engine about the fallback)."""
+    ``quiet``: no warning at all (model zoos warn about their configurations, the engine about the fallback).
+    ``batches``: the batches back-propagated in turn before the one step (default: the case's batch alone)."""
     with warnings.catch_warnings():
         if quiet:
             warnings.simplefilter("ignore")
         model = copy.deepcopy(case.model) if model is None else model
-        return clipped_gradient(model, case.losses_fn, case.batch, **kwargs)
+        return clipped_gradient(model, case.losses_fn, *(batches or (case.batch,)), **kwargs)
 
 
 def update_norm(before: nn.Module, after: nn.Module) -> float:
@@ -630,11 +631,15 @@ def spread_init(model):
 # --------------------------------------------------------------------------- the property tests' oracle and checks
 def weighted_oracle(case: Case) -> tuple[float, dict]:
     """For a case whose batch ends with per-sample loss weights (``(x, y, weights)``): a max_grad_norm that clips
-    some samples and not others, and the oracle's clipped sum. With fewer than two samples of non-zero loss weight:
-    half the norm of the one that has a gradient (1 where none has)."""
+    some samples and not others, and the oracle's clipped sum. With fewer than two samples of non-zero loss weight,
+    or where all have the same gradient norm (the same data): half the norm of their summed gradient (1 where it
+    is 0)."""
     if int((case.batch[-1] != 0).sum()) > 1:
-        _, R, ref = with_oracle(lambda: case)
-        return R, ref
+        try:
+            _, R, ref = with_oracle(lambda: case)
+            return R, ref
+        except ValueError:  # every sample the same gradient norm
+            pass
     with default_dtype(torch.float64):
         grads = reference(case, max_grad_norm=math.inf)
         R = 0.5 * math.sqrt(sum(float(g.square().sum()) for g in grads.values())) or 1.0

@@ -629,21 +629,21 @@ def spread_init(model):
 
 
 # --------------------------------------------------------------------------- the property tests' oracle and checks
-def weighted_oracle(case: Case) -> tuple[float, dict]:
+def weighted_oracle(case: Case, clipping_style="all-layer") -> tuple[float, dict]:
     """For a case whose batch ends with per-sample loss weights (``(x, y, weights)``): a max_grad_norm that clips
-    some samples and not others, and the oracle's clipped sum. With fewer than two samples of non-zero loss weight,
-    or where all have the same gradient norm (the same data): half the norm of their summed gradient (1 where it
-    is 0)."""
-    if int((case.batch[-1] != 0).sum()) > 1:
-        try:
-            _, R, ref = with_oracle(lambda: case)
-            return R, ref
-        except ValueError:  # every sample the same gradient norm
-            pass
+    some samples and not others, and the oracle's clipped sum (in ``clipping_style``). With fewer than two samples of
+    non-zero loss weight, or where all have the same gradient norm (the same data): half the norm of their summed
+    gradient (1 where it is 0)."""
     with default_dtype(torch.float64):
+        if int((case.batch[-1] != 0).sum()) > 1:
+            try:
+                R = split_max_grad_norm(case, clipping_style)
+                return R, reference(case, max_grad_norm=R, clipping_style=clipping_style)
+            except ValueError:  # every sample the same gradient norm
+                pass
         grads = reference(case, max_grad_norm=math.inf)
         R = 0.5 * math.sqrt(sum(float(g.square().sum()) for g in grads.values())) or 1.0
-        return R, reference(case, max_grad_norm=R)
+        return R, reference(case, max_grad_norm=R, clipping_style=clipping_style)
 
 
 def layer_names(model) -> list[str]:

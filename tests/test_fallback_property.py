@@ -39,9 +39,10 @@ noise 0), or refuse where it must, naming a module of the model: never silently 
 fallback takes. A batch in which one sample contributes moves the model by that sample's gradient clipped to R
 (all-layer), never more.
 
-Known bugs (``known_bug``, each with a repro under repros/): the main tests take away exactly what triggers one
-(``without_known_bugs``: the parameter it drops or refuses frozen, or the all-layer style) and check the rest; one
-drawn model per bug, as drawn, is pinned in a test of its own marked ``xfail(strict=True)``, so that a fix shows.
+Known bugs (``known_bug``, read from the model and the calls, each with a repro under repros/, see repros/README.md):
+the main tests take away exactly what triggers one (``without_known_bugs``: the parameters it drops, refuses,
+crashes on or gets wrong frozen, or the all-layer style) and check the rest; each bug, as drawn, is pinned in a test
+of its own marked ``xfail(strict=True)``, so that a fix shows.
 """
 from __future__ import annotations
 
@@ -551,7 +552,7 @@ def random_model(seed: int) -> Drawn:
     names = [random.Random(f"{seed}-film").choice(["film", "class-film"]) if n == "film" else n for n in names]
     if rng.random() < 0.5:
         names.insert(rng.randint(0, len(names)), f"rule:{rng.choice(RULE_PIECE_NAMES)}")
-    # a piece that the engine must refuse where several samples contribute to a call, in 3 models of 7
+    # a piece that the engine must refuse where several samples contribute to a call, in half of the models
     refused_piece = rng.choice([None, None, None, None, "batch-mean", "centred", "sequence-first", "per-class-head"])
     if refused_piece == "sequence-first":
         names.insert(rng.randint(0, len(names)), f"{rng.choice(list(MODULES))}@sequence-first")
@@ -624,8 +625,8 @@ PINNED_SEEDS = {"cls-token": 161, "table-one-sample": 42, "leaf-batch-first": 5,
 
 
 def known_bug(drawn: Drawn) -> str | None:
-    """The repro of a known bug of the engine that the drawn model and step meet (read from the model's structure
-    and the calls' sizes, never from the outcome), or None."""
+    """The repro of a known bug of the engine that the drawn model and step meet (read from the model's structure,
+    the calls' sizes and, for FiLM, the conditioning each call's data gives: never from the outcome), or None."""
     model = drawn.case.model
     if any(b > 1 and contributing == 1 for b, contributing in drawn.calls):  # (a crash, refused or not)
         fallbacks = fallback_modules(model)
@@ -639,7 +640,7 @@ def known_bug(drawn: Drawn) -> str | None:
         return None
     films = [piece for piece in model.pieces if isinstance(piece, FiLMPiece) and any(
         p.requires_grad for p in piece.fb.parameters())]
-    if films and drawn.batches:  # each call's conditioning classes, from the model's forward on each call's data
+    if films and drawn.batches:  # each call's conditioning, from the model's forward on each call's data
         for piece in films:
             piece.seen = []
         with torch.no_grad():
@@ -676,7 +677,6 @@ def known_bug(drawn: Drawn) -> str | None:
                 rows = b if b in (N, T) else N  # the rows the fallback takes from the leaves' leading sizes
                 if b > 1 and contributing and (rows == T or rows != N):  # the table taken for rows, or the
                     return LEAF_AS_LONG_AS_THE_BATCH                      # features for shared
-
     return None
 
 

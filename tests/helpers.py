@@ -17,6 +17,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -538,15 +539,16 @@ run_engine = clipped_gradient  # the name under which tests written before dptra
 
 
 def engine_clipped_sum(case: Case, model: nn.Module | None = None, quiet: bool = False,
-                       **kwargs) -> dict[str, torch.Tensor]:
+                       batches: Sequence[tuple] | None = None, **kwargs) -> dict[str, torch.Tensor]:
     """``dptrain.testing.clipped_gradient`` for a case, on ``model``, by default a fresh copy of the case's model
     (the case's own model is never attached, it serves the oracle). Pass a copy to reuse it over several runs.
-    ``quiet``: no warning at all (model zoos warn about their configurations, the engine about the fallback)."""
+    ``quiet``: no warning at all (model zoos warn about their configurations, the engine about the fallback).
+    ``batches``: the batches back-propagated in turn before the one step (default: the case's batch alone)."""
     with warnings.catch_warnings():
         if quiet:
             warnings.simplefilter("ignore")
         model = copy.deepcopy(case.model) if model is None else model
-        return clipped_gradient(model, case.losses_fn, case.batch, **kwargs)
+        return clipped_gradient(model, case.losses_fn, *(batches or (case.batch,)), **kwargs)
 
 
 def update_norm(before: nn.Module, after: nn.Module) -> float:
@@ -624,3 +626,44 @@ def spread_init(model):
             else:
                 p.add_(0.5 * torch.randn_like(p))
     return model
+
+
+# --------------------------------------------------------------------------- the property tests' oracle and checks
+def weighted_oracle(case: Case, clipping_style="all-layer") -> tuple[float, dict]:
+    """For a case whose batch ends with per-sample loss weights (``(x, y, weights)``): a max_grad_norm that clips
+    some samples and not others, and the oracle's clipped sum (in ``clipping_style``). With fewer than two samples of
+    non-zero loss weight, or where all have the same gradient norm (the same data): half the norm of their summed
+    gradient (1 where it is 0)."""
+    with default_dtype(torch.float64):
+        if int((case.batch[-1] != 0).sum()) > 1:
+            try:
+                R = split_max_grad_norm(case, clipping_style)
+                return R, reference(case, max_grad_norm=R, clipping_style=clipping_style)
+            except ValueError:  # every sample the same gradient norm
+                pass
+        grads = reference(case, max_grad_norm=math.inf)
+        R = 0.5 * math.sqrt(sum(float(g.square().sum()) for g in grads.values())) or 1.0
+        return R, reference(case, max_grad_norm=R, clipping_style=clipping_style)
+
+
+def layer_names(model) -> list[str]:
+    """The modules of ``model`` that hold parameters of their own: those a refusal may name."""
+    return [name for name, m in model.named_modules() if name and any(True for _ in m.parameters(recurse=False))]
+
+
+def assert_refused_naming_a_layer(case: Case, run) -> None:
+    """``run()`` raises a ValueError or RuntimeError whose message names a layer of the case's model."""
+    with pytest.raises((ValueError, RuntimeError)) as refusal:
+        run()
+    message = str(refusal.value)
+    assert any(f"{name} (" in message for name in layer_names(case.model)), f"names no layer: {message}"
+
+
+def one_sample_contributes(losses_fn):
+    """``losses_fn`` with every sample's loss but the first weighted 0."""
+    def losses(model, *batch):
+        out = losses_fn(model, *batch)
+        weights = torch.zeros_like(out)
+        weights[0] = 1.0
+        return out * weights
+    return losses

@@ -25,7 +25,6 @@ import itertools
 import math
 import random
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, example, given, settings
@@ -36,7 +35,8 @@ from dptrain.nn import DPLSTM, DPMultiheadAttention
 from dptrain.testing import split_batch
 
 from helpers import (
-    MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, default_dtype, engine_clipped_sum, reference, with_oracle,
+    MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, assert_refused_naming_a_layer, default_dtype,
+    engine_clipped_sum, layer_names, one_sample_contributes, weighted_oracle,
 )
 
 D = 4  # features
@@ -323,37 +323,6 @@ def _losses(model, x, y, weights):
     return F.cross_entropy(model(x), y, reduction="none") * weights
 
 
-
-
-def _oracle(case: Case) -> tuple[float, dict]:
-    """A max_grad_norm that clips some samples and not others, and the oracle's clipped sum. With fewer than two
-    samples of non-zero loss weight, or samples whose gradients all have the same norm (a model that does not see the
-    order of the tokens, on ids that are permutations of each other): half the norm of their summed gradient (1 where
-    it is 0)."""
-    if int((case.batch[2] != 0).sum()) > 1:
-        try:
-            _, R, ref = with_oracle(lambda: case)
-            return R, ref
-        except ValueError as err:
-            if "the same gradient norm" not in str(err):
-                raise
-    with default_dtype(torch.float64):
-        grads = reference(case, max_grad_norm=math.inf)
-        R = 0.5 * math.sqrt(sum(float(g.square().sum()) for g in grads.values())) or 1.0
-        return R, reference(case, max_grad_norm=R)
-
-
-def _layer_names(model) -> list[str]:
-    return [name for name, m in model.named_modules() if name and any(True for _ in m.parameters(recurse=False))]
-
-
-def _assert_refused_naming_a_layer(case: Case, run) -> None:
-    with pytest.raises((ValueError, RuntimeError)) as refusal:
-        run()
-    message = str(refusal.value)
-    assert any(f"{name} (" in message for name in _layer_names(case.model)), f"names no layer: {message}"
-
-
 FAST = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow])
 
@@ -366,25 +335,15 @@ SEEDS = st.integers(0, 2 ** 32 - 1)
 @example(seed=292851)  # a layout read from one padded call's single real sample was reused at the next (fixed)
 def test_random_layouts_are_exact_or_refused_in_every_mode_and_path(seed):
     case, micro, mixes, what = random_model(seed)
-    R, ref = (None, None) if mixes else _oracle(case)
+    R, ref = (None, None) if mixes else weighted_oracle(case)
     with default_dtype(torch.float64):
         for mode, path in PATHS:
             run = lambda: engine_clipped_sum(case, quiet=True, mode=mode, path=path, micro_batches=micro,  # noqa: E731
                                              max_grad_norm=R if R is not None else 1.0)
             if mixes:
-                _assert_refused_naming_a_layer(case, run)
+                assert_refused_naming_a_layer(case, run)
             else:
                 assert_matches(run(), ref, what=f"{what} {mode} {path}")
-
-
-def _one_sample_contributes(losses_fn):
-    """Every sample's loss but the first weighted 0."""
-    def losses(model, *batch):
-        out = losses_fn(model, *batch)
-        weights = torch.zeros_like(out)
-        weights[0] = 1.0
-        return out * weights
-    return losses
 
 
 @FAST
@@ -394,14 +353,14 @@ def test_one_sample_moves_the_model_by_at_most_R(seed, mode_path):
     at most R whatever the layout of the rows (or the step is refused)."""
     case, _, _, what = random_model(seed)
     what += " (in one call)"  # the first sample of the call is the one that contributes
-    case = Case(case.model, _one_sample_contributes(case.losses_fn), case.batch)
+    case = Case(case.model, one_sample_contributes(case.losses_fn), case.batch)
     mode, path = mode_path
     R = 1e-3  # far below the sample's gradient norm
     with default_dtype(torch.float64):
         try:
             got = engine_clipped_sum(case, quiet=True, mode=mode, path=path, max_grad_norm=R)
         except (ValueError, RuntimeError) as refusal:
-            assert any(f"{name} (" in str(refusal) for name in _layer_names(case.model)), str(refusal)
+            assert any(f"{name} (" in str(refusal) for name in layer_names(case.model)), str(refusal)
             return
     norm = math.sqrt(sum(float(g.square().sum()) for g in got.values()))
     assert norm <= R * (1 + 1e-9), f"{what} {mode} {path}: one sample moved the model by {norm / R:.4g} R"

@@ -628,36 +628,8 @@ def known_bug(drawn: Drawn) -> str | None:
     """The repro of a known bug of the engine that the drawn model and step meet (read from the model's structure,
     the calls' sizes and, for FiLM, the conditioning each call's data gives: never from the outcome), or None."""
     model = drawn.case.model
-    if any(b > 1 and contributing == 1 for b, contributing in drawn.calls):  # (a crash, refused or not)
-        fallbacks = fallback_modules(model)
-        if drawn.T == 1 and any(isinstance(piece, InLayout) and piece.layout == "sequence-first"
-                                and f"pieces.{i}.fb" in fallbacks for i, piece in enumerate(model.pieces)):
-            return EXPANDED_REGROUPED  # [1, B, d] taken for a table, its rows the one sample's
-        if (any(isinstance(m, PositionTable) and m.table.requires_grad for m in model.modules())
-                and any(isinstance(piece, (BatchMeanPiece, CentredPiece)) for piece in model.pieces)):
-            return EXPANDED_REGROUPED  # a table's expanded rows, all the one sample's through the mean
     if drawn.refused:
         return None
-    films = [piece for piece in model.pieces if isinstance(piece, FiLMPiece) and any(
-        p.requires_grad for p in piece.fb.parameters())]
-    if films and drawn.batches:  # each call's conditioning, from the model's forward on each call's data
-        for piece in films:
-            piece.seen = []
-        with torch.no_grad():
-            for batch in drawn.batches:
-                for chunk in split_batch(batch, drawn.micro):
-                    model(chunk[0])
-        for piece in films:
-            calls = [(len(c), torch.allclose(c, c[:1].expand_as(c), rtol=1e-5, atol=1e-8)) for c in piece.seen]
-            piece.seen = None
-            for k, (b, same) in enumerate(calls):  # read as shared where every row is the same, then reused
-                if same and b > 1 and drawn.T % b == 0 and any(b2 == b and not same2 for b2, same2 in calls[k + 1:]):
-                    return FOLDED_ARGUMENT_CACHED
-    for m in model.modules():
-        if isinstance(m, ClassToken) and m.cls.requires_grad:
-            return VIEW_OF_PARAMETER  # a view of its parameter: its gradient never reaches the engine
-        if isinstance(m, PositionTable) and m.table.requires_grad and (1, 1) in drawn.calls:
-            return VIEW_OF_PARAMETER  # ... at one sample in a call, where no expand is hooked instead
     if drawn.style == "layer-wise":
         for m in model.modules():  # a module's own parameters and those it claims from its descendants, trainable
             claimed = {"proj.weight", "proj.bias"} if isinstance(m, ReadsChild) else (
@@ -713,14 +685,7 @@ def without_known_bugs(drawn: Drawn) -> Drawn:
         if bug == CLAIMED_PARAMS_GROUPS:
             drawn.style = "all-layer"
             continue
-        for m in drawn.case.model.pieces:
-            if bug == EXPANDED_REGROUPED and isinstance(m, InLayout) and m.layout == "sequence-first":
-                m.requires_grad_(False)
         for m in drawn.case.model.modules():
-            if bug == FOLDED_ARGUMENT_CACHED and isinstance(m, FiLMPiece):
-                m.fb.requires_grad_(False)
-            if bug in (VIEW_OF_PARAMETER, EXPANDED_REGROUPED) and isinstance(m, (ClassToken, PositionTable)):
-                m.requires_grad_(False)
             if bug == LEAF_AS_LONG_AS_THE_BATCH and isinstance(m, MultiOut) and m.kind == "table":
                 m.table.requires_grad_(False)
     if met:
@@ -755,6 +720,15 @@ def test_random_fallback_models_are_exact_or_refused_in_every_mode_and_path(seed
 
 
 # ------------------------------------------------------------------------------------------ the known bugs, pinned
+def _drawn(key: str):
+    """One drawn model that met a bug since fixed (its repro is in repros/): the property, as it holds now."""
+    def mark(test):
+        test = given(seed=SEEDS)(test)
+        test = example(seed=PINNED_SEEDS[key])(test)
+        return settings(phases=[Phase.explicit], deadline=None, database=None)(test)
+    return mark
+
+
 def _pinned(key: str, raises, why: str):
     """One drawn model that meets a known bug: the property as it should hold, marked xfail(strict=True), so that a
     fix shows (then take the bug out of ``known_bug`` and the mark off)."""
@@ -766,14 +740,12 @@ def _pinned(key: str, raises, why: str):
     return mark
 
 
-@_pinned("cls-token", AssertionError,
-         f"a class token returned as a view of its parameter gets no gradient: {VIEW_OF_PARAMETER}")
+@_drawn("cls-token")  # was: VIEW_OF_PARAMETER
 def test_pinned_a_class_token_of_its_own_is_exact(seed):
     _check(random_model(seed))
 
 
-@_pinned("table-one-sample", AssertionError,
-         f"a table [1, T, d] of its own, at one sample in a call, gets no gradient: {VIEW_OF_PARAMETER}")
+@_drawn("table-one-sample")  # was: VIEW_OF_PARAMETER
 def test_pinned_a_position_table_of_its_own_is_exact_at_one_sample_per_call(seed):
     _check(random_model(seed))
 
@@ -799,9 +771,7 @@ def test_pinned_layer_wise_groups_of_claimed_parameters_are_the_oracles(seed):
     _check(random_model(seed))
 
 
-@_pinned("folded-argument", AssertionError,
-         f"silently wrong: a per-sample argument read as shared on a call whose samples have the same conditioning is "
-         f"replayed whole at the next call: {FOLDED_ARGUMENT_CACHED}")
+@_drawn("folded-argument")  # was: FOLDED_ARGUMENT_CACHED
 def test_pinned_a_per_sample_conditioning_the_same_over_one_call_is_per_sample_at_the_next(seed):
     _check(random_model(seed))
 
@@ -845,9 +815,7 @@ def test_one_sample_moves_the_model_by_its_gradient_clipped_to_R(seed, mode_path
     _check_one_sample(without_known_bugs(_one_sample_contributing(seed)), *mode_path)
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError, reason=f"a call taken for a table broadcast over the batch, "
-                                                          f"expanded, then regrouped: {EXPANDED_REGROUPED}")
-@pytest.mark.parametrize("seed", [
+@pytest.mark.parametrize("seed", [  # (was a crash, EXPANDED_REGROUPED: now refused, naming the module)
     57,  # a module run sequence-first at T = 1: [1, B, d]
     16,  # a position table [1, T, d] of its own, then a mean over the batch
 ])
@@ -868,8 +836,9 @@ class WindowTable(nn.Module):
         return self.head(torch.tanh(windows + self.pos(windows)).reshape(B, T, D).mean(1))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"the table's output expanded to [B, w, d] breaks "
-                                                              f"the model's forward: {TABLE_OVER_WINDOWS}")
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"refused, not exact: the table's one row meets the "
+                                                              f"windows folded into the batch, not the batch, and is "
+                                                              f"refused by its rows' reading: {TABLE_OVER_WINDOWS}")
 def test_pinned_a_table_broadcast_over_windows_is_exact():
     torch.manual_seed(0)
     assert_rule_exact(WindowTable(), torch.randn(3, 4, D), allow_fallback=True)
@@ -890,9 +859,6 @@ class ClassFiLM(nn.Module):
 
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=f"silently wrong: a per-sample argument read as shared "
-                                                              f"on a call whose samples have equal rows is replayed "
-                                                              f"whole at the next call: {FOLDED_ARGUMENT_CACHED}")
 @pytest.mark.parametrize("mode, path", [("bk-mixopt", "engine"), ("per-sample", "mean")])
 def test_pinned_a_per_sample_argument_equal_over_one_call_is_per_sample_at_the_next(mode, path):
     """Two micro-batches of one step, B = T = 3: the first of one class, the second of three."""

@@ -744,6 +744,12 @@ class Capture:
         else:
             activation = state.rule.capture_at(module, site, inputs, seen_output)
         output_swapped = seen_output is not tensor
+        if not self.dry and tensor.grad_fn is None and tensor.requires_grad and _of_own_parameter(tensor, state):
+            # A parameter of the layer itself, or a view of one made while its flag was off (a class token's
+            # cls.expand(B, -1, -1)): its gradient would go to the parameter without reaching the engine. The rule
+            # differentiates the call itself (the fallback's replay); the model gets the values, with no history
+            # (a view of them: _Origin copies a view rather than mark the parameter's storage as written).
+            tensor = tensor.detach().view_as(tensor)
         if not tensor.requires_grad and not self.dry:
             tensor = _Origin.apply(self._anchor(tensor.device), tensor)
         seen = swap01(tensor) if output_swapped else tensor
@@ -904,6 +910,12 @@ class Capture:
 
 
 @torch._dynamo.disable
+def _of_own_parameter(tensor: torch.Tensor, state: LayerState) -> bool:
+    """Whether ``tensor`` is one of the layer's trainable parameters or a view of one."""
+    base = tensor._base if tensor._is_view() else tensor
+    return any(base is p for p in state.params.values())
+
+
 def _broadcast_rows_of(inputs: tuple) -> tuple:
     """A layer call's inputs ((args, kwargs), or a capture site's tensors) with each BroadcastRows replaced by its rows
     over the batch (a quick look first: this runs at every layer call)."""

@@ -156,6 +156,8 @@ class FallbackCall:
     #: the batch axis of each leaf in ``batched`` where the call's batch is not its arguments' first axis (a module
     #: run sequence-first in a batch-first model), found and verified by ``FallbackRule._batch_axes``; None: axis 0
     axes: list[int] | None = None
+    #: one row broadcast over the batch (``expand_batch``): each sample's rows are that row
+    broadcast: bool = False
 
     def arguments(self, replaced: dict[int, torch.Tensor] | None = None) -> tuple[tuple, dict]:
         leaves = list(self.leaves)
@@ -267,21 +269,12 @@ class _BatchAxes:
 
     def _batch_axes(self, module, call: FallbackCall, output, leaves: list, depends: tuple[int, ...],
                     paths: tuple[str, ...], batch: int) -> _AxisAssignment | None:
-        """The verified assignment of a call with a container output, or None: the batch-first reading applies (its
-        own check searches if it fails, ``_axes_after_refusal``). Searches only a call none of whose output leaves
-        leads with the batch while one has it at another axis."""
-        key = (call.signature, depends)
-        known = self._axes_found.get(key, _UNKNOWN)
-        if known is not _UNKNOWN:
-            return known
-        if self.swapped:
-            return None
-        shapes = [tuple(leaves[k].shape) for k in depends]
-        if any(s and s[0] == batch for s in shapes) or not any(batch in s[1:] for s in shapes):
-            return None  # the usual reading (not kept here: its check decides)
-        found = self._search_axes(module, call, leaves, depends, paths, batch)
-        self._keep_axes(key, found)  # None: nothing verified, the rows are read from the gradient as they are
-        return found
+        """The assignment found for a call of this pattern with a container output, or None: the reading by leading
+        rows applies (the batch first, or rows folded into the batch that the row reader maps to samples). Its own
+        check searches other axes only if it fails (``_axes_after_refusal``): a module that works token by token
+        verifies the tokens as the batch where T = B, so a search before it would take them for the samples."""
+        known = self._axes_found.get((call.signature, depends), _UNKNOWN)
+        return None if known is _UNKNOWN else known
 
     def _axes_after_refusal(self, module, call: FallbackCall, leaves: list, depends: tuple[int, ...],
                             paths: tuple[str, ...], batch: int | None, err: SampleMixingError) -> _AxisAssignment:
@@ -683,6 +676,7 @@ class FallbackRule(_BatchAxes, LayerRule):
             return None
         activation.batched = []
         activation.batch = batch
+        activation.broadcast = True
         return activation, output.expand(batch, *output.shape[1:])
 
     def dims(self, module, activation, output):
@@ -942,6 +936,12 @@ class FallbackRule(_BatchAxes, LayerRule):
         if samples is None or samples.numel() != g.shape[0]:
             raise ValueError(f"{self._name(module)}: {g.shape[0]} rows in the call, a sample for "
                              f"{None if samples is None else samples.numel()} of them")
+        if call.broadcast:
+            raise SampleMixingError(
+                f"{self._name(module)}: its output, one row broadcast over the batch, reaches the samples' losses in "
+                "another layout than one row each (the rows mixed by a mean over the batch, or reordered), which the "
+                "per-sample fallback cannot regroup. Use the output only where it meets the batch, or freeze its "
+                "parameters")
         if call.axes is not None:
             raise SampleMixingError(
                 f"{self._name(module)}: its batch is not its arguments' first axis (found per argument: "
@@ -980,18 +980,24 @@ class FallbackRule(_BatchAxes, LayerRule):
         known = self._folded_checked.get(key)
         if known is not None:
             return self._replay_rows(module, rows, primals, candidates if known else [], check=False)
-        first_error = None
+        passed, first_error = {}, None
         for by_sample in ([[], candidates] if candidates else [[]]):
             try:
-                grads = self._replay_rows(module, rows, primals, by_sample, check=True)
+                passed[bool(by_sample)] = self._replay_rows(module, rows, primals, by_sample, check=True)
             except (SampleMixingError, RuntimeError, ValueError, TypeError) as err:
                 first_error = first_error or err
-                continue
-            if len(self._folded_checked) >= 256:  # rows picked by the data: a new layout at most steps
-                self._folded_checked.clear()      # (checking again is always safe)
-            self._folded_checked[key] = bool(by_sample)
-            return grads
-        raise first_error
+        if not passed:
+            raise first_error
+        if len(passed) == 2:
+            # Both readings reproduce this call (the samples' rows of the argument are alike: FiLM conditioned on one
+            # class for every sample): the data cannot tell, so nothing is remembered, and this call is replayed by
+            # sample, which gives no sample another's row.
+            return passed[True]
+        if len(self._folded_checked) >= 256:  # rows picked by the data: a new layout at most steps
+            self._folded_checked.clear()      # (checking again is always safe)
+        by_sample = next(iter(passed))
+        self._folded_checked[key] = by_sample
+        return passed[by_sample]
 
     def _replay_rows(self, module, rows: FoldedRows, primals, by_sample: list[int], check: bool):
         """``_per_sample_of_rows`` with the arguments at ``by_sample`` taken one row per sample; ``check``: the

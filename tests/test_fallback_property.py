@@ -40,9 +40,9 @@ fallback takes. A batch in which one sample contributes moves the model by that 
 (all-layer), never more.
 
 Known bugs (``known_bug``, read from the model and the calls, each with a repro under repros/, see repros/README.md):
-the main tests take away exactly what triggers one (``without_known_bugs``: the parameters it drops, refuses,
-crashes on or gets wrong frozen, or the all-layer style) and check the rest; each bug, as drawn, is pinned in a test
-of its own marked ``xfail(strict=True)``, so that a fix shows.
+the main tests take away exactly what triggers one (``without_known_bugs``: the parameters it refuses wrongly frozen)
+and check the rest; each bug, as drawn, is pinned in a test of its own marked ``xfail(strict=True)``, so that a fix
+shows. Those fixed since keep their drawn examples as ordinary tests.
 """
 from __future__ import annotations
 
@@ -630,14 +630,6 @@ def known_bug(drawn: Drawn) -> str | None:
     model = drawn.case.model
     if drawn.refused:
         return None
-    if drawn.style == "layer-wise":
-        for m in model.modules():  # a module's own parameters and those it claims from its descendants, trainable
-            claimed = {"proj.weight", "proj.bias"} if isinstance(m, ReadsChild) else (
-                {"parametrizations.weight.original0", "parametrizations.weight.original1"}
-                if nn.utils.parametrize.is_parametrized(m) else set())
-            trainable = {n for n, p in m.named_parameters() if p.requires_grad}
-            if trainable & claimed and trainable - claimed:  # the engine's one group, the oracle's two
-                return CLAIMED_PARAMS_GROUPS
     T, W = drawn.T, drawn.W
     for piece in model.pieces:
         # (sequence-first: refused where two samples contribute, the whole call one sample's rows where one does)
@@ -675,16 +667,13 @@ def _check(drawn: Drawn) -> None:
 
 def without_known_bugs(drawn: Drawn) -> Drawn:
     """The drawn model and step with the trigger of each known bug it meets taken away, and nothing else: the
-    parameters that a bug drops, refuses, crashes on or gets wrong frozen (a class token's, a position table's, a
-    container's unused table, a module's run sequence-first at T = 1, a FiLM's), or the all-layer style for clipping
-    groups that the engine and the oracle read differently. The rest of the example is checked as it was drawn; each
-    bug, as it is, by its pinned test (xfail, strict) below."""
+    parameters that a bug refuses wrongly frozen (a container's unused table as long as the batch). The rest of the
+    example is checked as it was drawn; each bug, as it is, by its pinned test (xfail, strict) below. (The bugs fixed
+    since, a class token's and a table's dropped gradient, a cached reading of a per-sample argument, a crash on an
+    expanded call regrouped, the layer-wise groups of claimed parameters, keep their drawn examples as tests.)"""
     met = []
     while (bug := known_bug(drawn)) is not None:
         met.append(bug)
-        if bug == CLAIMED_PARAMS_GROUPS:
-            drawn.style = "all-layer"
-            continue
         for m in drawn.case.model.modules():
             if bug == LEAF_AS_LONG_AS_THE_BATCH and isinstance(m, MultiOut) and m.kind == "table":
                 m.table.requires_grad_(False)
@@ -764,9 +753,7 @@ def test_pinned_a_container_leaf_as_long_as_the_batch_on_folded_rows_is_exact(se
     _check(random_model(seed))
 
 
-@_pinned("claimed-groups", AssertionError,
-         f"layer-wise clipping groups of parameters a module claims from its descendants (weight norm's originals) "
-         f"differ between the engine and the oracle: {CLAIMED_PARAMS_GROUPS}")
+@_drawn("claimed-groups")  # was: CLAIMED_PARAMS_GROUPS (the oracle now groups a claimed parameter with its layer)
 def test_pinned_layer_wise_groups_of_claimed_parameters_are_the_oracles(seed):
     _check(random_model(seed))
 

@@ -33,6 +33,7 @@ from torch import nn
 
 from . import checks
 from .data import batch_len
+from .layers.registry import layer_params
 
 
 def _take(batch, start: int, stop: int):
@@ -124,9 +125,17 @@ def _groups(model: nn.Module, clipping_style) -> list[list[str]]:
     elif clipping_style == "param-wise":
         groups = [[n] for n in named]
     else:
+        # A layer is a module with parameters of its own and those it claims: the descendants' parameters it reads
+        # itself (layers.registry.reads_child_params), weight norm's magnitude and direction, its parameter
+        # containers (the definition the engine's groups and the module names of explicit groups follow).
+        layer_of: dict[int, str] = {}
+        names = {id(m): n for n, m in model.named_modules()}
+        for module, params in layer_params(model).items():
+            for p in params.values():
+                layer_of.setdefault(id(p), names[id(module)])
         by_module: dict[str, list[str]] = {}
-        for name, (mname, _) in named.items():
-            by_module.setdefault(mname, []).append(name)
+        for name, (mname, p) in named.items():
+            by_module.setdefault(layer_of.get(id(p), mname), []).append(name)
         if clipping_style == "layer-wise":
             groups = list(by_module.values())
         else:  # a module whose only parameter is tied to an earlier one adds nothing to its group

@@ -909,7 +909,6 @@ class Capture:
         node.register_prehook(pre_hook)
 
 
-@torch._dynamo.disable
 def _of_own_parameter(tensor: torch.Tensor, state: LayerState) -> bool:
     """Whether ``tensor`` is one of the layer's trainable parameters or a view of one."""
     base = tensor._base if tensor._is_view() else tensor
@@ -925,6 +924,7 @@ def _broadcast_rows_of(inputs: tuple) -> tuple:
     return inputs
 
 
+@torch._dynamo.disable
 def _start_watch(batch: int, inputs: list, axis: int, anchor, record, precision) -> ReorderWatch:
     """A verifying model call's watch (``rows.ReorderWatch``), entered; run eagerly under torch.compile, whose
     tracing would rebuild the mode without its state."""

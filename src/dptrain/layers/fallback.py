@@ -877,10 +877,7 @@ class FallbackRule(_BatchAxes, LayerRule):
         the same in a batch of one as in the batch (no branch on the batch's size or content, no randomness)."""
         if outs is None:
             return
-        device, enabled, dtype = call.autocast
-        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            args, kwargs = call.arguments()
-            whole = self._joined(call, self._replay_out(module, call, args, kwargs))
+        whole = self._whole_output(module, call)
         if not _close(outs, whole):
             raise SampleMixingError(
                 f"{self._name(module)}: replaying each sample alone (vmap cannot run this module, so the per-sample "
@@ -1057,15 +1054,19 @@ class FallbackRule(_BatchAxes, LayerRule):
             self._check_gradient_sum(module, call, g * known, primals, grads)
         return grads
 
+    def _whole_output(self, module, call) -> torch.Tensor:
+        """The call replayed whole, under its autocast state, its outputs joined as the per-sample replays' are."""
+        device, enabled, dtype = call.autocast
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            args, kwargs = call.arguments()
+            return self._joined(call, self._replay_out(module, call, args, kwargs))
+
     def _check_folded_outputs(self, module, call, order, outs):
         """Each sample's rows replayed alone reproduce those rows of the call: the module pairs no row with
         another input by its position in the whole call (a mask laid out for another order of the rows)."""
         if outs is None:
             return
-        device, enabled, dtype = call.autocast
-        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            args, kwargs = call.arguments()
-            whole = self._joined(call, self._replay_out(module, call, args, kwargs))
+        whole = self._whole_output(module, call)
         if not _close(outs, whole[order.to(whole.device)]):
             raise SampleMixingError(
                 f"{self._name(module)}: its rows are samples folded into the batch (windows, tokens), and replaying "

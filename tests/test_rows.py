@@ -119,6 +119,40 @@ def test_a_data_dependent_layout_is_read_at_every_step(float64):
     assert not any(key[0] == id(model.inp) for key in engine._rows.layouts)
 
 
+class PositionalIndex(nn.Module):
+    """Rows picked by positions the forward makes itself (XLNet's relative shift: index_select with torch.arange), on
+    an axis as long as a multiple of the batch; ``reversed``: positions derived from them (flipped), not followed."""
+
+    def __init__(self, reversed_: bool = False):
+        super().__init__()
+        self.reversed = reversed_
+        self.inp, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))  # [B, T, 8], T = 2B below
+        positions = torch.arange(h.shape[1])
+        if self.reversed:
+            positions = positions.flip(0)
+        return self.head(h.index_select(1, positions).mean(1))
+
+
+@pytest.mark.parametrize("reversed_", [False, True])
+def test_positions_made_by_torch_arange_keep_a_layout_cacheable(float64, reversed_):
+    """An index made by torch.arange picks rows by their place, as a slice does: the layouts are cached (before,
+    any index on an axis as long as a multiple of B made every step read its rows). Other indices still count as
+    picked by the data. Exact either way."""
+    torch.manual_seed(0)
+    model = PositionalIndex(reversed_).double()
+    batches = [_data(3, 6, seed=1)]
+    got = clipped_gradient(copy.deepcopy(model), _losses, *batches, mode="bk-mixopt", max_grad_norm=R)
+    assert_matches(got, _reference(model, batches), what=f"reversed={reversed_}")
+    engine = _engine(model, "bk-mixopt", loss_reduction="sum")
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    engine.backward(_losses(model, *_data(3, 6, seed=2)))
+    cached = any(key[0] == id(model.head) for key in engine._rows.layouts)  # (the layer after the index)
+    assert cached is not reversed_
+
+
 # ------------------------------------------------------------------------------------------ rows that mix samples
 class PerClassVectors(nn.Module):
     """A Linear on per-class vectors [C, d] (shared by every sample): with C = B its rows look like samples."""

@@ -404,6 +404,9 @@ class ReorderWatch(TorchFunctionMode):
         # transpose), with the axes where their batch may sit
         self._ids = {id(t): (t, (axis,)) for t in inputs if not t.is_floating_point() and not t.is_complex()}
         self._copies: dict[int, torch.Tensor] = {}  # each floating-point input's copy, used by all its uses
+        # tensors made by torch.arange in this call: an index of them picks rows by their place, as a slice does
+        # (XLNet's relative shift, index_select(x, 3, torch.arange(klen))), not by the data
+        self._ranges: dict[int, torch.Tensor] = {}
         self.readings: list[InputRows] = []
 
     def _carry(self, t: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
@@ -434,7 +437,11 @@ class ReorderWatch(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if not self.seen and func in _INDEXING and args:
-            self.seen = _reorders(func, args, kwargs, self.batch)
+            self.seen = _reorders(func, args, kwargs, self.batch, self._ranges)
+        if func is torch.arange:  # positions made by the forward, not read from the data (kept: ids stay unique)
+            out = func(*args, **kwargs)
+            self._ranges[id(out)] = out
+            return out
         if self.record is None:
             return func(*args, **kwargs)
         if self._floats and func in _VIEWS and args and self._floats.get(id(args[0]), (None,))[0] is args[0]:
@@ -471,14 +478,23 @@ class ReorderWatch(TorchFunctionMode):
         return out
 
 
-def _reorders(func, args, kwargs, batch: int) -> bool:
+def _reorders(func, args, kwargs, batch: int, ranges: dict[int, torch.Tensor] | None = None) -> bool:
     x = args[0]
     if not isinstance(x, torch.Tensor) or x.dim() == 0 or isinstance(x, torch.nn.Parameter):
         return False
+    ranges = ranges or {}
+
+    def made_by_arange(t) -> bool:
+        return isinstance(t, torch.Tensor) and ranges.get(id(t)) is t
+
     if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
         index = args[1] if len(args) > 1 else None
         first = index[0] if isinstance(index, tuple) and index else index
-        return isinstance(first, torch.Tensor) and first.dim() > 0 and x.shape[0] % max(batch, 1) == 0
+        return (isinstance(first, torch.Tensor) and first.dim() > 0 and x.shape[0] % max(batch, 1) == 0
+                and not made_by_arange(first))
+    if func in (torch.index_select, torch.Tensor.index_select, torch.gather, torch.Tensor.gather):
+        if made_by_arange(kwargs.get("index", args[2] if len(args) > 2 else None)):
+            return False
     dim = kwargs.get("dim", args[1] if len(args) > 1 and isinstance(args[1], int) else 0)
     size = x.shape[dim] if -x.dim() <= dim < x.dim() else 0
     return size % max(batch, 1) == 0 if size else False

@@ -67,6 +67,8 @@ from helpers import (
     MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, assert_refused_naming_a_layer, default_dtype,
     engine_clipped_sum, layer_names, one_sample_contributes, weighted_oracle,
 )
+from test_fallback import AliasBlock
+from test_fallback_folded import WindowAttention
 from test_rows_property import ONE_SAMPLE_PER_ROW as RULE_PIECES
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*use the per-sample fallback:UserWarning")
@@ -102,15 +104,6 @@ class ReadsChild(nn.Module):
 
 
 reads_child_params(lambda m: isinstance(m, ReadsChild), lambda m: ("proj.weight", "proj.bias"))
-
-
-class AliasBlock(nn.Module):
-    def __init__(self, layer):
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x):
-        return torch.tanh(self.layer(x))
 
 
 class Aliased(nn.Module):
@@ -224,26 +217,6 @@ class FlatRouter(nn.Module):
         return logits, weights, indices
 
 
-class WindowAttention(nn.Module):
-    """Attention inside each window (a row of the call) with a bias per head and token pair of its own; an optional
-    mask [W, n, n] given once for all images pairs row r with mask r % W (Swin's shifted windows, batch-major)."""
-
-    def __init__(self, n, heads=2):
-        super().__init__()
-        self.heads = heads
-        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
-        self.bias = nn.Parameter(0.5 * torch.randn(heads, n, n))
-
-    def forward(self, x, mask=None):
-        R, N, d = x.shape
-        q, k, v = self.qkv(x).reshape(R, N, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        attn = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads) + self.bias
-        if mask is not None:
-            W = mask.shape[0]
-            attn = (attn.view(-1, W, self.heads, N, N) + mask.unsqueeze(1).unsqueeze(0)).view(-1, self.heads, N, N)
-        return self.proj((attn.softmax(-1) @ v).transpose(1, 2).reshape(R, N, d))
-
-
 class PositionTable(nn.Module):
     """Its table for the sequence length of x, [1, T, d]: broadcast over the batch by the model's addition."""
 
@@ -347,7 +320,7 @@ class WindowPiece(Piece):
     def __init__(self, windows: int, tokens: int, order: str, mask: bool):
         super().__init__()
         self.windows, self.order = windows, order
-        self.fb = WindowAttention(tokens)
+        self.fb = WindowAttention(D, tokens)
         if mask:  # 0 or -100, the diagonal open
             g = torch.Generator().manual_seed(windows * 10 + tokens)
             closed = (torch.rand(windows, tokens, tokens, generator=g) < 0.4) & ~torch.eye(tokens, dtype=torch.bool)

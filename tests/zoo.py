@@ -249,6 +249,13 @@ def _names_a_module(message: str, model: nn.Module) -> bool:
     return any(n in message for n in names) or "<root>" in message or any(c in message for c in classes)
 
 
+def library_versions(lib: str) -> dict[str, str]:
+    """The versions a classification depends on: torch, and the model library (``timm`` or ``transformers``)."""
+    import importlib.metadata as md
+    names = ("torch", "timm" if lib == "timm" else "transformers")
+    return {n: md.version(n) for n in names}
+
+
 def classify_case(case: Case, oracle_losses_fn=None) -> dict:
     """{"status": exact | fallback | refused | wrong, "detail": ...} for a built case."""
     try:
@@ -327,7 +334,10 @@ def _classify_and_save(lib: str, table: dict, spec: dict, make_case, label: str)
             result = classify_case(make_case(spec))
         except Exception as err:  # noqa: BLE001
             result = {"status": "unbuilt", "detail": _first_line(err)}
-        result["seconds"] = round(time.monotonic() - t0, 2)
+        # the fastest time seen: the test's default selection (QUICK) should not shrink on a busy machine
+        seconds = round(time.monotonic() - t0, 2)
+        result["seconds"] = min(seconds, spec.get("result", {}).get("seconds", seconds))
+        result["versions"] = library_versions(lib)
         spec["result"] = result
         print(label, result, flush=True)
     save_table(lib, table)
@@ -598,10 +608,25 @@ def _summary(name: str, table: dict) -> str:
             f"{c['unbuilt']} |")
 
 
+def _versions_line(tables: dict[str, dict]) -> str:
+    """Which versions the classifications were made with (each result records its own)."""
+    seen: dict[str, dict[str, int]] = {}
+    for table in tables.values():
+        for spec in table.values():
+            for name, version in spec.get("result", {}).get("versions", {}).items():
+                seen.setdefault(name, {}).setdefault(version, 0)
+                seen[name][version] += 1
+    if not seen:
+        return "Classified with versions not recorded."
+    parts = [f"{name} {', '.join(sorted(seen[name], key=seen[name].get, reverse=True))}" for name in sorted(seen)]
+    return f"Classified with {'; '.join(parts)} (each model's versions are in `tests/zoo_*.json`)."
+
+
 def render_table() -> str:
     timm_table, hf_table = load_table("timm"), load_table("hf")
     lines = [
         TABLE_START, "",
+        _versions_line({"timm": timm_table, "hf": hf_table}), "",
         "| library | swept | exact | fallback | refused | silently wrong | exact in every mode | not built |",
         "|---|---|---|---|---|---|---|---|",
         _summary("timm (one model per family)", timm_table),

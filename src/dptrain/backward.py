@@ -226,9 +226,10 @@ class Backward:
         if call.forward_id is not None and call.forward_id in done_forwards:  # (a tag pass too: it comes first)
             raise RuntimeError(
                 f"{state.path}: this model call was already back-propagated in this step (one forward, "
-                "two backward passes, e.g. two heads' losses back-propagated one after the other): each would be "
-                "clipped on its own, so a sample could contribute more than max_grad_norm. Add the losses and "
-                "back-propagate them once"
+                "two backward passes, e.g. two heads' losses back-propagated one after the other, or a backward split "
+                "at a detached activation, layers called outside model(...) included): each would be clipped on its "
+                "own, so a sample could contribute more than max_grad_norm. Add the losses and back-propagate them "
+                "once"
             )
         if self.rows.tagging:
             self.rows.record_tagged(state, call, grad)

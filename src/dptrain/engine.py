@@ -302,9 +302,11 @@ class PrivacyEngine:
         """Forwards and backwards inside are not training: nothing is recorded or clipped.
 
         For gradients with respect to the *inputs* (adversarial examples, saliency maps) taken with
-        ``torch.autograd.grad(loss, x)``: outside this context the engine cannot tell such a backward
-        from a training one, and would add the sample's clipped gradient to the step. A ``.backward()``
-        inside still refuses to leave parameter gradients (they would not be private).
+        ``torch.autograd.grad(loss, x)``, and for a GAN's generator step through the private discriminator
+        (``with engine.paused(): g_loss.backward()``: the generator gets its exact gradient): outside this context
+        the engine cannot tell such a backward from a training one, and would add the sample's clipped gradient to
+        the step. A ``.backward()`` inside leaves no gradient in the model's trainable parameters (they would not be
+        private): theirs are dropped, and only the private step gives them one.
         """
         if self._capture is None:
             raise RuntimeError("call engine.attach(optimizer) first")
@@ -359,9 +361,12 @@ class PrivacyEngine:
             self._follow_trainable()
 
     def _on_accumulated_grad(self, p: nn.Parameter) -> None:
-        """Autograd reached a covered parameter: it was used outside its own layer's forward call."""
+        """Autograd reached a covered parameter: it was used outside its own layer's forward call (or the backward
+        runs inside ``paused()``, which is not training: the gradient is dropped)."""
         name = self._trainable.param_name(p)
         p.grad = None  # never leave a non-private gradient where the optimizer could use it
+        if self._capture is not None and self._capture.paused:
+            return
         raise RuntimeError(
             f"parameter {name!r} was used outside the forward call of its own layer (e.g. a weight read by "
             "F.linear or a matmul elsewhere), so its per-sample gradient would not be clipped: use the layer "

@@ -33,6 +33,16 @@ def refuse_second(model: nn.Module, step) -> None:
             )
 
 
+def is_attached(model: nn.Module) -> bool:
+    """Whether an engine is attached to ``model``, to a part of it, or to a model it is part of."""
+    mine = set(model.modules())
+    for root, ref in list(_ATTACHED.items()):
+        step = ref()
+        if step is not None and step.optimizer is not None and (root in mine or model in set(root.modules())):
+            return True
+    return False
+
+
 def add(model: nn.Module, step) -> None:
     _ATTACHED[model] = weakref.ref(step)
     _guard_optimizers()

@@ -7,6 +7,7 @@ budget (``budget``), the GradScaler protocol (``precision``) and data parallelis
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 import weakref
@@ -16,13 +17,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import accounting, attached, data, distributed
+from . import accounting, attached, checks, data, distributed
 from .algorithms import DEFAULT_CLIPPING_MODE
 from .backward import BackwardSetup
 from .budget import Budget, PrivacyBudgetExceeded
 from .capture import Capture
 from .config import EngineConfig, FromConfig, make_config
 from .layers.fallback import FallbackRule, fallback_warning
+from .ledger import Ledger
 from .noise import GaussianNoise
 from .pipeline import StepSums
 from .planning import DEFAULT_DECISION_RULE, LayerDecision
@@ -105,6 +107,7 @@ class PrivacyEngine:
             privacy_unit=privacy_unit)
         self.model = model
         self.accountant = accounting.create_accountant(accountant)
+        self._ledger = Ledger(self.config, self.accountant)  # the steps applied, with their values (in the accountant)
         rank = self._parallel.rank if self._parallel is not None else 0
         # Under FSDP2 every rank draws the noise of its own shard: independent streams per rank.
         self._noise = GaussianNoise(seed=None if seed is None else seed + 7919 * rank, secure=secure_rng)
@@ -118,13 +121,13 @@ class PrivacyEngine:
         # Long-lived parts: the step's clipped sums, the row layouts read so far, the budget, the trainable set.
         self._sums = StepSums()
         self._rows = RowReader(seed)
-        self._budget = Budget(self.config)
+        self._budget = Budget(self.config, self._ledger)
         self._key = TrainableKey(model)
         self._trainable: TrainableSet | None = None
         self._warned_fallback: set[str] = set()
         self._follow_trainable()
         # the private step and its lifecycle (zero_grad, closures, the GradScaler's skip, the step count)
-        self._step = PrivateStep(self.config, self.accountant, self._noise, self._budget, self._sums, self._parallel,
+        self._step = PrivateStep(self.config, self._ledger, self._noise, self._budget, self._sums, self._parallel,
                                  lambda: self._trainable)
         if not self._trainable.layers:
             raise ValueError("the model has no trainable parameters: nothing to train privately")
@@ -380,19 +383,27 @@ class PrivacyEngine:
         return list(self._runner.decisions) if self._runner is not None else []
 
     def get_epsilon(self, delta: float | None = None) -> float:
-        """Epsilon spent by the steps taken so far, at ``delta`` (default: ``target_delta``)."""
-        delta = self.target_delta if delta is None else delta
-        return self.accountant.get_epsilon(accounting.poisson_delta(
-            delta, self.sample_size, self.sample_rate, self.max_batch_size, self.steps_taken))
+        """Epsilon spent by the steps taken so far, at ``delta`` (default: ``target_delta``): the composition of the
+        steps as they ran (a resumed checkpoint's with its own values), fixed-shape truncation included."""
+        delta = self.target_delta if delta is None else self._check_delta(delta)
+        return self._ledger.epsilon(delta)
+
+    def _check_delta(self, delta: float) -> float:
+        delta = checks.open_unit("delta", delta)
+        problem = accounting.small_delta_problem(delta, self.sample_size, self.privacy_unit)
+        if problem is not None:
+            warnings.warn(problem, stacklevel=3)
+        return delta
 
     def privacy_report(self, delta: float | None = None) -> dict:
-        delta = self.target_delta if delta is None else delta
+        """This engine's configuration and what the steps taken spent; ``history``: the steps as they ran."""
+        delta = self.target_delta if delta is None else self._check_delta(delta)
         return {
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
             "steps": self.steps_taken,
             "planned_steps": self.planned_steps,
-            "epsilon": self.get_epsilon(delta),
+            "epsilon": self._ledger.epsilon(delta),
             "target_epsilon": self.target_epsilon,
             "delta": delta,
             "accountant": self.accountant.name,
@@ -400,19 +411,21 @@ class PrivacyEngine:
             "clipping_mode": self.clipping_mode,
             "privacy_unit": self.privacy_unit,
             "max_batch_size": self.max_batch_size,
-            "truncation_delta": 0.0 if self.max_batch_size is None else accounting.truncation_delta(
-                self.sample_size, self.sample_rate, self.max_batch_size, self.steps_taken),
+            "truncation_delta": self._ledger.truncation_delta(),
+            "history": [dataclasses.asdict(segment) for segment in self._ledger.segments],
         }
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """Everything needed to resume: step counter, accountant history and, unless ``secure_rng``, the noise
-        generator's state (used only by ``load_state_dict(..., reproducible_noise=True)``)."""
+        """Everything needed to resume: step counter, accountant history, the ledger (the values every step ran
+        with: noise multiplier, sample rate, sample size, max_batch_size, and the privacy unit) and, unless
+        ``secure_rng``, the noise generator's state (used only by ``load_state_dict(..., reproducible_noise=True)``)."""
         return {
             "steps_taken": self.steps_taken,
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
             "accountant": self.accountant.state_dict(),
+            "ledger": self._ledger.state_dict(),
             "noise": self._noise.state_dict(),
         }
 
@@ -425,15 +438,24 @@ class PrivacyEngine:
         uninterrupted run number for number; it is private only if this checkpoint is resumed once, on the
         batches the stopped run would have drawn (it warns). ``secure_rng=True`` never saves the stream.
 
-        The noise multiplier is configuration, not state: build the engine with the same
-        ``noise_multiplier`` (the checkpoint holds it) before loading.
+        The noise multiplier, sample rate, sample size and ``max_batch_size`` are configuration, not state: the
+        steps after loading run with this engine's. Where they differ from the checkpoint's (a noise multiplier
+        calibrated for a longer plan, another dataset size), the accountant composes the checkpoint's steps with
+        their own values and this engine's with its own; epsilon and the budget are those of the steps as they
+        ran, and a warning says what changed, how many steps still fit ``target_epsilon`` and the noise multiplier
+        that would fit the plan. A checkpoint of another ``privacy_unit`` or accountant is refused. A checkpoint
+        written before the ledger existed loads with a warning: its steps are taken with this
+        engine's sample size, ``max_batch_size`` and privacy unit.
         """
         missing = {"steps_taken", "accountant", "noise"} - set(state)
         if missing:
             raise ValueError(f"not a dptrain engine state: missing {sorted(missing)}")
+        old_format = self._ledger.load_state_dict(state, self.config)  # checks it all before changing anything
         self._noise.load_state_dict(state["noise"], keep_stream=reproducible_noise)
-        self.accountant.load_state_dict(state["accountant"])
         self.steps_taken = int(state["steps_taken"])
+        for note in (old_format, self._budget.resume_note()):
+            if note is not None:
+                warnings.warn(note, stacklevel=2)
         if reproducible_noise:
             warnings.warn(
                 "reproducible_noise=True: the noise continues the checkpoint's stream. Resuming this checkpoint "

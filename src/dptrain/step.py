@@ -183,17 +183,18 @@ class PrivateStep:
     Between a backward and the step, ``PendingMarker`` makes ``zero_grad()`` visible (it discards the batches
     back-propagated before it) and carries the GradScaler's skip. At ``optimizer.step()`` (its pre-hook; with a
     closure, after the closure's backward, once per step): the budget check, then the step's clipped sums plus
-    the noise over the divisor into ``p.grad`` (``apply_private_gradient``), then the count in the accountant.
+    the noise over the divisor into ``p.grad`` (``apply_private_gradient``), then the count in the ledger (and
+    its accountant).
 
     Long-lived, like the step count it keeps (``steps_taken`` spans detach and attach); ``attach`` binds an
     optimizer, the GradScaler protocol and the backward runner. ``prepare`` is the engine's part before a step
     (a failed backward dropped, the trainable set read again).
     """
 
-    def __init__(self, config, accountant, noise, budget, sums: StepSums, parallel,
+    def __init__(self, config, ledger, noise, budget, sums: StepSums, parallel,
                  trainable: Callable[[], TrainableSet]):
         self.config = config
-        self.accountant, self.noise, self.budget, self.sums, self.parallel = accountant, noise, budget, sums, parallel
+        self.ledger, self.noise, self.budget, self.sums, self.parallel = ledger, noise, budget, sums, parallel
         self.trainable = trainable
         self.steps_taken = 0
         self.optimizer: torch.optim.Optimizer | None = None
@@ -262,7 +263,7 @@ class PrivateStep:
         if skipped:
             self.sums.clear()  # nothing of a skipped step is ever applied
         if first:
-            self.budget.check(self.steps_taken + 1)
+            self.budget.check()
             self._count()
             warnings.warn(
                 "fp16 overflow: this step is skipped and still counts in the privacy accountant. Through "
@@ -319,7 +320,7 @@ class PrivateStep:
         if self.parallel is not None:
             self._given.refuse_foreign(step_params, trainable, marker)
         try:
-            self.budget.check(self.steps_taken + 1)
+            self.budget.check()
         except PrivacyBudgetExceeded:  # nothing of this step is applied
             for p in step_params:
                 p.grad = None
@@ -334,7 +335,7 @@ class PrivateStep:
         self._count()
 
     def _count(self) -> None:
-        self.accountant.step(self.config.noise_multiplier, self.config.sample_rate)
+        self.ledger.record(self.config)
         self.steps_taken += 1
         self.runner.samples_per_step.end_step()
 

@@ -284,3 +284,43 @@ def run_leak(rank: int, world: int, port: int, out: str) -> None:
         torch.save({"message": message, "unchanged": unchanged}, f"{out}.rank{rank}")
     finally:
         dist.destroy_process_group()
+
+
+def run_sampling_check(rank: int, world: int, port: int, out: str) -> None:
+    """The sampling check sums the ranks' counts: fixed-size local batches (the same global size every step) are
+    found on every rank at the same step; each rank's shard of a Poisson sample (poisson_loader(distributed=True))
+    is not."""
+    import warnings
+
+    from torch.utils.data import TensorDataset
+
+    _init(rank, world, port)
+    found = {}
+    try:
+        for kind in ("fixed", "poisson"):
+            ddp = nn.parallel.DistributedDataParallel(build_model())
+            engine = dptrain.PrivacyEngine(ddp, batch_size=GLOBAL_BATCH, sample_size=SAMPLE_SIZE, noise_multiplier=0.0)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            engine.attach(opt)
+            g = torch.Generator().manual_seed(5)
+            data = TensorDataset(torch.randint(0, 10, (SAMPLE_SIZE, 5), generator=g),
+                                 torch.randint(0, CLASSES, (SAMPLE_SIZE,), generator=g))
+            if kind == "fixed":
+                batches = [data[(torch.arange(GLOBAL_BATCH // world) + 3 * k + rank * 40) % SAMPLE_SIZE]
+                           for k in range(30)]
+            else:
+                batches = dptrain.data.poisson_loader(data, batch_size=GLOBAL_BATCH, steps=40, distributed=True,
+                                                      generator=torch.Generator().manual_seed(6))
+            seen = []
+            for tokens, labels in batches:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    engine.backward(losses_fn(ddp, tokens, labels))
+                    opt.step()
+                    opt.zero_grad()
+                seen += [(engine.steps_taken, str(w.message)) for w in caught if "Poisson" in str(w.message)]
+            found[kind] = seen
+            engine.detach()
+        torch.save(found, f"{out}.rank{rank}")
+    finally:
+        dist.destroy_process_group()

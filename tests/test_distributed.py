@@ -163,3 +163,13 @@ def test_data_parallel_and_deepspeed_are_refused():
     engine = dptrain.PrivacyEngine(model, batch_size=8, sample_size=64, noise_multiplier=1.0)
     with pytest.raises(NotImplementedError, match="DeepSpeedZeroOptimizer"):
         engine.attach(ZeroOptimizer(model.parameters(), lr=0.1))
+
+
+def test_the_sampling_check_sums_the_ranks_counts(tmp_path):
+    out = tmp_path / "run"
+    _launch(W.run_sampling_check, str(out))
+    results = _results(out)
+    for r in results:
+        assert r["poisson"] == []
+        assert [step for step, _ in r["fixed"]] == [20]  # on every rank, with the global numbers
+        assert "their variance is 0 " in r["fixed"][0][1] and "mean 8.0 per step" in r["fixed"][0][1]

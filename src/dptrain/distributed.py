@@ -101,6 +101,12 @@ class DataParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t.tolist()
 
+    def total(self, values: list[float], device: torch.device) -> list[float]:
+        """Each value's sum over the ranks (one collective)."""
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        return t.tolist()
+
     def any(self, flag: bool, device: torch.device) -> bool:
         """True on every rank when ``flag`` is true on some rank."""
         t = torch.tensor([1.0 if flag else 0.0], device=device)

@@ -31,11 +31,20 @@ from .planning import DEFAULT_DECISION_RULE, LayerDecision
 from .precision import LossScaling
 from .rows import RowReader
 from .runner import BackwardRunner
+from .sampling import SamplingMismatch
 from .step import PrivateStep
 from .trainable import TrainableKey, TrainableSet, build_trainable_set
 from .validation import frozen_batchnorm_checks, validate
 
-__all__ = ["EngineConfig", "PrivacyBudgetExceeded", "PrivacyEngine"]
+__all__ = ["EngineConfig", "PrivacyBudgetExceeded", "PrivacyEngine", "SamplingMismatch"]
+
+
+def _real_units(mask: torch.Tensor, users: torch.Tensor | None) -> int:
+    """The units of a fixed-shape batch that are not padding: its real rows, or the users of its real rows."""
+    if users is None:
+        return int(mask.sum())  # (a loader's mask is on the CPU: no host-device synchronisation)
+    return int(torch.unique(users.detach().cpu()[mask.cpu()]).numel())
+
 
 class PrivacyEngine:
     """Makes an ordinary PyTorch training loop differentially private.
@@ -348,13 +357,15 @@ class PrivacyEngine:
                                   or users.is_floating_point()):
             raise ValueError(f"users must be an integer tensor of shape [{losses.shape[0]}] (one user id per loss), "
                              f"got {type(users).__name__}{tuple(users.shape) if isinstance(users, torch.Tensor) else ''}")
-        tag_losses = None
+        tag_losses = real = None
         if mask is not None:
             masked = data.masked_losses(losses, mask)  # (checks the mask)
             # a padded row's loss tags its rows, unless it is not finite (zero inputs can give that)
             tag_losses = torch.where(losses.detach().isfinite(), losses, masked)
             losses = masked
-        self._runner.run(losses, users, tag_losses)
+            real = _real_units(mask, users)
+        with self._runner.samples_per_step.real_count(real):  # the sampling check counts real samples, not rows
+            self._runner.run(losses, users, tag_losses)
 
     def _on_model_call(self) -> None:
         self._runner.settle()

@@ -170,6 +170,8 @@ class PrivacyEngine:
         key = self._key()
         if self._trainable is not None and key == self._trainable.key:
             return
+        if self._capture is not None:
+            attached.refuse_shared(self.model, self._step)  # a module shared with another engine's model, unfrozen
         validate(self.model, allow_fallback=self.allow_fallback)
         self._trainable = build_trainable_set(
             self.model, allow_fallback=self.allow_fallback, batch_first=self.batch_first,
@@ -227,6 +229,7 @@ class PrivacyEngine:
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "is_enabled")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         attached.refuse_second(self.model, self._step)
+        attached.refuse_shared(self.model, self._step)
         self._follow_trainable()
         model_params = set(self.model.parameters())
         held = [p for group in optimizer.param_groups for p in group["params"]]

@@ -223,7 +223,7 @@ class PrivacyEngine:
             self._check_loader(data_loader)
         if self._step.optimizer is not None:
             raise RuntimeError("this engine is already attached; call detach() first")
-        distributed.refuse_deepspeed(optimizer)
+        distributed.refuse_unsupported_optimizer(optimizer)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "is_enabled")):

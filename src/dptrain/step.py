@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from . import sampling
+from . import distributed, sampling
 from .budget import PrivacyBudgetExceeded
 from .pipeline import StepSums, sum_dtype
 from .sampling import SamplesPerStep, SamplingMismatch  # noqa: F401  (runner.py builds SamplesPerStep)
@@ -208,6 +208,7 @@ class PrivateStep:
         self._marker = PendingMarker()
         self._marker_key, self._marker_on = None, None
         self.sampling_finding: str | None = None  # why the batches are not the accounted Poisson samples
+        self._inner_step_due = False  # a ZeroRedundancyOptimizer's step is about to step its local optimizer
 
     def attach(self, optimizer: torch.optim.Optimizer, scaling, runner, prepare: Callable[[], None]) -> None:
         self.optimizer, self.scaling, self.runner, self._prepare = optimizer, scaling, runner, prepare
@@ -281,9 +282,12 @@ class PrivateStep:
         gradient is formed after the closure's backward, once per step."""
         # (args: the optimizer itself, then step's own arguments)
         closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
+        self._inner_step_due = False
         if closure is None:
             self._step()
+            self._inner_step_due = True
             return None
+        self._inner_step_due = True
         evaluated = False
 
         def private_closure():
@@ -375,6 +379,22 @@ class PrivateStep:
         if (optimizer is mine or mine is None or optimizer.param_groups is mine.param_groups
                 or getattr(optimizer, "optimizer", None) is mine):
             return
+        if optimizer is distributed.zero_inner(mine):
+            if self._inner_step_due:  # the ZeroRedundancyOptimizer's own step: the private gradient is in place
+                self._inner_step_due = False
+                return
+            raise RuntimeError(
+                f"the local optimizer ({type(optimizer).__name__}) of the ZeroRedundancyOptimizer this PrivacyEngine is "
+                "attached to was stepped on its own: the engine gives the private gradient at the "
+                "ZeroRedundancyOptimizer's step. Nothing was applied. Call step() on the ZeroRedundancyOptimizer"
+            )
+        if distributed.zero_inner(optimizer) is mine:
+            raise RuntimeError(
+                f"this PrivacyEngine is attached to the local optimizer ({type(mine).__name__}) of a "
+                "ZeroRedundancyOptimizer, which holds only this rank's shard of the parameters: the others' private "
+                "gradients would be lost. Nothing was applied. Attach the engine to the ZeroRedundancyOptimizer "
+                "itself (engine.detach(); engine.attach(zero_optimizer))"
+            )
         held = {p for group in optimizer.param_groups for p in group["params"]}
         trainable = self.trainable()
         private = [trainable.param_name(p) for p in trainable.users if p.requires_grad and p in held]

@@ -548,7 +548,7 @@ def _two_task_models(frozen: bool):
 
 
 def test_two_engines_on_models_sharing_a_trainable_module_are_refused_naming_it(float64):
-    encoder, task_a, task_b = _two_task_models(frozen=False)
+    _, task_a, task_b = _two_task_models(frozen=False)
     x, y = _data(4)
     expected = reference_clipped_gradient(task_a, _losses, (x, y), max_grad_norm=R)
     first = _engine(task_a, "bk").attach(torch.optim.SGD(task_a.parameters(), lr=0.0))
@@ -569,7 +569,7 @@ def test_two_engines_on_models_sharing_a_trainable_module_are_refused_naming_it(
 def test_a_frozen_module_shared_by_two_engines_models_is_exact_in_both(float64, mode, path):
     """A frozen shared encoder is hooked by neither engine: each engine's step is its own model's clipped sum, also
     with the other model's forward between its forward and its backward."""
-    encoder, task_a, task_b = _two_task_models(frozen=True)
+    _, task_a, task_b = _two_task_models(frozen=True)
     (xa, ya), (xb, yb) = _data(5, seed=1), _data(4, seed=2)
     expected_a = reference_clipped_gradient(task_a, _losses, (xa, ya), max_grad_norm=R)
     expected_b = reference_clipped_gradient(task_b, _losses, (xb, yb), max_grad_norm=R)
@@ -602,7 +602,7 @@ def test_a_shared_module_unfrozen_after_attach_is_refused_at_the_next_forward(fl
     engine_b.detach()
 
 
-class TwoHeads(nn.Module):
+class EncoderWithTwoHeads(nn.Module):
     """The fix for two task models sharing an encoder: one model, both heads, one engine."""
 
     def __init__(self):
@@ -624,7 +624,7 @@ def _two_task_losses(model, x, y):
 @pytest.mark.parametrize("mode,path", PATHS)
 def test_one_model_holding_both_heads_is_exact_and_bounds_one_sample(float64, mode, path):
     x, y = _data(5)
-    model = TwoHeads().double()
+    model = EncoderWithTwoHeads().double()
     expected = reference_clipped_gradient(model, _two_task_losses, (x, y), max_grad_norm=R)
     assert_matches(clipped_gradient(model, _two_task_losses, (x, y), mode=mode, max_grad_norm=R, path=RUN[path]),
                    expected)

@@ -50,8 +50,8 @@ __all__ = [
     "default_delta",
     "default_max_batch_size",
     "epsilon_of_history",
-    "small_delta_problem",
     "poisson_delta",
+    "small_delta_problem",
     "truncation_delta",
 ]
 

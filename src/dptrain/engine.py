@@ -464,8 +464,8 @@ class PrivacyEngine:
         missing = {"steps_taken", "accountant", "noise"} - set(state)
         if missing:
             raise ValueError(f"not a dptrain engine state: missing {sorted(missing)}")
+        self._noise.load_state_dict(state["noise"], keep_stream=reproducible_noise)  # (may refuse: nothing else changed)
         old_format = self._ledger.load_state_dict(state, self.config)  # checks it all before changing anything
-        self._noise.load_state_dict(state["noise"], keep_stream=reproducible_noise)
         self.steps_taken = int(state["steps_taken"])
         for note in (old_format, self._budget.resume_note()):
             if note is not None:

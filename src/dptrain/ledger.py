@@ -13,7 +13,6 @@ the other unit is refused.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import astuple, dataclass, replace
 
 from . import accounting, checks

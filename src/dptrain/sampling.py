@@ -45,8 +45,8 @@ def _logsumexp(a: np.ndarray) -> float:
 def step_count_distribution(sample_size: int, sample_rate: float,
                             max_batch_size: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     """``(counts, log_probabilities)``: the distribution of one step's count under Poisson sampling,
-    ``Binomial(sample_size, sample_rate)`` (truncated at ``max_batch_size``), on the counts whose probability
-    is not negligible (the mass left out is below 1e-300)."""
+    ``Binomial(sample_size, sample_rate)`` (truncated at ``max_batch_size``), on the counts within 40 standard
+    deviations + 200 of the mode (the mass left out is below 1e-100: Bernstein's inequality)."""
     n, q = sample_size, sample_rate
     if q >= 1.0:
         counts, logp = np.array([float(n)]), np.array([0.0])

@@ -358,7 +358,9 @@ class PrivateStep:
         total = None
         if self.parallel is not None:
             device = next(iter(self.trainable().users)).device
-            total = lambda values: self.parallel.total(values, device)  # noqa: E731
+
+            def total(values: list[float]) -> list[float]:  # the ranks' counts, summed (one collective)
+                return self.parallel.total(values, device)
         finding = self.runner.samples_per_step.end_step(total)
         if finding is None:
             return

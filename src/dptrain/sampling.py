@@ -178,14 +178,15 @@ class PoissonTest:
         """What Poisson sampling does not explain in the last steps' ``counts``: first a window (the shortest)
         whose batches are larger or vary less than Poisson sampling's (epsilon understated), else (``low_mean``)
         one whose batches are smaller."""
+        counts = np.asarray(counts, dtype=np.float64)
         findings = []
         for window in WINDOWS:
             if window > len(counts):
                 break
-            recent = np.asarray(counts[-window:], dtype=np.float64)
+            recent = counts[len(counts) - window:]
             high, low, low_squares = self.thresholds(window)
             total = float(recent.sum())
-            squares = float(((recent[0::2] - recent[1::2]) ** 2).sum())
+            squares = float(np.square(recent[0::2] - recent[1::2]).sum())
             for kind, found in (("mean-high", high is not None and total >= high),
                                 ("variance-low", low_squares is not None and squares <= low_squares),
                                 ("mean-low", low_mean and low is not None and total <= low)):
@@ -272,7 +273,7 @@ class SamplesPerStep:
                 found = Finding("rows-beyond-max-batch-size", 1, rows, math.nan, self.max_batch_size * self.ranks,
                                 math.nan)
         if found is None:
-            known = _known_tail(list(self._counts))
+            known = _known_tail(self._counts)
             found = self.test.verdict(known, low_mean=not self._low_found) if len(known) >= WINDOWS[0] else None
         if found is not None:
             if found.understates_epsilon:
@@ -282,12 +283,11 @@ class SamplesPerStep:
         return found
 
 
-def _known_tail(counts: list[float]) -> list[float]:
-    """The last counts up to the most recent unknown one."""
-    for k in range(len(counts) - 1, -1, -1):
-        if math.isnan(counts[k]):
-            return counts[k + 1:]
-    return counts
+def _known_tail(counts: collections.deque[float]) -> np.ndarray:
+    """The last counts up to the most recent unknown one (nan)."""
+    values = np.fromiter(counts, dtype=np.float64, count=len(counts))
+    unknown = np.flatnonzero(np.isnan(values))
+    return values[unknown[-1] + 1:] if len(unknown) else values
 
 
 class _RealCount:

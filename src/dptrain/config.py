@@ -117,6 +117,11 @@ def make_config(*, batch_size, sample_size, max_grad_norm, noise_multiplier, tar
         max_batch_size=None if max_batch_size is None else checks.positive_int(
             "max_batch_size", max_batch_size, "the fixed number of rows of every batch, K"),
     )
+    problem = accounting.small_delta_problem(checked["target_delta"], sample_size, checked["privacy_unit"])
+    if problem is not None:
+        if checked["budget"] == "strict":
+            raise ValueError(f"target_{problem} (budget='strict' refuses such a delta)")
+        warnings.warn(f"target_{problem}", stacklevel=4)
     sigma, planned = _noise_multiplier(noise_multiplier, target_epsilon, checked["target_delta"], epochs, steps,
                                        batch_size / sample_size, accountant, delta_given, sample_size,
                                        checked["max_batch_size"])

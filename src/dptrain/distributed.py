@@ -56,6 +56,31 @@ def refuse_deepspeed(obj) -> None:
         )
 
 
+def _is_zero(optimizer) -> bool:
+    if not dist.is_available():
+        return False
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def zero_inner(optimizer) -> torch.optim.Optimizer | None:
+    """The local optimizer of a ``torch.distributed.optim.ZeroRedundancyOptimizer`` (this rank's shard of the
+    parameters, stepped by the wrapper's ``step()``, which then broadcasts each shard), or None."""
+    return getattr(optimizer, "optim", None) if _is_zero(optimizer) else None
+
+
+def refuse_unsupported_optimizer(optimizer) -> None:
+    """DeepSpeed's optimizers, and ZeroRedundancyOptimizer's mode that steps inside DDP's communication hook."""
+    refuse_deepspeed(optimizer)
+    if _is_zero(optimizer) and getattr(optimizer, "_overlap_with_ddp", False):
+        raise NotImplementedError(
+            "ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside DDP's gradient communication hook, which "
+            "never runs while the engine is attached (the engine reduces the clipped sums itself, once per step): "
+            "build it with overlap_with_ddp=False (the default), and call its step() as usual"
+        )
+
+
 def refuse_unsupported(model: nn.Module) -> None:
     """Clear errors for wrappers whose gradient handling the engine cannot take over."""
     refuse_deepspeed(model)
@@ -99,6 +124,12 @@ class DataParallel:
         """Each value's maximum over the ranks (one collective)."""
         t = torch.tensor(values, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def total(self, values: list[float], device: torch.device) -> list[float]:
+        """Each value's sum over the ranks (one collective)."""
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t.tolist()
 
     def any(self, flag: bool, device: torch.device) -> bool:

@@ -7,6 +7,7 @@ budget (``budget``), the GradScaler protocol (``precision``) and data parallelis
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 import weakref
@@ -16,24 +17,34 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import accounting, attached, data, distributed
+from . import accounting, attached, checks, data, distributed
 from .algorithms import DEFAULT_CLIPPING_MODE
 from .backward import BackwardSetup
 from .budget import Budget, PrivacyBudgetExceeded
 from .capture import Capture
 from .config import EngineConfig, FromConfig, make_config
 from .layers.fallback import FallbackRule, fallback_warning
+from .ledger import Ledger
 from .noise import GaussianNoise
 from .pipeline import StepSums
 from .planning import DEFAULT_DECISION_RULE, LayerDecision
 from .precision import LossScaling
 from .rows import RowReader
 from .runner import BackwardRunner
+from .sampling import SamplingMismatch
 from .step import PrivateStep
 from .trainable import TrainableKey, TrainableSet, build_trainable_set
 from .validation import frozen_batchnorm_checks, validate
 
-__all__ = ["EngineConfig", "PrivacyBudgetExceeded", "PrivacyEngine"]
+__all__ = ["EngineConfig", "PrivacyBudgetExceeded", "PrivacyEngine", "SamplingMismatch"]
+
+
+def _real_units(mask: torch.Tensor, users: torch.Tensor | None) -> int:
+    """The units of a fixed-shape batch that are not padding: its real rows, or the users of its real rows."""
+    if users is None:
+        return int(mask.sum())  # (a loader's mask is on the CPU: no host-device synchronisation)
+    return int(torch.unique(users.detach().cpu()[mask.cpu()]).numel())
+
 
 class PrivacyEngine:
     """Makes an ordinary PyTorch training loop differentially private.
@@ -105,6 +116,7 @@ class PrivacyEngine:
             privacy_unit=privacy_unit)
         self.model = model
         self.accountant = accounting.create_accountant(accountant)
+        self._ledger = Ledger(self.config, self.accountant)  # the steps applied, with their values (in the accountant)
         rank = self._parallel.rank if self._parallel is not None else 0
         # Under FSDP2 every rank draws the noise of its own shard: independent streams per rank.
         self._noise = GaussianNoise(seed=None if seed is None else seed + 7919 * rank, secure=secure_rng)
@@ -118,13 +130,13 @@ class PrivacyEngine:
         # Long-lived parts: the step's clipped sums, the row layouts read so far, the budget, the trainable set.
         self._sums = StepSums()
         self._rows = RowReader(seed)
-        self._budget = Budget(self.config)
+        self._budget = Budget(self.config, self._ledger)
         self._key = TrainableKey(model)
         self._trainable: TrainableSet | None = None
         self._warned_fallback: set[str] = set()
         self._follow_trainable()
         # the private step and its lifecycle (zero_grad, closures, the GradScaler's skip, the step count)
-        self._step = PrivateStep(self.config, self.accountant, self._noise, self._budget, self._sums, self._parallel,
+        self._step = PrivateStep(self.config, self._ledger, self._noise, self._budget, self._sums, self._parallel,
                                  lambda: self._trainable)
         if not self._trainable.layers:
             raise ValueError("the model has no trainable parameters: nothing to train privately")
@@ -158,6 +170,8 @@ class PrivacyEngine:
         key = self._key()
         if self._trainable is not None and key == self._trainable.key:
             return
+        if self._capture is not None:
+            attached.refuse_shared(self.model, self._step)  # a module shared with another engine's model, unfrozen
         validate(self.model, allow_fallback=self.allow_fallback)
         self._trainable = build_trainable_set(
             self.model, allow_fallback=self.allow_fallback, batch_first=self.batch_first,
@@ -209,12 +223,13 @@ class PrivacyEngine:
             self._check_loader(data_loader)
         if self._step.optimizer is not None:
             raise RuntimeError("this engine is already attached; call detach() first")
-        distributed.refuse_deepspeed(optimizer)
+        distributed.refuse_unsupported_optimizer(optimizer)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "is_enabled")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         attached.refuse_second(self.model, self._step)
+        attached.refuse_shared(self.model, self._step)
         self._follow_trainable()
         model_params = set(self.model.parameters())
         held = [p for group in optimizer.param_groups for p in group["params"]]
@@ -347,13 +362,15 @@ class PrivacyEngine:
                                   or users.is_floating_point()):
             raise ValueError(f"users must be an integer tensor of shape [{losses.shape[0]}] (one user id per loss), "
                              f"got {type(users).__name__}{tuple(users.shape) if isinstance(users, torch.Tensor) else ''}")
-        tag_losses = None
+        tag_losses = real = None
         if mask is not None:
             masked = data.masked_losses(losses, mask)  # (checks the mask)
             # a padded row's loss tags its rows, unless it is not finite (zero inputs can give that)
             tag_losses = torch.where(losses.detach().isfinite(), losses, masked)
             losses = masked
-        self._runner.run(losses, users, tag_losses)
+            real = _real_units(mask, users)
+        with self._runner.samples_per_step.real_count(real):  # the sampling check counts real samples, not rows
+            self._runner.run(losses, users, tag_losses)
 
     def _on_model_call(self) -> None:
         self._runner.settle()
@@ -385,19 +402,27 @@ class PrivacyEngine:
         return list(self._runner.decisions) if self._runner is not None else []
 
     def get_epsilon(self, delta: float | None = None) -> float:
-        """Epsilon spent by the steps taken so far, at ``delta`` (default: ``target_delta``)."""
-        delta = self.target_delta if delta is None else delta
-        return self.accountant.get_epsilon(accounting.poisson_delta(
-            delta, self.sample_size, self.sample_rate, self.max_batch_size, self.steps_taken))
+        """Epsilon spent by the steps taken so far, at ``delta`` (default: ``target_delta``): the composition of the
+        steps as they ran (a resumed checkpoint's with its own values), fixed-shape truncation included."""
+        delta = self.target_delta if delta is None else self._check_delta(delta)
+        return self._ledger.epsilon(delta)
+
+    def _check_delta(self, delta: float) -> float:
+        delta = checks.open_unit("delta", delta)
+        problem = accounting.small_delta_problem(delta, self.sample_size, self.privacy_unit)
+        if problem is not None:
+            warnings.warn(problem, stacklevel=3)
+        return delta
 
     def privacy_report(self, delta: float | None = None) -> dict:
-        delta = self.target_delta if delta is None else delta
+        """This engine's configuration and what the steps taken spent; ``history``: the steps as they ran."""
+        delta = self.target_delta if delta is None else self._check_delta(delta)
         return {
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
             "steps": self.steps_taken,
             "planned_steps": self.planned_steps,
-            "epsilon": self.get_epsilon(delta),
+            "epsilon": self._ledger.epsilon(delta),
             "target_epsilon": self.target_epsilon,
             "delta": delta,
             "accountant": self.accountant.name,
@@ -405,19 +430,21 @@ class PrivacyEngine:
             "clipping_mode": self.clipping_mode,
             "privacy_unit": self.privacy_unit,
             "max_batch_size": self.max_batch_size,
-            "truncation_delta": 0.0 if self.max_batch_size is None else accounting.truncation_delta(
-                self.sample_size, self.sample_rate, self.max_batch_size, self.steps_taken),
+            "truncation_delta": self._ledger.truncation_delta(),
+            "history": [dataclasses.asdict(segment) for segment in self._ledger.segments],
         }
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """Everything needed to resume: step counter, accountant history and, unless ``secure_rng``, the noise
-        generator's state (used only by ``load_state_dict(..., reproducible_noise=True)``)."""
+        """Everything needed to resume: step counter, accountant history, the ledger (the values every step ran
+        with: noise multiplier, sample rate, sample size, max_batch_size, and the privacy unit) and, unless
+        ``secure_rng``, the noise generator's state (used only by ``load_state_dict(..., reproducible_noise=True)``)."""
         return {
             "steps_taken": self.steps_taken,
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
             "accountant": self.accountant.state_dict(),
+            "ledger": self._ledger.state_dict(),
             "noise": self._noise.state_dict(),
         }
 
@@ -430,15 +457,24 @@ class PrivacyEngine:
         uninterrupted run number for number; it is private only if this checkpoint is resumed once, on the
         batches the stopped run would have drawn (it warns). ``secure_rng=True`` never saves the stream.
 
-        The noise multiplier is configuration, not state: build the engine with the same
-        ``noise_multiplier`` (the checkpoint holds it) before loading.
+        The noise multiplier, sample rate, sample size and ``max_batch_size`` are configuration, not state: the
+        steps after loading run with this engine's. Where they differ from the checkpoint's (a noise multiplier
+        calibrated for a longer plan, another dataset size), the accountant composes the checkpoint's steps with
+        their own values and this engine's with its own; epsilon and the budget are those of the steps as they
+        ran, and a warning says what changed, how many steps still fit ``target_epsilon`` and the noise multiplier
+        that would fit the plan. A checkpoint of another ``privacy_unit`` or accountant is refused. A checkpoint
+        written before the ledger existed loads with a warning: its steps are taken with this
+        engine's sample size, ``max_batch_size`` and privacy unit.
         """
         missing = {"steps_taken", "accountant", "noise"} - set(state)
         if missing:
             raise ValueError(f"not a dptrain engine state: missing {sorted(missing)}")
-        self._noise.load_state_dict(state["noise"], keep_stream=reproducible_noise)
-        self.accountant.load_state_dict(state["accountant"])
+        self._noise.load_state_dict(state["noise"], keep_stream=reproducible_noise)  # (may refuse: nothing else changed)
+        old_format = self._ledger.load_state_dict(state, self.config)  # checks it all before changing anything
         self.steps_taken = int(state["steps_taken"])
+        for note in (old_format, self._budget.resume_note()):
+            if note is not None:
+                warnings.warn(note, stacklevel=2)
         if reproducible_noise:
             warnings.warn(
                 "reproducible_noise=True: the noise continues the checkpoint's stream. Resuming this checkpoint "

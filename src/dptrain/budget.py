@@ -46,6 +46,10 @@ class Budget:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
+                if c.mechanism is not None:  # correlated noise: its own event (the truncation term as DP-SGD's)
+                    delta = accounting.poisson_delta(c.target_delta, c.sample_size, c.inclusion_rate,
+                                                     c.max_batch_size, steps)
+                    return c.mechanism.epsilon(c.noise_multiplier, c.sample_rate, steps, delta, c.accountant)
                 return accounting.compute_epsilon(c.noise_multiplier, c.sample_rate, steps, c.target_delta,
                                                   accountant=c.accountant, sample_size=c.sample_size,
                                                   max_batch_size=c.max_batch_size)

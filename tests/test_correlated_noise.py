@@ -381,3 +381,20 @@ def test_optimized_strategies_are_built_for_the_run():
     # with cyclic groups the epsilon of the same noise multiplier is smaller than without amplification
     assert mechanism.epsilon(1.0, 12 * 3 / N, 16, 1e-5) < accounting.compute_epsilon(1.0, 1.0, 16, 1e-5)
     assert math.isfinite(engine.noise_multiplier)
+
+
+def test_bands_auto_picks_dp_sgd_for_a_short_run_at_a_large_rate_and_bands_for_a_long_one(monkeypatch):
+    """sigma_b^2 * error(C_b) at the target: b = 1 (DP-SGD) when amplification matters most, several bands when
+    correlation does (the choice the engine then uses, with as many cyclic groups)."""
+    from dptrain.correlated import resolve
+    from dptrain.correlated.resolve import choose_bands
+
+    monkeypatch.setattr(resolve, "AUTO_BAND_CANDIDATES", (1, 2))  # each costs an RDP calibration (~1 s)
+    assert choose_bands(20, 25, 100, 2.0, 1e-5) == 1  # q = 0.25, 20 steps
+    monkeypatch.setattr(resolve, "AUTO_BAND_CANDIDATES", (1, 4))
+    engine = dptrain.PrivacyEngine(make_model(), batch_size=10, sample_size=300, noise="bandmf", bands="auto",
+                                   target_epsilon=8.0, target_delta=1e-5, steps=60)  # q = 1 / 30, 60 steps
+    assert engine.cyclic_groups == 4 == engine.config.mechanism.strategy.bands
+    with pytest.raises(ValueError, match="bands='auto' chooses the bands for a target"):
+        dptrain.PrivacyEngine(make_model(), batch_size=10, sample_size=300, noise="bandmf", bands="auto",
+                              noise_multiplier=1.0, steps=60)

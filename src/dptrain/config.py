@@ -95,8 +95,8 @@ def _noise_multiplier(sigma, target_epsilon, target_delta, epochs, steps, sample
 
 def _correlated(noise, name, groups, sigma, target_epsilon, target_delta, epochs, steps, checked, bands, buffers,
                 workload_momentum):
-    """(mechanism, noise multiplier, planned steps) of correlated noise: its strategy is built for the planned
-    length, which is needed even with a given noise multiplier."""
+    """(mechanism, noise multiplier, planned steps, cyclic groups) of correlated noise: its strategy is built for the
+    planned length, which is needed even with a given noise multiplier; ``groups == 0``: ``bands="auto"``."""
     if (sigma is None) == (target_epsilon is None):
         raise ValueError("give exactly one of noise_multiplier or target_epsilon (with epochs or steps)")
     if (epochs is None) == (steps is None):
@@ -106,13 +106,19 @@ def _correlated(noise, name, groups, sigma, target_epsilon, target_delta, epochs
     # An epoch is round(N / batch_size) steps, as dptrain.data.poisson_loader runs it (cyclic or not).
     planned = checks.positive_int("steps", steps) if steps is not None else int(
         math.ceil(checks.positive("epochs", epochs) * max(1, round(n / b))))
+    if groups == 0:  # bands="auto"
+        if target_epsilon is None:
+            raise ValueError("bands='auto' chooses the bands for a target: give target_epsilon, not noise_multiplier")
+        bands = groups = correlated_resolve.choose_bands(planned, b, n, checks.positive("target_epsilon",
+                                                                                          target_epsilon),
+                                                         checked["target_delta"], workload_momentum)
     mechanism = correlated_resolve.build_mechanism(noise, name, groups, planned, bands, buffers, workload_momentum)
     if sigma is not None:
-        return mechanism, checks.non_negative("noise_multiplier", sigma), planned
+        return mechanism, checks.non_negative("noise_multiplier", sigma), planned, groups
     delta = accounting.poisson_delta(checked["target_delta"], n, b / n, checked["max_batch_size"], planned)
     sigma = mechanism.calibrate(checks.positive("target_epsilon", target_epsilon), delta, b * groups / n, planned,
                                 checked["accountant"])
-    return mechanism, sigma, planned
+    return mechanism, sigma, planned, groups
 
 
 def make_config(*, batch_size, sample_size, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs,
@@ -126,7 +132,7 @@ def make_config(*, batch_size, sample_size, max_grad_norm, noise_multiplier, tar
     sample_size = checks.positive_int("sample_size", sample_size, "the dataset size")
     if batch_size > sample_size:
         raise ValueError(f"batch_size={batch_size} is larger than sample_size={sample_size}")
-    noise_name, groups = correlated_resolve.noise_kind(noise, bands, buffers, cyclic_groups)
+    noise_name, groups = correlated_resolve.noise_kind(noise, bands, buffers, cyclic_groups)  # 0: bands="auto"
     if batch_size * groups > sample_size:
         raise ValueError(
             f"batch_size={batch_size} with cyclic_groups={groups} needs batch_size * cyclic_groups <= sample_size="
@@ -162,9 +168,9 @@ def make_config(*, batch_size, sample_size, max_grad_norm, noise_multiplier, tar
             "max_batch_size", max_batch_size, "the fixed number of rows of every batch, K"),
     )
     if noise_name != "gaussian":
-        mechanism, sigma, planned = _correlated(noise, noise_name, groups, noise_multiplier, target_epsilon,
-                                                checked["target_delta"], epochs, steps, checked, bands, buffers,
-                                                workload_momentum)
+        mechanism, sigma, planned, groups = _correlated(noise, noise_name, groups, noise_multiplier, target_epsilon,
+                                                        checked["target_delta"], epochs, steps, checked, bands,
+                                                        buffers, workload_momentum)
         return EngineConfig(noise_multiplier=sigma, planned_steps=planned, noise=noise_name, cyclic_groups=groups,
                             mechanism=mechanism, **checked)
     sigma, planned = _noise_multiplier(noise_multiplier, target_epsilon, checked["target_delta"], epochs, steps,

@@ -21,6 +21,8 @@ can be zero. A shuffled fixed-size ``DataLoader`` does not match that analysis.
   privacy): each user is in a batch independently with probability q, with up to
   ``max_examples_per_user`` of their examples, and every batch is a :class:`UserBatch`
   ``(data, users)`` that says whose each row is (:class:`UserPoissonSampler`).
+* ``poisson_loader(..., cyclic_groups=g)`` samples *cyclically* (:mod:`dptrain.cyclic`): each unit in one of g
+  fixed groups, step t samples group ``t mod g`` (what amplified banded matrix factorization needs).
 """
 
 from __future__ import annotations

@@ -22,10 +22,10 @@ from .backward import BackwardSetup
 from .budget import Budget, PrivacyBudgetExceeded
 from .capture import Capture
 from .config import EngineConfig, FromConfig, make_config
-from .layers.fallback import FallbackRule, fallback_warning
 from .correlated.privacy import CorrelatedAccountant
 from .correlated.streaming import CorrelatedNoise
 from .cyclic import cyclic_groups_of
+from .layers.fallback import FallbackRule, fallback_warning
 from .noise import GaussianNoise
 from .pipeline import StepSums
 from .planning import DEFAULT_DECISION_RULE, LayerDecision
@@ -223,11 +223,11 @@ class PrivacyEngine:
         """
         if data_loader is not None:
             self._check_loader(data_loader)
-        elif self.cyclic_groups > 1 or self.noise != "gaussian":
+        elif self.cyclic_groups > 1:
             warnings.warn(
                 f"noise={self.noise!r}: no data_loader was given to attach(), so the engine cannot check that the "
                 f"batches are sampled as its accounting assumes (cyclic Poisson sampling over {self.cyclic_groups} "
-                "group(s), batch t of the loader at step t). Pass attach(optimizer, data_loader=poisson_loader(..., "
+                "groups, batch t of the loader at step t). Pass attach(optimizer, data_loader=poisson_loader(..., "
                 f"cyclic_groups={self.cyclic_groups}))", stacklevel=2)
         if self._step.optimizer is not None:
             raise RuntimeError("this engine is already attached; call detach() first")

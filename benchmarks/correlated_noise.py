@@ -78,19 +78,23 @@ def load() -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> str:
-    lines = ["| setting | arm | bands | metric | mean | sd | seeds | epsilon | noise multiplier | steps |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| setting | arm | bands | metric | mean | sd | seeds | vs DP-SGD, same seed | epsilon | noise multiplier "
+             "| steps |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    base = {(r["setting"], r["seed"]): r["value"] for r in rows if r["arm"] == "DP-SGD"}
     for _, setting, label, _ in ARMS:
         runs = [r for r in rows if r["setting"] == setting and r["arm"] == label]
         if not runs:
             continue
         values = [r["value"] for r in runs]
         sd = statistics.stdev(values) if len(values) > 1 else 0.0
-        bands = runs[0].get("bands") or 1
+        args = runs[0]["args"]
+        bands = runs[0].get("bands") or (int(args[args.index("--bands") + 1]) if "--bands" in args else 1)
+        paired = [r["value"] - base[(setting, r["seed"])] for r in runs if (setting, r["seed"]) in base]
+        difference = "" if label == "DP-SGD" or not paired else (
+            f"{statistics.mean(paired):+.4f} ({', '.join(f'{d:+.3f}' for d in paired)})")
         lines.append(f"| {setting} | {label} | {bands} | {runs[0]['metric']} | {statistics.mean(values):.4f} | "
-                     f"{sd:.4f} | "
-                     f"{len(runs)} | {max(r['epsilon'] for r in runs):.3f} | {runs[0]['noise_multiplier']:.3f} | "
-                     f"{runs[0]['steps']} |")
+                     f"{sd:.4f} | {len(runs)} | {difference} | {max(r['epsilon'] for r in runs):.3f} | "
+                     f"{runs[0]['noise_multiplier']:.3f} | {runs[0]['steps']} |")
     return "\n".join(lines)
 
 
@@ -150,7 +154,8 @@ def main() -> None:
     (RESULTS / "correlated-noise.md").write_text(
         "# Correlated noise (BandMF) against DP-SGD at the same epsilon\n\n"
         "Written by `benchmarks/correlated_noise.py`; every run in `correlated-noise.jsonl`, the plot in "
-        "`correlated-noise.png`. Same hyperparameters for both arms of a setting (tuned for DP-SGD).\n\n"
+        "`correlated-noise.png`. Same hyperparameters for both arms of a setting (tuned for DP-SGD); machine: a 2-core "
+        "CPU shared with other jobs, one thread.\n\n"
         + summarize(rows) + "\n")
     plot(rows, RESULTS / "correlated-noise.png")
 

@@ -144,7 +144,8 @@ def setup(noise="gaussian", groups=None, seed=3, steps=12, **kwargs):
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     engine = dptrain.PrivacyEngine(model, batch_size=12, sample_size=N, noise=noise, cyclic_groups=groups,
                                    target_epsilon=3.0, steps=steps, seed=seed, **kwargs)
-    loader = poisson_loader(make_data(), batch_size=12, cyclic_groups=groups, generator=torch.Generator().manual_seed(5))
+    loader = poisson_loader(make_data(), batch_size=12, cyclic_groups=groups,
+                            generator=torch.Generator().manual_seed(5))
     engine.attach(optimizer, data_loader=loader)
     return model, optimizer, engine, loader
 

@@ -202,8 +202,8 @@ def _print_plan(report: dict, input_text: str, notes: list[str]) -> None:
           "layer has one; the mix modes take the cheaper per layer)")
     noise = report.get("noise_state")
     if noise and noise["buffers"]:
-        print(f"noise state ({noise['noise']}): {noise['buffers']} buffer(s) of {noise['numbers_per_buffer']:,} numbers "
-              f"(one model-sized tensor each, float32), {_bytes(noise['bytes'])} kept between steps")
+        print(f"noise state ({noise['noise']}): {noise['buffers']} buffer(s) of {noise['numbers_per_buffer']:,} "
+              f"numbers (one model-sized tensor each, float32), {_bytes(noise['bytes'])} kept between steps")
     if report["problems"]:
         print(f"note: the engine refuses this model as built ({len(report['problems'])} problems, first: "
               f"{report['problems'][0]}). dptrain train applies dptrain.fixer.fix first (BatchNorm -> GroupNorm, "

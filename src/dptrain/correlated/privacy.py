@@ -6,19 +6,20 @@ DP-SGD and jax_privacy's ``BandMFConfig``); the optimizer sees ``x + sigma R kap
 Units are split into ``g`` cyclic groups (:mod:`dptrain.cyclic`): unit ``u`` can only be sampled at the steps
 ``t`` with ``t mod g = group(u)``, each time with probability ``q`` (Poisson, within its group).
 
-``noise="bandmf"`` (amplified banded matrix factorization; Choquette-Choo et al. 2023, Theorems 1, 4 and 5)
+``noise="bandmf"`` (amplified banded matrix factorization; Choquette-Choo et al. 2023b, Theorems 1, 4 and 5)
     ``C`` has ``b <= g`` bands, so the columns of a unit's steps, ``g >= b`` apart, touch disjoint rows of
     ``C x``: the run is the composition of ``ceil(T / g)`` Poisson-subsampled Gaussian mechanisms with rate
     ``q`` and noise multiplier ``sigma`` (each column has norm at most ``kappa``). dp_accounting's events:
     ``SelfComposedDpEvent(PoissonSampledDpEvent(q, GaussianDpEvent(sigma)), ceil(T / g))``, jax_privacy's
     ``amplified_bandmf_event``. With ``b = g = 1`` this is DP-SGD, exactly.
-``noise="blt"`` (no amplification; Choquette-Choo et al. 2023b "multi-epoch", McMahan et al. 2024)
+``noise="blt"`` (no amplification; Choquette-Choo et al. 2023a, multi-epoch; McMahan, Xu & Zhang 2024)
     ``C x`` is one Gaussian mechanism whose L2 sensitivity is that of ``C`` when a unit takes part at most
     ``ceil(T / g)`` times, ``g`` steps apart (``toeplitz.minsep_sensitivity_squared``, exact for the positive,
     non-increasing BLT columns); the Poisson coins only remove participations, which the bound covers, so
     they are not used: ``GaussianDpEvent(sigma kappa / sensitivity_T)``. Linear releases of adaptively chosen
-    inputs through a lower-triangular ``C`` keep the Gaussian mechanism's guarantee (Denisov et al. 2022,
-    Theorem 2.1).
+    inputs through a lower-triangular ``C`` keep the Gaussian mechanism's guarantee (Denisov et al. 2022).
+
+References and the derivations in full: docs/correlated-noise.md.
 
 Both are add/remove-one guarantees, as dptrain's DP-SGD accounting, with the same accountants
 (``accounting.ACCOUNTANTS``) on these events.

@@ -24,7 +24,8 @@ def noise_kind(noise: Any, bands: Any, buffers: Any, cyclic_groups: Any) -> tupl
     if name == "gaussian":
         for arg, value in (("bands", bands), ("buffers", buffers), ("cyclic_groups", cyclic_groups)):
             if value is not None:
-                raise ValueError(f"{arg} applies to correlated noise (noise='bandmf' or 'blt'), not to noise='gaussian'")
+                raise ValueError(f"{arg} applies to correlated noise (noise='bandmf' or 'blt'), not to "
+                                 "noise='gaussian'")
         return name, 1
     if name == "bandmf":
         if buffers is not None:
@@ -82,7 +83,7 @@ def choose_bands(planned_steps: int, batch_size: int, sample_size: int, target_e
     """The number of bands that minimizes the expected squared error of the trajectory at ``target_epsilon``:
     ``sigma_b^2 * loss(C_b)``, ``sigma_b`` calibrated for amplified BandMF with ``b`` cyclic groups (RDP, cheap;
     the engine then calibrates with its own accountant) and ``C_b`` the optimized ``b``-banded strategy (Choquette-
-    Choo et al. 2023, section 5; jax_privacy's ``optimize_coefs_for_amplifications``). ``b = 1`` is DP-SGD, so the
+    Choo et al. 2023's amplified BandMF; jax_privacy's ``optimize_coefs_for_amplifications``). ``b = 1`` is DP-SGD, so the
     choice is never worse than DP-SGD by this measure."""
     import logging
 

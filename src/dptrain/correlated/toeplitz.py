@@ -85,7 +85,7 @@ def workload_coefficients(n: int, momentum: float = 0.0) -> torch.Tensor:
     Plain SGD: the parameters after ``t`` steps are the prefix sum of the updates (``A = T(1, ..., 1)``).
     Heavy-ball momentum ``beta`` (``m_t = beta m_{t-1} + g_t``, ``theta_t = theta_{t-1} - lr m_t``) makes
     ``theta_t = theta_0 - lr sum_s a_{t-s} g_s`` with ``a_k = (1 - beta^{k+1}) / (1 - beta)``, still Toeplitz
-    (Denisov et al. 2022; Choquette-Choo et al. 2023, section 6).
+    (Denisov et al. 2022; Choquette-Choo et al. 2023).
     """
     k = torch.arange(n, dtype=DTYPE)
     if momentum == 0.0:

@@ -352,6 +352,21 @@ def test_user_level_units_with_cyclic_groups():
     assert engine.get_epsilon() <= 5.0
 
 
+def test_the_engine_state_holds_a_copy_of_the_buffers():
+    """The buffers change in place at every step; a state taken before a step keeps the values of its time (on the
+    CPU: no second copy on an accelerator)."""
+    model = make_model()
+    engine, optimizer = noise_only_engine(model, BANDED, 4, seed=0)
+    optimizer.step()
+    state = engine.state_dict()["noise"]["streams"]
+    before = {name: s["values"].clone() for name, s in state.items()}
+    optimizer.step()
+    assert all(torch.equal(s["values"], before[name]) and s["values"].device.type == "cpu"
+               for name, s in state.items())
+    now = engine.state_dict()["noise"]["streams"]
+    assert any(not torch.equal(s["values"], before[name]) for name, s in now.items())
+
+
 def test_plan_noise_reports_the_buffers_the_engine_keeps():
     model = make_model()
     numbers = sum(p.numel() for p in model.parameters())

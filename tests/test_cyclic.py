@@ -95,6 +95,22 @@ def test_distributed_shards_sample_their_own_examples_of_the_steps_group():
             assert bool((ranks[r].group_of[ids // world] == step % g).all())
 
 
+def test_distributed_loaders_of_users_and_examples_with_cyclic_groups():
+    users = torch.arange(120) // 3  # 40 users
+    for rank in range(2):
+        loader = poisson_loader(dataset(120), batch_size=4, users=users, cyclic_groups=2, distributed=True,
+                                num_replicas=2, rank=rank, generator=torch.Generator().manual_seed(6))
+        sampler = loader.batch_sampler
+        assert type(sampler).__name__ == "CyclicDistributedUserPoissonSampler"
+        for step, (_, batch_users) in enumerate(loader):
+            positions = torch.searchsorted(sampler.user_ids, batch_users)
+            assert bool((positions % 2 == rank).all()) and bool((sampler.group_of[positions] == step % 2).all())
+        examples = poisson_loader(dataset(120), batch_size=4, cyclic_groups=3, distributed=True, num_replicas=2,
+                                  rank=rank, generator=torch.Generator().manual_seed(6))
+        assert type(examples.batch_sampler).__name__ == "CyclicDistributedPoissonSampler"
+        assert examples.expected_batch_size == pytest.approx(4) and examples.sample_rate == pytest.approx(0.1)
+
+
 def test_bad_cyclic_arguments():
     with pytest.raises(ValueError, match="batch_size \\* cyclic_groups <= 20"):
         poisson_loader(dataset(20), batch_size=6, cyclic_groups=4)

@@ -108,7 +108,9 @@ class CorrelatedNoise:
         ``GaussianNoise.state_dict``). The buffers are past noise: keep checkpoints as private as the data."""
         return {
             "mechanism": self.mechanism.as_dict(),
-            "streams": {name: {"step": s.step, "head": s.head, "values": s.values}
+            # copies on the CPU: the live buffers change in place at every step (a checkpoint must not), and a copy
+            # on the accelerator would double their memory there; they move back to the device at their next use
+            "streams": {name: {"step": s.step, "head": s.head, "values": s.values.to("cpu", copy=True)}
                         for name, s in self._streams.items()},
             "gaussian": self.gaussian.state_dict(),
         }

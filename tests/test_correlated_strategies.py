@@ -140,7 +140,7 @@ def test_jax_privacys_golden_blt_is_a_stationary_point_of_our_loss():
     assert float((decay.grad * (1 - decay.detach())).abs().max()) < 1e-4
     assert float((scale.grad * scale.detach()).abs().max()) < 1e-4
     far = S.BufferedToeplitz((0.999, 0.9), (0.02, 0.2))  # and it is far better than a nearby guess
-    assert S.strategy_loss(far, n, min_sep=1, max_participations=1, error="max") > 1.01 * math.exp(float(loss))
+    assert S.strategy_loss(far, n, min_sep=1, max_participations=1, error="max") > 1.01 * math.exp(float(loss.detach()))
 
 
 def test_blt_inverse_in_closed_form_matches_the_series_inverse():

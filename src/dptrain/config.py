@@ -93,8 +93,7 @@ def _noise_multiplier(sigma, target_epsilon, target_delta, epochs, steps, sample
                                                  max_batch_size=max_batch_size), planned
 
 
-def _correlated(noise, name, groups, sigma, target_epsilon, target_delta, epochs, steps, checked, bands, buffers,
-                workload_momentum):
+def _correlated(noise, name, groups, sigma, target_epsilon, epochs, steps, checked, bands, buffers, workload_momentum):
     """(mechanism, noise multiplier, planned steps, cyclic groups) of correlated noise: its strategy is built for the
     planned length, which is needed even with a given noise multiplier; ``groups == 0``: ``bands="auto"``."""
     if (sigma is None) == (target_epsilon is None):
@@ -169,8 +168,7 @@ def make_config(*, batch_size, sample_size, max_grad_norm, noise_multiplier, tar
     )
     if noise_name != "gaussian":
         mechanism, sigma, planned, groups = _correlated(noise, noise_name, groups, noise_multiplier, target_epsilon,
-                                                        checked["target_delta"], epochs, steps, checked, bands,
-                                                        buffers, workload_momentum)
+                                                        epochs, steps, checked, bands, buffers, workload_momentum)
         return EngineConfig(noise_multiplier=sigma, planned_steps=planned, noise=noise_name, cyclic_groups=groups,
                             mechanism=mechanism, **checked)
     sigma, planned = _noise_multiplier(noise_multiplier, target_epsilon, checked["target_delta"], epochs, steps,

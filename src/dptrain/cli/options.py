@@ -162,7 +162,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--buffers", type=positive_int, help="--noise blt: noise buffers of the strategy (default 4)")
     train.add_argument("--cyclic-groups", type=positive_int,
                        help="cyclic Poisson sampling over G groups, step t samples group t mod G (default: --bands "
-                       "with bandmf, 1 otherwise)")
+                       "with bandmf, 1 otherwise; with blt, G close to dataset size / batch size makes every example "
+                       "take part about once per epoch, the setting BLTs are made for)")
     train.add_argument("--lr", type=positive_float, help=f"learning rate (default {d['lr']:g})")
     train.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help=f"(default {d['optimizer']})")
     train.add_argument("--clipping-mode", choices=CLIPPING_MODES, help=f"(default {d['clipping_mode']})")

@@ -199,6 +199,41 @@ def run_noise(rank: int, world: int, port: int, engine_kind: str, sigma: float, 
         dist.destroy_process_group()
 
 
+def run_correlated_noise(rank: int, world: int, port: int, engine_kind: str, steps: int, out: str) -> None:
+    """``steps`` empty steps with banded correlated noise (pure noise); save each step's private gradient."""
+    _init(rank, world, port)
+    try:
+        import warnings
+
+        from dptrain.correlated import BandedToeplitz
+
+        torch.manual_seed(0)
+        model = Wide()
+        if engine_kind == "ddp":
+            wrapped = nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model.fc1)
+            fully_shard(model.fc2)
+            wrapped = fully_shard(model)
+        engine = dptrain.PrivacyEngine(wrapped, batch_size=1, sample_size=SAMPLE_SIZE, noise_multiplier=1.0,
+                                       noise=BandedToeplitz((0.8, 0.6)), steps=steps, seed=1234)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no loader to check
+            engine.attach(opt)
+        grads = []
+        for _ in range(steps):
+            opt.step()
+            grads.append(torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
+                                    for p in wrapped.parameters()]).clone())
+            opt.zero_grad()
+        torch.save({"grads": torch.stack(grads, 1)}, f"{out}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
 def run_wrong_use(rank: int, world: int, port: int, out: str) -> None:
     """Errors that must be raised on every rank, saved as their messages."""
     _init(rank, world, port)

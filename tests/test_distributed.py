@@ -124,6 +124,26 @@ def test_noise_is_added_once_with_std_sigma_r_over_global_batch(tmp_path, engine
     # under DDP all of it on rank 0, under FSDP2 each shard on its owner (checked by the equal grads).
 
 
+@pytest.mark.parametrize("engine_kind", ENGINES)
+def test_correlated_noise_is_drawn_once_per_coordinate_with_its_covariance(tmp_path, engine_kind):
+    """Banded correlated noise (C = T(0.8, 0.6)) under DDP (rank 0 keeps the buffers) and FSDP2 (each rank those
+    of its shard): every rank gets the same gradients, and each coordinate's noise over the steps has covariance
+    C^{-1} C^{-T} (kappa = 1), as on one device."""
+    from dptrain.correlated import toeplitz
+
+    steps, out = 5, tmp_path / "run"
+    _launch(W.run_correlated_noise, engine_kind, steps, str(out))
+    r0, r1 = _results(out)
+    assert torch.equal(r0["grads"], r1["grads"])
+    samples = r0["grads"].double()  # [4090 coordinates, steps]
+    inverse = toeplitz.materialize(toeplitz.series_inverse(torch.tensor([0.8, 0.6], dtype=torch.float64), steps))
+    expected = inverse @ inverse.T
+    empirical = samples.T @ samples / len(samples)
+    diag = torch.diagonal(expected)
+    stderr = torch.sqrt((diag[:, None] * diag[None, :] + expected**2) / len(samples))
+    assert float(((empirical - expected).abs() / stderr).max()) < 5.0
+
+
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     out = tmp_path / "run"
     _launch(W.run_scaler_overflow, str(out))

@@ -369,6 +369,10 @@ class Accountant:
                 "Not an accountant state: expected a dict with keys 'name' and 'history' "
                 "as returned by Accountant.state_dict()."
             )
+        if "mechanism" in state:
+            raise ValueError(
+                "this state was saved by the accountant of a correlated-noise run (noise='bandmf' or 'blt'), whose "
+                "epsilon is not DP-SGD's: resume it with the same noise (PrivacyEngine(..., noise=...))")
         if state["name"] != self.name:
             raise ValueError(
                 f"This state was saved by the {state['name']!r} accountant and cannot be "

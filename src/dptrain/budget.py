@@ -67,6 +67,10 @@ class Budget:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             try:
+                if c.mechanism is not None:  # correlated noise: its own event over the run (one sigma and q)
+                    delta = accounting.poisson_delta(c.target_delta, c.sample_size, c.inclusion_rate,
+                                                     c.max_batch_size, steps)
+                    return c.mechanism.epsilon(c.noise_multiplier, c.sample_rate, steps, delta, c.accountant)
                 return self.ledger.epsilon(c.target_delta, c, max(0, steps - self.ledger.steps))
             except ValueError:  # truncation alone uses up target_delta by then
                 return math.inf

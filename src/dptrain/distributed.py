@@ -111,9 +111,9 @@ class DataParallel:
         """Called by ``PrivacyEngine.detach``."""
 
     def noisy_sum(self, params: Sequence[nn.Parameter], local: list[torch.Tensor],
-                  add_noise: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+                  add_noise: Callable[[nn.Parameter, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
         """Sum of the ranks' ``local`` clipped sums plus noise once; one tensor per parameter
-        (the parameter's local shard under FSDP2)."""
+        (the parameter's local shard under FSDP2). ``add_noise(p, t)``: the parameter's noise into ``t``."""
         raise NotImplementedError
 
     def as_grad(self, p: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
@@ -167,7 +167,7 @@ class DDPGradients(DataParallel):
 
     def noisy_sum(self, params, local, add_noise):
         if self.rank == 0:
-            local = [add_noise(t) for t in local]
+            local = [add_noise(p, t) for p, t in zip(params, local)]
         for bucket in _buckets(local):
             flat = torch.cat([t.reshape(-1) for t in bucket])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
@@ -211,7 +211,7 @@ class FSDP2Gradients(DataParallel):
         for p, t in zip(params, local):
             partial = DTensor.from_local(t, p.device_mesh, [Partial()] * p.device_mesh.ndim, run_check=False)
             shard = partial.redistribute(p.device_mesh, p.placements).to_local()
-            out.append(add_noise(shard))
+            out.append(add_noise(p, shard))
         return out
 
     def as_grad(self, p, value):

@@ -23,6 +23,9 @@ from .backward import BackwardSetup
 from .budget import Budget, PrivacyBudgetExceeded
 from .capture import Capture
 from .config import EngineConfig, FromConfig, make_config
+from .correlated.privacy import CorrelatedAccountant
+from .correlated.streaming import CorrelatedNoise
+from .cyclic import cyclic_groups_of
 from .layers.fallback import FallbackRule, fallback_warning
 from .ledger import Ledger
 from .noise import GaussianNoise
@@ -74,6 +77,8 @@ class PrivacyEngine:
     batch_first = FromConfig()
     budget = FromConfig()
     privacy_unit = FromConfig()
+    noise = FromConfig()
+    cyclic_groups = FromConfig()
     recipe = FromConfig()
 
     def __init__(
@@ -102,6 +107,11 @@ class PrivacyEngine:
         budget: str = "warn",
         max_batch_size: int | None = None,
         privacy_unit: str = "example",
+        noise: str = "gaussian",
+        bands: int | None = None,
+        buffers: int | None = None,
+        cyclic_groups: int | None = None,
+        workload_momentum: float = 0.0,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -113,13 +123,19 @@ class PrivacyEngine:
             clipping_style=clipping_style, loss_reduction=loss_reduction, decision_rule=decision_rule,
             clipping_gamma=clipping_gamma, accountant=accountant, secure_rng=secure_rng, seed=seed,
             allow_fallback=allow_fallback, batch_first=batch_first, budget=budget, max_batch_size=max_batch_size,
-            privacy_unit=privacy_unit)
+            privacy_unit=privacy_unit, noise=noise, bands=bands, buffers=buffers, cyclic_groups=cyclic_groups,
+            workload_momentum=workload_momentum)
         self.model = model
-        self.accountant = accounting.create_accountant(accountant)
+        mechanism = self.config.mechanism
+        self.accountant = (accounting.create_accountant(accountant) if mechanism is None
+                           else CorrelatedAccountant(accountant, mechanism))
         self._ledger = Ledger(self.config, self.accountant)  # the steps applied, with their values (in the accountant)
         rank = self._parallel.rank if self._parallel is not None else 0
         # Under FSDP2 every rank draws the noise of its own shard: independent streams per rank.
         self._noise = GaussianNoise(seed=None if seed is None else seed + 7919 * rank, secure=secure_rng)
+        if mechanism is not None:  # correlated noise: the i.i.d. draws through the strategy's C^{-1}, per parameter
+            self._noise = CorrelatedNoise(mechanism, self._noise, lambda p: self._trainable.param_name(p))
+        self._cyclic_loader = None  # the attached loader, when it samples cyclic groups (its steps are checked)
 
         # Set by attach: the hooks, the optimizer, the GradScaler protocol, what every backward works with.
         self._capture: Capture | None = None
@@ -221,6 +237,12 @@ class PrivacyEngine:
         """
         if data_loader is not None:
             self._check_loader(data_loader)
+        elif self.cyclic_groups > 1:
+            warnings.warn(
+                f"noise={self.noise!r}: no data_loader was given to attach(), so the engine cannot check that the "
+                f"batches are sampled as its accounting assumes (cyclic Poisson sampling over {self.cyclic_groups} "
+                "groups, batch t of the loader at step t). Pass attach(optimizer, data_loader=poisson_loader(..., "
+                f"cyclic_groups={self.cyclic_groups}))", stacklevel=2)
         if self._step.optimizer is not None:
             raise RuntimeError("this engine is already attached; call detach() first")
         distributed.refuse_unsupported_optimizer(optimizer)
@@ -257,6 +279,7 @@ class PrivacyEngine:
         if data.is_poisson_loader(data_loader):
             loader = weakref.ref(data_loader)
             runner.loader_rows = lambda: getattr(loader(), "recent_batch_rows", None)
+            self._cyclic_loader = loader if self.cyclic_groups > 1 else None
         self._step.attach(optimizer, self._scaling, runner, self._prepare_step)
         attached.add(self.model, self._step)
         TrainableKey.watch()
@@ -274,11 +297,20 @@ class PrivacyEngine:
                     "(PrivacyEngine(privacy_unit='user', sample_size=<number of users>) with "
                     "poisson_loader(..., users=...))"
                 )
+            groups = cyclic_groups_of(loader)
+            if groups != self.cyclic_groups:
+                raise ValueError(
+                    f"the loader samples with cyclic_groups={groups} but the engine (noise={self.noise!r}) accounts "
+                    f"for cyclic_groups={self.cyclic_groups}: build the loader with poisson_loader(..., "
+                    f"cyclic_groups={self.cyclic_groups})" + (" (amplified banded noise needs cyclic Poisson "
+                                                             "sampling over at least `bands` groups)"
+                                                             if self.noise == "bandmf" else ""))
             if not math.isclose(loader.sample_rate, self.sample_rate, rel_tol=1e-9):
+                within = " * cyclic_groups" if self.cyclic_groups > 1 else ""
                 raise ValueError(
                     f"the loader samples with q={loader.sample_rate:.6g} but the engine accounts for "
-                    f"q = batch_size / sample_size = {self.sample_rate:.6g}: build both from the same batch size "
-                    "and dataset size"
+                    f"q = batch_size{within} / sample_size = {self.sample_rate:.6g}: build both from the same batch "
+                    "size and dataset size"
                 )
             loader_k = getattr(getattr(loader, "batch_sampler", None), "max_batch_size", None)
             if loader_k != self.max_batch_size:
@@ -391,10 +423,29 @@ class PrivacyEngine:
         )
 
     def _prepare_step(self) -> None:
-        """Before the private step: a failed plain backward is dropped, the trainable set read again."""
+        """Before the private step: a failed plain backward is dropped, the trainable set read again, and with
+        cyclic sampling the step's batch checked to be the loader's batch of this step."""
+        self._check_cyclic_step()
         self._runner.settle()
         self._capture.settle_open_forward()
         self._follow_trainable()
+
+    def _check_cyclic_step(self) -> None:
+        """Step t must train on the cyclic loader's batch t: its group is t mod g, and the accounting (a unit's
+        steps g apart) holds only if no batch is skipped, repeated or merged into another step."""
+        loader = self._cyclic_loader() if self._cyclic_loader is not None else None
+        if loader is None:
+            return
+        last, step = getattr(loader, "last_batch_step", None), self.steps_taken
+        if last != step:
+            drew = "no batch from it yet" if last is None else f"its batch {last} last"
+            raise RuntimeError(
+                f"step {step} of this run with cyclic Poisson sampling over {self.cyclic_groups} groups must train "
+                f"on the loader's batch {step} (group {step % self.cyclic_groups}), but the loop drew {drew}: "
+                "the privacy accounting assumes each unit's steps are cyclic_groups apart. Take exactly one "
+                "optimizer step per batch of the loader, in order (split a batch into physical batches with "
+                "dptrain.data.split_batches), and resume the loader's state_dict with the engine's. Nothing was "
+                "applied")
 
     # ------------------------------------------------------------------ reports
     def last_decisions(self) -> list[LayerDecision]:
@@ -404,7 +455,12 @@ class PrivacyEngine:
     def get_epsilon(self, delta: float | None = None) -> float:
         """Epsilon spent by the steps taken so far, at ``delta`` (default: ``target_delta``): the composition of the
         steps as they ran (a resumed checkpoint's with its own values), fixed-shape truncation included."""
-        delta = self.target_delta if delta is None else self._check_delta(delta)
+        return self._epsilon(self.target_delta if delta is None else self._check_delta(delta))
+
+    def _epsilon(self, delta: float) -> float:
+        if self.config.mechanism is not None:  # correlated noise: the mechanism's event over the run
+            return self.accountant.get_epsilon(accounting.poisson_delta(
+                delta, self.sample_size, self.config.inclusion_rate, self.max_batch_size, self.steps_taken))
         return self._ledger.epsilon(delta)
 
     def _check_delta(self, delta: float) -> float:
@@ -422,7 +478,7 @@ class PrivacyEngine:
             "sample_rate": self.sample_rate,
             "steps": self.steps_taken,
             "planned_steps": self.planned_steps,
-            "epsilon": self._ledger.epsilon(delta),
+            "epsilon": self._epsilon(delta),
             "target_epsilon": self.target_epsilon,
             "delta": delta,
             "accountant": self.accountant.name,
@@ -430,8 +486,14 @@ class PrivacyEngine:
             "clipping_mode": self.clipping_mode,
             "privacy_unit": self.privacy_unit,
             "max_batch_size": self.max_batch_size,
-            "truncation_delta": self._ledger.truncation_delta(),
+            "truncation_delta": (self._ledger.truncation_delta() if self.config.mechanism is None else 0.0
+                                 if self.max_batch_size is None else accounting.truncation_delta(
+                                     self.sample_size, self.config.inclusion_rate, self.max_batch_size,
+                                     self.steps_taken)),
             "history": [dataclasses.asdict(segment) for segment in self._ledger.segments],
+            "noise": self.noise,
+            "cyclic_groups": self.cyclic_groups,
+            "strategy": None if self.config.mechanism is None else self.config.mechanism.strategy.as_dict(),
         }
 
     # ------------------------------------------------------------------ checkpoints

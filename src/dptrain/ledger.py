@@ -13,6 +13,7 @@ the other unit is refused.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import astuple, dataclass, replace
 
 from . import accounting, checks
@@ -124,9 +125,11 @@ class Ledger:
         """Replace the history with a checkpoint's (``engine_state``: ``PrivacyEngine.state_dict()``).
 
         Checks everything before changing anything. Returns a note for a checkpoint written before the
-        ledger existed, whose steps are taken with this engine's sample size, K and privacy unit.
+        ledger existed, whose steps are taken with this engine's sample size, K and privacy unit. A run with
+        correlated noise (``config.mechanism``) resumes only with the values its steps ran with: its mechanism
+        is analysed for one noise multiplier and sample rate over the whole run.
         """
-        probe = accounting.Accountant(self.accountant.name)
+        probe = copy.deepcopy(self.accountant)  # (of this engine's kind: a correlated run's refuses DP-SGD's state)
         probe.load_state_dict(engine_state["accountant"])  # refuses another accountant's state
         saved = engine_state.get("ledger")
         note = None
@@ -152,6 +155,14 @@ class Ledger:
                     f"{[(m[0], m[1], m[2]) for m in merged][:3]} differ from its accountant's history "
                     f"{probe.history[:3]}; load the state dict exactly as engine.state_dict() returned it"
                 )
+        values = planned_segment(config).values()
+        changed = [s for s in segments if s.steps and s.values() != values]
+        if getattr(config, "mechanism", None) is not None and changed:
+            raise ValueError(
+                f"this checkpoint of a {config.noise} run holds {changed[0].describe()}, but this engine runs "
+                f"{planned_segment(config).describe().split(' at ', 1)[1]}: the correlated mechanism is analysed for "
+                "one noise multiplier and sample rate over the whole run. Build the engine with the values the "
+                "checkpoint was saved with")
         self.accountant.load_state_dict(engine_state["accountant"])
         self._segments = [s for s in segments if s.steps]
         self.generation += 1

@@ -95,7 +95,8 @@ class GivenGradients:
 
 def apply_private_gradient(step_params: list[nn.Parameter], sums: StepSums, sample_noise: Callable, std: float,
                            batch_size: int, parallel, given: GivenGradients) -> None:
-    """``p.grad = (sum_i C_i g_i + N(0, std^2)) / batch_size`` for every parameter of the step.
+    """``p.grad = (sum_i C_i g_i + noise) / batch_size`` for every parameter of the step; ``sample_noise(p, sum,
+    std)`` draws the parameter's noise (``N(0, std^2)``, or the correlated noise of ``dptrain.correlated``).
 
     The sum, the noise and the division are in float32 (or the parameter's dtype if wider,
     ``pipeline.sum_dtype``); a bf16/fp16 parameter's gradient is rounded once, at the end.
@@ -105,8 +106,8 @@ def apply_private_gradient(step_params: list[nn.Parameter], sums: StepSums, samp
     reduced first and the noise is added once (``distributed``).
     """
 
-    def add_noise(t: torch.Tensor) -> torch.Tensor:
-        return t.add_(sample_noise(t, std)) if std > 0 else t
+    def add_noise(p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
+        return t.add_(sample_noise(p, t, std)) if std > 0 else t
 
     def take_sum(p: nn.Parameter) -> torch.Tensor:
         summed = sums.pop(p)
@@ -121,7 +122,7 @@ def apply_private_gradient(step_params: list[nn.Parameter], sums: StepSums, samp
     given.clear()
     if parallel is None:
         for p in step_params:
-            set_grad(p, add_noise(take_sum(p)))
+            set_grad(p, add_noise(p, take_sum(p)))
     else:
         noisy = parallel.noisy_sum(step_params, [take_sum(p) for p in step_params], add_noise)
         for p, t in zip(step_params, noisy):
@@ -341,8 +342,8 @@ class PrivateStep:
             raise
         self._marker.forget()
         c = self.config
-        apply_private_gradient(step_params, self.sums, self.noise.sample, c.noise_multiplier * c.max_grad_norm,
-                               c.batch_size, self.parallel, self._given)
+        apply_private_gradient(step_params, self.sums, self.noise.sampler(self.steps_taken),
+                               c.noise_multiplier * c.max_grad_norm, c.batch_size, self.parallel, self._given)
         self.discard()
         self._count()
 

@@ -10,10 +10,43 @@ import copy
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dptrain.data import PoissonSampler
 from dptrain.testing import per_sample_gradients, reference_clipped_gradient, trainable_named_parameters
+
+
+FEATURES, CLASSES = 5, 3
+
+
+class Classifier(nn.Module):
+    """The small model of the Accelerate and Lightning tests: linear, LayerNorm, linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(FEATURES, 8)
+        self.ln = nn.LayerNorm(8)
+        self.fc2 = nn.Linear(8, CLASSES)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.ln(self.fc1(x))))
+
+
+def build_classifier(dtype=torch.float64) -> nn.Module:
+    torch.manual_seed(0)
+    return Classifier().to(dtype)
+
+
+def classifier_columns(n: int = 16, dtype=torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, y) of ``n`` examples; the same values in every dtype."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, FEATURES, generator=g, dtype=torch.float64)
+    return x.to(dtype), torch.randint(0, CLASSES, (n,), generator=g)
+
+
+def classifier_losses(model, x, y):
+    return F.cross_entropy(model(x), y, reduction="none")
 
 
 def logical_batches(num_samples: int, batch_size: int, K: int | None, seed: int, steps: int,

@@ -10,7 +10,7 @@ A ``LightningModule`` whose ``training_step`` returns one loss per sample, a Poi
             return F.cross_entropy(self(x), y, reduction="none")   # per-sample losses [K]
 
         def train_dataloader(self):
-            return self.trainer.dp.train_loader(train_set, batch_size=256)   # or dp.train_loader(...)
+            return DPCallback.of(self.trainer).train_loader(train_set, batch_size=256)
 
     dp = DPCallback(target_epsilon=3.0, epochs=5, max_grad_norm=1.0)
     trainer = L.Trainer(max_epochs=5, callbacks=[dp], strategy="ddp", use_distributed_sampler=False)
@@ -113,6 +113,15 @@ class DPCallback(pl.Callback):
         self._mask: torch.Tensor | None = None
         self._accumulate = 1
         self._logged_steps = -1
+
+    @staticmethod
+    def of(trainer: pl.Trainer) -> DPCallback:
+        """The trainer's DPCallback (for ``train_dataloader()``)."""
+        found = [c for c in trainer.callbacks if isinstance(c, DPCallback)]
+        if len(found) != 1:
+            raise ValueError(f"the trainer has {len(found)} DPCallbacks; give it exactly one: "
+                             "Trainer(callbacks=[DPCallback(...)])")
+        return found[0]
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:

@@ -1,12 +1,17 @@
 """Private fine-tuning of a small GPT-2 with the Hugging Face Trainer.
 
 The only changes from an ordinary Trainer script are the ``DPTrainer`` class and its privacy
-arguments (``target_epsilon`` / ``noise_multiplier``, ``max_grad_norm``, ``poisson_sampling``). Everything here is
+arguments (``target_epsilon`` / ``noise_multiplier``, ``max_grad_norm``). The batches are Poisson samples with
+fixed shapes (the sampling the accounting is proven for), and every Trainer checkpoint carries the engine's
+and the sampler's state: ``--save-steps`` / ``--resume`` continue a run with its epsilon. Everything here is
 self-contained: the model is built from a config with random weights and trained on generated
 sentences with a character-level vocabulary, so nothing is downloaded.
 
     python examples/gpt2_trainer.py                      # a few hundred steps
     python examples/gpt2_trainer.py --tiny --max-steps 3 # a smoke run (seconds)
+    python examples/gpt2_trainer.py --output-dir /tmp/gpt2 --save-steps 100
+    python examples/gpt2_trainer.py --output-dir /tmp/gpt2 --resume /tmp/gpt2/checkpoint-100
+    torchrun --nproc_per_node=2 examples/gpt2_trainer.py # DDP: --batch-size is then per process
 
 Measured at the defaults (epsilon 8, 2000 sentences, 300 steps of expected batch 64, lr 1e-2),
 seed 0, on a 2-core CPU shared with other jobs (load average ~3, OMP_NUM_THREADS=1): held-out
@@ -100,6 +105,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--clipping-mode", default="bk-mixopt")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", default=None, help="where checkpoints go (default: a temporary folder)")
+    parser.add_argument("--save-steps", type=int, default=0, help="a checkpoint every this many steps (0: none)")
+    parser.add_argument("--resume", default=None, help="a checkpoint folder to continue from")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -112,14 +120,15 @@ def main(argv: list[str] | None = None) -> dict:
                         bos_token_id=None, eos_token_id=None, pad_token_id=0)
     model = GPT2LMHeadModel(config)  # random weights: built from the config, nothing downloaded
 
-    with tempfile.TemporaryDirectory() as output_dir:
+    with tempfile.TemporaryDirectory() as scratch:
         training_args = TrainingArguments(
-            output_dir=output_dir,
+            output_dir=args.output_dir or scratch,
             per_device_train_batch_size=args.batch_size or (16 if args.tiny else 64),  # expected (Poisson) batch
             max_steps=args.max_steps,
             learning_rate=args.lr,
             logging_steps=max(1, args.max_steps // 10),
-            save_strategy="no",
+            save_strategy="steps" if args.save_steps else "no",
+            save_steps=args.save_steps or 500,
             report_to=[],
             use_cpu=not torch.cuda.is_available(),
             seed=args.seed,
@@ -131,9 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
             target_epsilon=args.epsilon,       # noise calibrated to max_steps
             max_grad_norm=1.0,                 # per-sample clipping threshold
             clipping_mode=args.clipping_mode,
-            poisson_sampling=True,             # the sampling the privacy accounting assumes
         )
-        result = trainer.train()
+        result = trainer.train(resume_from_checkpoint=args.resume)  # a resumed run continues its epsilon
 
     epsilon = trainer.privacy_engine.get_epsilon()
     loss = held_out_loss(model, SentenceDataset(held_out, vocab, length))

@@ -74,6 +74,12 @@ def run_accelerate(rank: int, world: int, port: int, out: str, R: float) -> None
         if private.engine.steps_taken == STEPS:
             break
     _save(out, rank, dict(model.named_parameters()), private.engine)
+    # without a generator: a secret seed from process 0, the same in every process
+    from dptrain.integrations.loaders import sharded_poisson_loader
+
+    secret = sharded_poisson_loader(torch.utils.data.TensorDataset(*classifier_columns()), BATCH, micro_batches=2)
+    secret.poisson_sampler.resolve()
+    torch.save(secret.poisson_sampler.generator.initial_seed(), f"{out}.seed{rank}")
 
 
 def run_lightning(rank: int, world: int, port: int, out: str, R: float) -> None:

@@ -32,6 +32,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
 from accelerate.utils import send_to_device  # noqa: E402
 
+from dptrain.data import FixedShapeBatch  # noqa: E402
 from dptrain.integrations.accelerate import make_private  # noqa: E402
 
 N = 16
@@ -66,7 +67,8 @@ def _train(accelerator, model, optimizer, private, steps, seen=None, grads=None)
     """The documented loop, until ``steps`` private steps; ``grads``: p.grad of the first step, after it."""
     while private.engine.steps_taken < steps:
         for batch in private.loader:
-            (x, y), mask = send_to_device(batch, accelerator.device)
+            batch = send_to_device(batch, accelerator.device)
+            (x, y), mask = batch if isinstance(batch, FixedShapeBatch) else (batch, None)
             if seen is not None:
                 seen.append(x.clone())
             with accelerator.accumulate(model):
@@ -79,12 +81,14 @@ def _train(accelerator, model, optimizer, private, steps, seen=None, grads=None)
                 return
 
 
-@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
-def test_one_step_is_the_oracle_on_the_specified_batch(mode):
+@pytest.mark.parametrize("mode, max_batch_size", [("bk-mixopt", "auto"), ("ghost", "auto"), ("bk-mixopt", None)])
+def test_one_step_is_the_oracle_on_the_specified_batch(mode, max_batch_size):
     model, data = build_model(), columns()
     indices = logical_batches(N, 8, None, 7, 1)[0]
     expected = oracle_step(model, losses_fn, data, indices, 0.05, 8)  # (before the engine hooks the model)
-    accelerator, prepared, optimizer, private = _setup(model, data, max_grad_norm=0.05, clipping_mode=mode)
+    accelerator, prepared, optimizer, private = _setup(model, data, max_grad_norm=0.05, clipping_mode=mode,
+                                                       max_batch_size=max_batch_size)
+    assert (private.engine.max_batch_size is None) == (max_batch_size is None)  # None: batches of varying size
     assert sorted(logical_batches(N, 8, private.engine.max_batch_size, 7, 1)[0]) == sorted(indices)
     grads = {}
     _train(accelerator, prepared, optimizer, private, 1, grads=grads)

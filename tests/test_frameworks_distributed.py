@@ -65,6 +65,8 @@ def test_accelerate_under_ddp_is_the_oracle_on_the_whole_batch(tmp_path):
     model, columns = build_classifier(), classifier_columns()
     R = _threshold(model, classifier_losses, columns)
     _check(_launch(W.run_accelerate, tmp_path / "accelerate", R), model, classifier_losses, columns, R)
+    seeds = [torch.load(f"{tmp_path / 'accelerate'}.seed{r}") for r in range(W.WORLD)]
+    assert seeds[0] == seeds[1]  # the secret sampling seed, agreed by the processes
 
 
 def test_lightning_under_ddp_is_the_oracle_on_the_whole_batch(tmp_path):

@@ -81,6 +81,12 @@ def _refusals(accelerator: accelerate.Accelerator, model: nn.Module, optimizer) 
                         "relies on; build the Accelerator without it")
     if accelerator.mixed_precision == "fp8":
         problems.append("fp8 mixed precision has not been checked with the engine: use 'bf16' or 'fp16'")
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != accelerator.num_processes:
+        problems.append(f"torch.distributed runs {dist.get_world_size()} processes but the Accelerator uses "
+                        f"{accelerator.num_processes} (on a CPU, Accelerate runs several processes only with "
+                        "Accelerator(cpu=True)): every process would train alone, with its own noise")
     if not isinstance(optimizer, AcceleratedOptimizer):
         problems.append("the optimizer was not prepared: pass the one returned by accelerator.prepare (its step "
                         "runs the loss scaler and skips the accumulation steps)")
@@ -153,7 +159,8 @@ def make_private(accelerator: accelerate.Accelerator, model: nn.Module, optimize
         target_delta=target_delta, steps=steps, epochs=epochs, max_batch_size=max_batch_size,
         engine_kwargs={"clipping_mode": clipping_mode, **dict(engine_kwargs or {})})
     loader = sharded_poisson_loader(train_dataset, batch_size, max_batch_size=settings["max_batch_size"],
-                                    micro_batches=micro, generator=generator, collate_fn=collate_fn,
+                                    micro_batches=micro, num_replicas=accelerator.num_processes,
+                                    rank=accelerator.process_index, generator=generator, collate_fn=collate_fn,
                                     num_workers=num_workers, pin_memory=accelerator.device.type == "cuda")
     engine = PrivacyEngine(model, **settings)
     engine.attach(inner_optimizer(optimizer), data_loader=loader, grad_scaler=accelerator.scaler)

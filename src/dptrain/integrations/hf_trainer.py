@@ -282,7 +282,8 @@ class DPTrainer(Trainer):
         engine = self.privacy_engine
         loader = sharded_poisson_loader(
             dataset, engine.batch_size, max_batch_size=engine.max_batch_size,
-            micro_batches=self.args.gradient_accumulation_steps, generator=generator, collate_fn=collator,
+            micro_batches=self.args.gradient_accumulation_steps, num_replicas=self.args.world_size,
+            rank=self.args.process_index, generator=generator, collate_fn=collator,
             num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
             mask_key=MASK_KEY if engine.max_batch_size is not None else None)
         loader.poisson_sampler.resolve()  # the process group is up: agree on the seed now, with every process

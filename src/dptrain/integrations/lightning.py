@@ -174,7 +174,8 @@ class DPCallback(pl.Callback):
             max_batch_size=max_batch_size, engine_kwargs=self._engine_kwargs, **self._privacy)
         self.loader = sharded_poisson_loader(
             dataset, batch_size, max_batch_size=self._settings["max_batch_size"],
-            micro_batches=trainer.accumulate_grad_batches, generator=generator, collate_fn=collate_fn,
+            micro_batches=trainer.accumulate_grad_batches, num_replicas=trainer.world_size, rank=trainer.global_rank,
+            generator=generator, collate_fn=collate_fn,
             num_workers=num_workers, pin_memory=pin_memory)
         return self.loader
 

@@ -48,7 +48,8 @@ def test_the_pieces_of_a_step_are_the_single_process_draw(micro, world, K):
         assert got == drawn  # each index once, nothing else
         if K is not None:
             assert all(len(piece) <= K // (micro * world) for rank in range(world) for piece in pieces[rank][step])
-    assert any(len(b) == 8 for b in spec) if K == 8 else True  # truncation happened
+    if K == 8:
+        assert any(len(b) == 8 for b in spec)  # truncation happened
 
 
 def test_fixed_shape_pieces_and_the_mask():
@@ -79,6 +80,12 @@ def test_dict_batches_carry_the_mask_under_the_key():
                                     generator=torch.Generator().manual_seed(0), mask_key=MASK_KEY)
     batch = next(iter(loader))
     assert set(batch) == {"x", "y", MASK_KEY} and batch["x"].shape == (12, 1) and batch[MASK_KEY].dtype == torch.bool
+
+
+def test_several_processes_without_a_process_group_or_a_shared_generator_are_refused():
+    sampler = ShardedPoissonSampler(N, 0.2, num_replicas=2, rank=1)  # the secret seed cannot be agreed
+    with pytest.raises(RuntimeError, match="initialise torch.distributed .* or pass a generator seeded the same"):
+        next(iter(sampler))
 
 
 def test_a_max_batch_size_that_does_not_split_is_refused_with_the_multiple():

@@ -208,6 +208,9 @@ class DPTrainer(Trainer):
         checks.choice("token_loss_reduction", token_loss_reduction, LOSS_REDUCTIONS)
         if not isinstance(poisson_sampling, bool):
             raise ValueError(f"poisson_sampling must be True or False, got {poisson_sampling!r}")
+        if poisson_sampling and max_batch_size is None:
+            raise ValueError("max_batch_size must be an int or 'auto' (the Trainer's batches have fixed shapes: a "
+                             "micro-batch may not be empty), got None")
         self._check_arguments(poisson_sampling)
         self.per_sample_loss = per_sample_loss
         self.token_loss_reduction = token_loss_reduction
@@ -285,7 +288,7 @@ class DPTrainer(Trainer):
             micro_batches=self.args.gradient_accumulation_steps, num_replicas=self.args.world_size,
             rank=self.args.process_index, generator=generator, collate_fn=collator,
             num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
-            mask_key=MASK_KEY if engine.max_batch_size is not None else None)
+            mask_key=MASK_KEY)
         loader.poisson_sampler.resolve()  # the process group is up: agree on the seed now, with every process
         self._train_loader = loader
         return loader
@@ -295,7 +298,8 @@ class DPTrainer(Trainer):
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
         # (written first: a checkpoint the Trainer sees as complete always holds the privacy state)
-        output_dir = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        output_dir = os.path.join(self._get_output_dir(trial=trial), folder)
         state = run_state(self.privacy_engine, self._sampler_state())
         if self.args.should_save:
             os.makedirs(output_dir, exist_ok=True)
@@ -390,8 +394,7 @@ class DPTrainer(Trainer):
         shuffled batches of ``poisson_sampling=False``."""
         report = self.privacy_engine.privacy_report(delta)
         if self.poisson_sampling:
-            report["sampling"] = ("Poisson" if self.privacy_engine.max_batch_size is None else
-                                  f"Poisson, fixed shapes of {self.privacy_engine.max_batch_size} rows per step")
+            report["sampling"] = f"Poisson, fixed shapes of {self.privacy_engine.max_batch_size} rows per step"
             report["epsilon_is_proven_bound"] = True
         else:
             report["sampling"] = "shuffled fixed-size batches (poisson_sampling=False)"

@@ -59,7 +59,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 from ..algorithms import DEFAULT_CLIPPING_MODE
 from ..data import FixedShapeBatch
 from ..engine import PrivacyEngine
-from .common import check_run_state, engine_settings, inner_optimizer, run_state
+from .common import check_run_state, engine_on, engine_settings, inner_optimizer, run_state
 from .loaders import ShardedPoissonLoader, sharded_poisson_loader
 
 __all__ = ["DPCallback"]
@@ -186,9 +186,9 @@ class DPCallback(pl.Callback):
                              "return callback.train_loader(dataset, batch_size=...) from train_dataloader()")
         if len(trainer.optimizers) != 1:
             raise ValueError(f"DPCallback supports one optimizer, got {len(trainer.optimizers)}")
-        if self.engine is None:
-            model = trainer.strategy.model  # DistributedDataParallel(pl_module) under DDP
-            self.engine = PrivacyEngine(model, **self._settings)
+        # on the model as the strategy prepared it (DistributedDataParallel(pl_module) under DDP); a later fit
+        # with a newly wrapped model gets a new engine that carries the steps taken
+        self.engine = engine_on(trainer.strategy.model, self.engine, self._settings)
         if self._pending is not None:
             self.engine.load_state_dict(self._pending["engine"])
             self._pending = None

@@ -89,7 +89,8 @@ class ShardedPoissonSampler(PoissonSampler):
                  generator: torch.Generator | None = None, max_batch_size: int | None = None):
         super().__init__(num_samples, sample_rate, steps=steps, generator=generator, max_batch_size=max_batch_size)
         self.micro_batches = checks.positive_int("micro_batches", micro_batches, "pieces of a step per process")
-        self._given = (num_replicas, rank, generator is not None)
+        self._given_rank = rank
+        self._seed_agreed = generator is not None  # (a given generator is seeded the same everywhere: documented)
         self.num_replicas: int | None = None
         self.rank: int | None = None
         if num_replicas is not None:
@@ -120,12 +121,11 @@ class ShardedPoissonSampler(PoissonSampler):
         """Read the process group and agree on the secret seed (once; collective when several processes)."""
         if self.num_replicas is None:
             world, rank = _world()
-            given_world, given_rank, _ = self._given
-            self._set_world(world if given_world is None else given_world, rank if given_rank is None else given_rank)
-        if not self._given[2]:
+            self._set_world(world, rank if self._given_rank is None else self._given_rank)
+        if not self._seed_agreed:
             if not self._resume_pending:  # (a resumed sampler continues the checkpoint's generator, on every process)
                 self.generator = torch.Generator().manual_seed(_shared_seed(self.num_replicas))
-            self._given = (*self._given[:2], True)
+            self._seed_agreed = True
 
     def __len__(self) -> int:
         return self.steps * self.micro_batches

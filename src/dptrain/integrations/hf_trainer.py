@@ -36,10 +36,12 @@ What changes inside the training loop:
   epsilon and the batches continue exactly where the stopped run was, with fresh noise (the engine's
   checkpoint semantics, ``PrivacyEngine.load_state_dict``). A checkpoint without that file is refused.
 * **Precision, memory, processes.** bf16 (autocast), fp16 with the Trainer's loss scaler (the engine takes
-  the scale out before clipping; an overflowing step is skipped and counted), gradient (activation)
-  checkpointing, and several processes (``torchrun`` / ``accelerate launch``: DDP, or FSDP2 through
-  ``fsdp_config={"fsdp_version": 2}``) work. The engine is then built on the wrapped model when training
+  the scale out before clipping; in one process an overflow is run again at a smaller scale, under DDP the
+  step is skipped and counted), gradient (activation) checkpointing, and several processes with DDP
+  (``torchrun`` / ``accelerate launch``) work. The engine is then built on the wrapped model when training
   starts; every process draws the same logical batch and takes its share, and the noise is added once.
+  FSDP2 (``fsdp_config={"fsdp_version": 2}``) goes through the engine's FSDP2 path but is untested through
+  the Trainer (Accelerate shards with FSDP on GPUs only; on a CPU it runs DDP).
 
 Refused at construction, with the reason: ``torch_compile`` (compiled models bypass the engine's hooks),
 DeepSpeed and FSDP1, ``nn.DataParallel`` (several GPUs in one process), ``auto_find_batch_size`` (it would

@@ -29,9 +29,9 @@ What the callback does:
   backward to ``engine.backward(losses, mask=batch.mask)`` (it gives the strategy a precision plugin of the
   same class whose ``backward`` does that; everything else, autocast and the loss scaler included, is the
   original plugin's), and ``optimizer.step()`` applies the private gradient. Gradient accumulation,
-  ``precision="bf16-mixed"`` / ``"bf16-true"`` and fp16 with a scaler (``plugins=[MixedPrecision("16-mixed",
-  device)]``) work; DDP (``strategy="ddp"``, with ``use_distributed_sampler=False``: the loader samples for
-  every process itself) adds the noise once.
+  ``precision="bf16-mixed"`` and fp16 with a scaler (``plugins=[MixedPrecision("16-mixed", device)]``) work
+  (``"bf16-true"``, bf16 parameters, is allowed but untested here); DDP (``strategy="ddp"``, with
+  ``use_distributed_sampler=False``: the loader samples for every process itself) adds the noise once.
 * **Checkpoints.** Lightning's checkpoints carry the engine's state (step count, accountant history, noise
   state: the callback's ``state_dict``) and the sampler's; ``fit(ckpt_path=...)`` resumes both, with fresh
   noise (``PrivacyEngine.load_state_dict``).

@@ -161,7 +161,8 @@ def test_mixed_precision_steps_are_within_what_the_precision_explains(tmp_path, 
     assert (scaler is not None) == (precision == "fp16")
     if scaler is not None:
         assert scaler.get_scale() < 2.0**40  # the first scale overflowed; the engine found one that works ...
-    assert trainer.privacy_engine.steps_taken == 1 and not trainer.accelerator.optimizer_step_was_skipped  # ... unskipped
+    assert trainer.privacy_engine.steps_taken == 1  # ... without skipping the step
+    assert not trainer.accelerator.optimizer_step_was_skipped
     assert_within({n: g * N for n, g in snapshot.grads.items()}, ref, bounds, what=precision)
 
 

@@ -177,7 +177,8 @@ def test_settings_that_cannot_be_private_are_refused():
     with pytest.raises(ValueError, match="trains on the loader it builds"):
         _fit(PlainLoader(classifier_columns()), DPCallback(noise_multiplier=1.0, steps=4))
     with pytest.raises(ValueError, match="max_batch_size='auto' needs the planned length"):
-        _fit(Lit(classifier_columns()), DPCallback(noise_multiplier=1.0), steps=-1, max_epochs=-1, max_time="00:00:01:00")
+        _fit(Lit(classifier_columns()), DPCallback(noise_multiplier=1.0), steps=-1, max_epochs=-1,
+             max_time="00:00:01:00")
 
 
 def test_missing_lightning_names_the_extra(monkeypatch):

@@ -54,7 +54,8 @@ try:
     from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
     from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 except ImportError as err:  # pragma: no cover - exercised only without the extra
-    raise ImportError("dptrain.integrations.lightning needs PyTorch Lightning: pip install 'dptrain[lightning]'") from err
+    raise ImportError(
+        "dptrain.integrations.lightning needs PyTorch Lightning: pip install 'dptrain[lightning]'") from err
 
 from ..algorithms import DEFAULT_CLIPPING_MODE
 from ..data import FixedShapeBatch

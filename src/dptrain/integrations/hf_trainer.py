@@ -233,7 +233,10 @@ class DPTrainer(Trainer):
             noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, target_delta=target_delta,
             steps=steps, epochs=None, max_batch_size=max_batch_size if poisson_sampling else None,
             engine_kwargs={"clipping_mode": clipping_mode, **dict(engine_kwargs or {})})
-        self.privacy_engine = PrivacyEngine(self.model, **self._engine_settings)
+        with warnings.catch_warnings():
+            if args_.world_size > 1:  # (the engine that trains is built on the DDP-wrapped model at the first step)
+                warnings.filterwarnings("ignore", message="torch.distributed runs .* neither DistributedDataParallel")
+            self.privacy_engine = PrivacyEngine(self.model, **self._engine_settings)
         self._attached_to: torch.optim.Optimizer | None = None
         self._train_loader: ShardedPoissonLoader | None = None
         self._resumed_state: dict | None = None

@@ -58,10 +58,12 @@ def run_accelerate(rank: int, world: int, port: int, out: str, R: float) -> None
     """make_private under Accelerate's DDP (MULTI_CPU)."""
     _environment(rank, world, port)
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import send_to_device
 
     from dptrain.integrations.accelerate import make_private
 
+    AcceleratorState._reset_state(reset_partial_state=True)  # (a forked process inherits the parent's state)
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION)
     model = build_classifier()
     prepared, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=LR))

@@ -66,7 +66,10 @@ RECIPES: dict[str, Recipe] = {
     "bk-mix-ghost": Recipe(NormVia.MIXED, GradVia.BOOK_KEEPING),  # Book-Keeping
     "bk-mixopt": Recipe(NormVia.MIXED, GradVia.FOLLOW_NORM),  # Book-Keeping
 }
+"""Each clipping mode's recipe: how the per-sample norm is got and how the clipped gradient is formed
+(docs/clipping-modes.md)."""
 
 CLIPPING_MODES = tuple(RECIPES)
+"""The names of the seven clipping modes, the valid values of ``clipping_mode``."""
 # The one default of the engine, plan(), the command line, the audit and the Hugging Face Trainer.
 DEFAULT_CLIPPING_MODE = "bk-mixopt"

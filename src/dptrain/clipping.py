@@ -14,7 +14,10 @@ import torch
 from . import checks
 
 CLIPPING_FNS = ("abadi", "automatic", "global")
+"""The valid values of ``clipping_fn``: ``abadi`` ``min(1, R/||g||)``, ``automatic`` ``R/(||g|| + gamma)``,
+``global`` ``1[||g|| <= R]``."""
 CLIPPING_STYLES = ("all-layer", "layer-wise", "param-wise")
+"""The named values of ``clipping_style`` (a list of lists of module names is the fourth kind)."""
 
 
 def clipping_factors(norms: torch.Tensor, threshold: float, fn: str, gamma: float) -> torch.Tensor:

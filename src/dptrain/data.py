@@ -327,6 +327,8 @@ class UserPoissonSampler(PoissonSampler):
                 "max_examples_per_user": self.max_examples_per_user}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state``; a user sampler's state loads only into a sampler of the same dataset and
+        ``max_examples_per_user``."""
         if state.get("privacy_unit") == "user":
             saved = (state.get("num_examples"), state.get("max_examples_per_user"))
             if saved != (self.num_examples, self.max_examples_per_user):
@@ -899,6 +901,7 @@ class DPDataLoader(DataLoader):
         return sampler._state_at(self._consumed)
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from a ``state_dict()``: the next ``iter()`` resumes the saved epoch."""
         self.poisson_sampler.load_state_dict(state)
 
 

@@ -75,6 +75,7 @@ class LayerDecision:
     layout: str | None = dataclasses.field(default=None, compare=False)
 
     def as_dict(self) -> dict:
+        """The decision as a plain dict of its fields (JSON-able)."""
         return asdict(self)
 
 

@@ -121,15 +121,18 @@ class PrivateTraining:
         self.engine.backward(scaler.scale(losses) if scaler is not None else losses, mask=mask)
 
     def state_dict(self) -> dict:
+        """The engine's and the sampler's state (``accelerator.save_state`` saves it)."""
         return run_state(self.engine, self.loader.state_dict())
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the engine's and the sampler's state (``accelerator.load_state`` calls it)."""
         state = check_run_state(state, "the dptrain state of this Accelerate checkpoint")
         self.engine.load_state_dict(state["engine"])
         self.loader.load_state_dict(state["sampler"])
         self._micro = 0
 
     def privacy_report(self, delta: float | None = None) -> dict:
+        """The engine's ``privacy_report``."""
         return self.engine.privacy_report(delta)
 
 

@@ -82,6 +82,7 @@ logger = hf_logging.get_logger(__name__)
 
 #: The file in each Trainer checkpoint that holds the engine's and the sampler's state.
 STATE_FILE = "dptrain_state.pt"
+"""The file in each Trainer checkpoint folder that holds the engine's and the sampler's state."""
 
 
 def _names(mapping: Mapping) -> set[str]:
@@ -273,6 +274,7 @@ class DPTrainer(Trainer):
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self):
+        """The Poisson loader with fixed shapes (``poisson_sampling=True``, the default), or the Trainer's own."""
         if not self.poisson_sampling:
             return super().get_train_dataloader()
         dataset, collator = self.train_dataset, self.data_collator
@@ -372,6 +374,8 @@ class DPTrainer(Trainer):
                                  label_smoothing=self.args.label_smoothing_factor)
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        """Per-sample losses of the micro-batch, clipped by ``engine.backward`` (through the scaler with fp16); the
+        Trainer's ``optimizer.step()`` then applies the private gradient. Returns the mean loss, for the logs."""
         model.train()
         self._attach(model)
         inputs = dict(self._prepare_inputs(inputs))
@@ -389,6 +393,7 @@ class DPTrainer(Trainer):
         return detached.mean() / accumulation  # Trainer sums these over the accumulation steps
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's logs, with the epsilon spent instead of the norm of the batch gradient."""
         if "loss" in logs or "train_loss" in logs:
             logs.pop("grad_norm", None)  # the norm of p.grad before the private step: not meaningful here
             logs["epsilon"] = self.privacy_engine.get_epsilon()

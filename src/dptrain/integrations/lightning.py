@@ -126,6 +126,8 @@ class DPCallback(pl.Callback):
 
     # ------------------------------------------------------------------ setup
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """At ``fit``: refuse settings the engine cannot train privately (other strategies, ``gradient_clip_val``,
+        manual optimization, unknown precision plugins) and route Lightning's backward to the engine."""
         if stage != "fit":
             return
         problems = []
@@ -181,6 +183,8 @@ class DPCallback(pl.Callback):
         return self.loader
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Build the engine on the model as the strategy prepared it, restore a checkpoint's state, and attach it to
+        the optimizer and the callback's loader."""
         loader = trainer.train_dataloader
         if loader is not self.loader or self._settings is None:
             raise ValueError("DPCallback trains on the loader it builds, whose sampling the accounting is for: "
@@ -198,11 +202,13 @@ class DPCallback(pl.Callback):
                            grad_scaler=getattr(plugin, "scaler", None))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Detach the engine: the model is an ordinary module again."""
         if self.engine is not None:
             self.engine.detach()
 
     # ------------------------------------------------------------------ the step
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
+        """Keep the fixed-shape batch's mask for the backward."""
         self._mask = batch.mask if isinstance(batch, FixedShapeBatch) else None
 
     def _backward(self, losses: torch.Tensor) -> None:
@@ -214,6 +220,7 @@ class DPCallback(pl.Callback):
         self.engine.backward(losses, mask=self._mask)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
+        """Show the epsilon spent on the progress bar (``log_epsilon``), computed once per optimizer step."""
         engine = self.engine
         if self.log_epsilon and engine.steps_taken != self._logged_steps:
             self._logged_steps = engine.steps_taken
@@ -223,15 +230,18 @@ class DPCallback(pl.Callback):
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
+        """The engine's state, saved in Lightning's checkpoints."""
         if self.engine is None:
             return dict(self._pending) if self._pending is not None else {}
         return run_state(self.engine, None)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Keep a checkpoint's engine state, loaded into the engine when training starts."""
         if state_dict:
             self._pending = check_run_state(state_dict, "the DPCallback state of this checkpoint")
 
     def privacy_report(self, delta: float | None = None) -> dict:
+        """The engine's ``privacy_report`` (once training has started)."""
         if self.engine is None:
             raise RuntimeError("no engine yet: the report exists once training has started")
         return self.engine.privacy_report(delta)

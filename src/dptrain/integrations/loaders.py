@@ -38,6 +38,7 @@ __all__ = ["MASK_KEY", "ShardedPoissonLoader", "ShardedPoissonSampler", "fixed_s
 
 #: The key under which a dict batch carries its fixed-shape mask when the loader is built with ``mask_key``.
 MASK_KEY = "dptrain_mask"
+"""The key of the fixed-shape mask in a dict batch (which rows are real samples)."""
 
 
 def fixed_shape_rows(sample_size: int, batch_size: int, delta: float, steps: int, shares: int = 1) -> int:
@@ -168,6 +169,7 @@ class ShardedPoissonLoader(DPDataLoader):
         self._consumed = None
 
     def state_dict(self) -> dict:
+        """The sampler's checkpoint, counting the logical steps consumed, not the batches prefetched by workers."""
         sampler = self.poisson_sampler
         if self._consumed is None or sampler._resume_pending:
             return sampler.state_dict()

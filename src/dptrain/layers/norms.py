@@ -39,6 +39,7 @@ class AffineNormRule(LayerRule):
     """
 
     def normalized(self, module, x: torch.Tensor) -> torch.Tensor:
+        """``xhat``, the normalised input, recomputed from the saved input ``x`` as the module's forward computes it."""
         raise NotImplementedError
 
     def channels_last(self, module, t: torch.Tensor) -> torch.Tensor:
@@ -46,6 +47,7 @@ class AffineNormRule(LayerRule):
         raise NotImplementedError
 
     def operands(self, module, activation, grad_output):
+        """The per-sample sums over positions ``(sum_t xhat * g, sum_t g)``, each ``[B, 1, n]``."""
         x = activation
         xhat = self.normalized(module, x)
         acc = accumulation_dtype(xhat.dtype, grad_output.dtype)
@@ -58,6 +60,7 @@ class AffineNormRule(LayerRule):
         return summed(xhat.to(acc) * grad_output.to(acc)), summed(grad_output)
 
     def per_sample_grads(self, module, ops, names):
+        """The weight's and the bias's per-sample gradients: the operands, reshaped to ``[B, *param.shape]``."""
         scaled, g = ops
         out = {}
         if "weight" in names:

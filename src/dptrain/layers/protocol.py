@@ -123,6 +123,8 @@ class LayerRule:
         raise NotImplementedError
 
     def dims(self, module: nn.Module, activation: Any, output: torch.Tensor) -> LayerDims:
+        """The sizes of one call (``LayerDims``: T, p, d, whether a ghost norm exists), from which the planner and
+        the mixed modes choose between a ghost norm and an instantiated per-sample gradient."""
         raise NotImplementedError
 
     def operands(self, module: nn.Module, activation: Any, grad_output: torch.Tensor) -> tuple:
@@ -158,7 +160,7 @@ class LayerRule:
     def clipped_grads(
         self, module: nn.Module, ops: tuple, factors: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """{name: sum_i factors[name][i] * dL_i/d(name)} for the named parameters (module 2b(C)).
+        """``{name: sum_i factors[name][i] * dL_i/d(name)}`` for the named parameters (module 2b(C)).
 
         The default needs no code of its own: ``weight``, where ``weight_factors`` gives factors
         ``U, V``, is ``sum_i C_i U_i^T V_i`` formed from them without any per-sample gradient; every

@@ -87,6 +87,7 @@ class DPMultiheadAttention(nn.Module):
                     token.weight.normal_(0.0, math.sqrt(1.0 / self.embed_dim))  # xavier_normal_ of a [1, 1, E]
 
     def extra_repr(self) -> str:
+        """The options shown by ``repr(module)``, as ``nn.MultiheadAttention`` shows them."""
         s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}"
         if self.dropout:
             s += f", dropout={self.dropout}"
@@ -175,6 +176,8 @@ class DPMultiheadAttention(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, query, key, value, key_padding_mask=None, need_weights=True, attn_mask=None,
                 average_attn_weights=True, is_causal=False):
+        """``nn.MultiheadAttention.forward``: the same arguments and outputs ``(attn_output, attn_weights)``,
+        computed by the ``q_proj``, ``k_proj``, ``v_proj`` and ``out_proj`` linear layers."""
         batched = self._check_shapes(query, key, value, key_padding_mask, attn_mask)
         if not batched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)

@@ -85,7 +85,7 @@ def test_lora_example_trains_only_the_adapters_and_learns():
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["ddp", "fsdp"])
 def test_ddp_example_learns_under_torchrun(engine):
-    """`torchrun --nproc_per_node=2 examples/ddp_train.py` (gloo on CPU), as the README shows it."""
+    """`torchrun --nproc_per_node=2 examples/ddp_train.py` (gloo on CPU), as docs/distributed.md shows it."""
     args = ["--fsdp"] if engine == "fsdp" else []
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",

@@ -248,7 +248,7 @@ def _two_view_losses(model, x, x_aug, y):
 
 @pytest.mark.parametrize("mode, path", PATHS)
 def test_two_views_of_each_sample_in_two_model_calls_are_clipped_together(float64, mode, path):
-    """The README's way for augmented views: one model call per view, one loss per sample (their sum)."""
+    """docs/engine.md's way for augmented views: one model call per view, one loss per sample (their sum)."""
     model = _model()
     x, y = _data(4, seed=15)
     batch = (x, x + 0.1 * torch.randn_like(x), y)

@@ -233,7 +233,7 @@ class PrivacyEngine:
         (fp16 training): pass ``engine.backward(scaler.scale(losses))``. The engine removes the
         scale before clipping; where a backward overflows it finds a smaller scale by running
         the backward again on the same batch, so no step is skipped (single process, through
-        ``engine.backward``). See the README's mixed-precision section.
+        ``engine.backward``). See docs/precision.md.
         """
         if data_loader is not None:
             self._check_loader(data_loader)

@@ -1,11 +1,18 @@
 """The row check: which sample each row of a layer call belongs to, read from the gradient, never inferred from a shape.
 
+- ``losses``: the loss at every ``engine.backward(losses)``, proven separable from the graph or read by tag passes of
+  the loss alone, and the losses' gradient reaching parameters outside the model;
+- ``proof``: where the batch sits, propagated edge by edge through the autograd graph (layouts proven without a tag
+  pass);
 - ``layout``: what a row map is (identity, reordered, folded, sequence-first) and the structural layouts;
 - ``reading``: the tags of a tag pass and the reading of a call's rows from them;
 - ``sketch``: the per-row sketches the reading keeps instead of whole tagged gradients (bounded memory);
 - ``watch``: watching a forward (reordering ops on the batch axis, the model input's rows);
 - ``outputs``: the model's outputs, tagged for a plain ``loss.backward()``;
-- ``reader``: what is kept across steps (``RowReader``) and for one backward (``BackwardRows``).
+- ``reader``: what is kept across steps (``RowReader``) and for one backward (``BackwardRows``);
+- ``errors``: the refusals (``RowsMixSamples``, ``NonFiniteRows``).
+
+docs/row-check.md says what it guarantees.
 """
 from .errors import NonFiniteRows, RowsMixSamples
 from .layout import IDENTITY, Layout, RowMap, can_regroup, describe_layouts, map_from_layout, pattern_key

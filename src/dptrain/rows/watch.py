@@ -54,15 +54,26 @@ def _add(into: dict[int, torch.Tensor] | None, more: dict[int, torch.Tensor]) ->
     return {axis: into[axis] + s for axis, s in more.items() if axis in into}
 
 
-def _one_sample_per_row(reading: InputRows, axis: int, tags: list[torch.Tensor], real: dict, tagged: list) -> bool:
-    """Whether each row of the reading along ``axis`` carries the gradient of its own sample's loss only."""
+def _one_sample_per_row(reading: InputRows, axis: int, tags: list[torch.Tensor], real: dict, tagged: list,
+                        padded: torch.Tensor | None = None) -> bool:
+    """Whether each row of the reading along ``axis`` carries the gradient of its own sample's loss only (rows that
+    hold inf or NaN only where they are padded samples of a fixed-shape batch: ``padded``, [B] bool)."""
     if axis not in real or any(axis not in t for t in tagged):
         return False
     shape = list(reading.shape)
     shape.insert(0, shape.pop(axis))
     eps, rel = tolerance(reading.dtype, reading.precision)
+    sketches = [real[axis], *(t[axis] for t in tagged)]
+    bad = torch.zeros(sketches[0].shape[0], dtype=torch.bool, device=sketches[0].device)
+    for s in sketches:
+        bad |= ~torch.isfinite(s).all(1)
+    if bool(bad.any()):
+        rows = bad.nonzero().flatten().cpu()
+        if padded is None or bool((rows >= padded.numel()).any()) or not bool(padded[rows].all()):
+            return False
+        sketches = [torch.where(bad.unsqueeze(1), torch.zeros((), dtype=s.dtype, device=s.device), s) for s in sketches]
     try:
-        rowmap = read_sketches(real[axis], [t[axis] for t in tagged], tags, reading.batch, tuple(shape), 1, eps, rel)
+        rowmap = read_sketches(sketches[0], sketches[1:], tags, reading.batch, tuple(shape), 1, eps, rel)
     except RowsMixSamples:
         return False
     return rowmap.identity

@@ -229,6 +229,8 @@ class ForwardWatch(TorchFunctionMode):
         #: where the forward left the verified traces (a function's name, or a layer call)
         self.diverged_at: str | None = None
         self.quiet = 0
+        #: the operations it saw run (none, with layer calls recorded: the forward ran compiled, unseen)
+        self.operations = 0
         #: a gradient hook was registered during the forward (on a tensor): what it does to the gradient is not in
         #: the graph, so no row of this forward is proven from the graph (rows.proof); tag passes read them
         self.hooked = False
@@ -304,6 +306,7 @@ class ForwardWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.quiet or _compiling():  # (a compiled region: its bookkeeping by tensor identity is not for tracing)
             return func(*args, **kwargs)
+        self.operations += 1
         self.note(op_key(func, args, kwargs, self.batch), getattr(func, "__name__", str(func)))
         if func in _HOOKS:
             self.hooked = True

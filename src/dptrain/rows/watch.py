@@ -110,6 +110,11 @@ _VIEWS = {
 
 _MOVES_AXES = {torch.Tensor.transpose, torch.transpose, torch.Tensor.permute, torch.permute}
 _HOOKS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
+# dropout in its element-wise forms: on or off (train() or eval()), each element stays where it is
+_ELEMENTWISE_RANDOM = {torch.nn.functional.dropout, torch.nn.functional.alpha_dropout,
+                       torch.nn.functional.feature_alpha_dropout, torch.dropout, torch.alpha_dropout,
+                       torch.feature_alpha_dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
+                       torch.nn.functional.dropout3d, torch.feature_dropout}
 
 
 def _computes(func) -> bool:
@@ -307,7 +312,8 @@ class ForwardWatch(TorchFunctionMode):
         if self.quiet or _compiling():  # (a compiled region: its bookkeeping by tensor identity is not for tracing)
             return func(*args, **kwargs)
         self.operations += 1
-        self.note(op_key(func, args, kwargs, self.batch), getattr(func, "__name__", str(func)))
+        if func not in _ELEMENTWISE_RANDOM:  # (dropout keeps each element where it is: in eval() or not, the same trace)
+            self.note(op_key(func, args, kwargs, self.batch), getattr(func, "__name__", str(func)))
         if func in _HOOKS:
             self.hooked = True
         if func in _INDEXING and args and not self.seen:

@@ -9,7 +9,8 @@ from .layout import RowMap, _describe, can_regroup, map_from_layout
 from .reading import make_tags, read_sketches, tolerance
 from .sketch import Projections, sketch_rows, sketch_rows_two_axes
 from .proof import Rows, call_layout, edges_by_id, prove
-from .watch import InputRows, Traces, _add, _one_sample_per_row
+from .inputs import InputRows, _add, _one_sample_per_row
+from .traces import Traces
 
 
 class RowReader:

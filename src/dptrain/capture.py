@@ -496,10 +496,13 @@ class Capture:
         """The model call returned: its calls' layouts are the verified trace's it followed to its end, or are read
         in its backward (a verifying forward: its trace is kept once that backward has read every row)."""
         record = watch.verified_record()
-        verifying = record is None
+        # A forward compiled whole (torch.compile) runs its operations where the watch does not see them: its trace
+        # shows nothing of what it computed, so it is verified at every step (proofs from its graph, tag passes).
+        unseen = watch.operations == 0 and bool(self._forward_calls)
+        verifying = record is None or unseen
         if verifying:
             record = self.rows.traces.new_record()
-            if not watch.seen:  # a trace that picked rows by the data is read at every step, never kept
+            if not watch.seen and not unseen:  # a trace that picked rows by the data is read at every step, never kept
                 self.rows.pending_trace(forward_id, watch.keys, record)
         self.rows.forward_clean = not watch.seen
         self.rows.last_followed = not verifying

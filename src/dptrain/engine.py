@@ -394,15 +394,18 @@ class PrivacyEngine:
                                   or users.is_floating_point()):
             raise ValueError(f"users must be an integer tensor of shape [{losses.shape[0]}] (one user id per loss), "
                              f"got {type(users).__name__}{tuple(users.shape) if isinstance(users, torch.Tensor) else ''}")
-        tag_losses = real = None
+        tag_losses = real = padded = None
         if mask is not None:
             masked = data.masked_losses(losses, mask)  # (checks the mask)
             # a padded row's loss tags its rows, unless it is not finite (zero inputs can give that)
             tag_losses = torch.where(losses.detach().isfinite(), losses, masked)
             losses = masked
             real = _real_units(mask, users)
+            padded = ~mask.detach().cpu()
+            if not bool(padded.any()):
+                padded = None
         with self._runner.samples_per_step.real_count(real):  # the sampling check counts real samples, not rows
-            self._runner.run(losses, users, tag_losses)
+            self._runner.run(losses, users, tag_losses, padded)
 
     def _on_model_call(self) -> None:
         self._runner.settle()

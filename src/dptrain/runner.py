@@ -88,7 +88,7 @@ class BackwardRunner:
 
     # ------------------------------------------------------------------ engine.backward
     def run(self, losses: torch.Tensor, users: torch.Tensor | None = None,
-            tag_losses: torch.Tensor | None = None) -> None:
+            tag_losses: torch.Tensor | None = None, padded: torch.Tensor | None = None) -> None:
         """``engine.backward(losses[, users])``, the losses checked and ``[B]`` (``users``: each row's user id;
         ``tag_losses``: what the tag passes weight, the unmasked losses of a fixed-shape batch)."""
         self.settle()
@@ -133,7 +133,7 @@ class BackwardRunner:
             return  # an empty batch contributes nothing; the step still adds noise and counts
         self.before_backward()
         backward = self.current = Backward(self.setup, self.trainable(), Phase.SINGLE, samples=B, units=units,
-                                           tag_losses=tag_losses)
+                                           tag_losses=tag_losses, padded=padded)
         can_retry = scaling is not None and scaling.can_retry(scaling.scale(), self.recipe.two_pass,
                                                               parallel is not None)
         try:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import dataclasses
+
 import torch
 
 from .errors import RowsMixSamples
@@ -78,12 +80,28 @@ class RowMap:
     layout: Layout | None  # the structural layout these samples follow, if any
     #: every sample had a row with a gradient: the layout was seen for all of them (only such a map is cached)
     complete: bool = True
+    #: rows of padded samples (a fixed-shape batch's), on the identity path: zeroed before any norm (``without``)
+    dropped: torch.Tensor | None = None
+
+    def without(self, padded: torch.Tensor, rows: int) -> RowMap:
+        """This map with the rows of padded samples (``padded``: [batch] bool) belonging to none: they contribute
+        nothing whatever they hold (a mask sentinel, NaN, inf), zeroed before any norm is formed."""
+        samples = self.samples if self.samples is not None else torch.arange(rows)
+        drop = (samples >= 0) & padded[samples.clamp(min=0, max=max(padded.numel() - 1, 0))]
+        if not bool(drop.any()):
+            return self
+        if self.identity:
+            return dataclasses.replace(self, dropped=drop)
+        return RowMap(self.axes, torch.where(drop, torch.full_like(samples, -1), samples), self.batch, False, None,
+                      self.complete)
 
     def for_units(self, units: torch.Tensor, count: int, state, call) -> RowMap:
         """This map with each sample replaced by its unit (``units[sample]``, 0..count-1): the rows of a unit's
         samples are regrouped like the rows of one sample, so a rule clips the sum of their gradients."""
         rows = call.shape[0] if self.axes == 1 else call.shape[0] * call.shape[1]
         samples = self.samples if self.samples is not None else torch.arange(rows)
+        if self.dropped is not None:
+            samples = torch.where(self.dropped, torch.full_like(samples, -1), samples)
         mapped = torch.where(samples >= 0, units[samples.clamp(min=0)], torch.full_like(samples, -1))
         if not can_regroup(state.rule, call.activation, call.grad, self.axes):
             raise RowsMixSamples(
@@ -115,19 +133,34 @@ class RowMap:
         slots[owners, torch.arange(ranked.numel()) - starts[owners]] = ranked
         index = slots.clamp(min=0).to(g.device)
         keep = (slots >= 0).to(g.device, g.dtype)
-        ones = [1] * (g.dim() - 1)
         if getattr(rule, "rows_fold_into_tokens", False):
-            a_r = act.index_select(0, index.flatten().to(act.device)).reshape(self.batch, k, *act.shape[1:])
-            g_r = g.index_select(0, index.flatten()).reshape(self.batch, k, *g.shape[1:]) * keep.reshape(
-                self.batch, k, *ones)
+            a_r = _kept(act.index_select(0, index.flatten().to(act.device)).reshape(self.batch, k, *act.shape[1:]),
+                        keep, 2)
+            g_r = _kept(g.index_select(0, index.flatten()).reshape(self.batch, k, *g.shape[1:]), keep, 2)
             return rule.operands(module, a_r, g_r), [rule.dims(module, a_r, g_r)]
         parts, dims = [], []
         for j in range(k):
-            a_j = act.index_select(0, index[:, j].to(act.device))
-            g_j = g.index_select(0, index[:, j]) * keep[:, j].reshape(-1, *ones)
+            a_j = _kept(act.index_select(0, index[:, j].to(act.device)), keep[:, j], 1)
+            g_j = _kept(g.index_select(0, index[:, j]), keep[:, j], 1)
             parts.append(rule.operands(module, a_j, g_j))
             dims.append(rule.dims(module, a_j, g_j))
         return (parts[0] if len(parts) == 1 else rule.concat_calls(parts)), dims
+
+
+def _kept(t: torch.Tensor, keep: torch.Tensor, lead: int) -> torch.Tensor:
+    """``t`` with the rows where ``keep`` (its ``lead`` leading sizes) is 0 set to 0, whatever they held (NaN and
+    inf too, unlike a product)."""
+    mask = (keep != 0).reshape(*keep.shape[:lead], *([1] * (t.dim() - lead))).to(t.device)
+    return torch.where(mask, t, torch.zeros((), dtype=t.dtype, device=t.device))
+
+
+def zero_rows(t, dropped: torch.Tensor):
+    """A call's activation or gradient with the rows ``dropped`` (its leading axis) set to 0, where it is a tensor
+    leading with those rows; anything else as it is."""
+    if not isinstance(t, torch.Tensor) or t.dim() == 0 or t.shape[0] != dropped.numel():
+        return t
+    keep = (~dropped).to(t.device).reshape(-1, *([1] * (t.dim() - 1)))
+    return torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device))
 
 
 def _order(samples: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from .watch import _InputRowsNode
+from .inputs import _InputRowsNode
 
 
 def gradient_edge(x: torch.Tensor):

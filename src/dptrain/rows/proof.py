@@ -368,7 +368,7 @@ def rule_of(node) -> Callable | None:
     return RULES.get(base)
 
 
-# the engine's own Functions (capture, rows.outputs, rows.watch), by name
+# the engine's own Functions (capture, rows.outputs, rows.inputs), by name
 RULES.update({"_OutputLeaves": _shifted(1), "_TagRows": _shifted(0), "_InputRowsNode": _shifted(1),
               "_GradientPenalty": _shifted(0), "_Origin": _stops})
 

@@ -9,7 +9,8 @@ from .layout import RowMap, _describe, can_regroup, map_from_layout
 from .reading import make_tags, read_sketches, tolerance
 from .sketch import Projections, sketch_rows, sketch_rows_two_axes
 from .proof import Rows, call_layout, edges_by_id, prove
-from .watch import InputRows, Traces, _add, _one_sample_per_row
+from .inputs import InputRows, _add, _one_sample_per_row
+from .traces import Traces
 
 
 class RowReader:
@@ -144,6 +145,9 @@ class BackwardRows:
         #: the last tag pass weights every sample 1 (of the unmasked losses of a fixed-shape batch): rows are read
         #: against it rather than the real gradient, in which the padded rows have none
         self.reference_pass = False
+        #: the padded samples of a fixed-shape batch ([B] bool; None: none): rows that hold inf or NaN are read
+        #: around where the layout puts them in padded samples
+        self.padded: torch.Tensor | None = None
 
     def begin_tags(self, tags: list[torch.Tensor]) -> None:
         self.tags = tags
@@ -181,7 +185,7 @@ class BackwardRows:
                 real, tagged, tags = tagged[-1], tagged[:-1], tags[:-1]
             if real is None or tags is None or len(tagged) != len(tags) or tags[0].numel() != reading.batch:
                 continue
-            if not any(_one_sample_per_row(reading, axis, tags, real, tagged) for axis in reading.axes):
+            if not any(_one_sample_per_row(reading, axis, tags, real, tagged, self.padded) for axis in reading.axes):
                 raise RowsMixSamples(
                     f"the forward mixes samples before its trainable layers{self._where()}: a row of the model's "
                     "input reaches other samples' losses (a mixup of the input, a statistic over the batch such as a "
@@ -242,6 +246,17 @@ class BackwardRows:
             self.reader.recomputed_batches = (self.reader.recomputed_batches or set()) | {batch}
         return rowmap
 
+    def _read_around_padding(self, real, tagged, tags, batch, shape, axes, eps, rel, bad: torch.Tensor) -> RowMap:
+        """A call of a fixed-shape batch whose rows hold inf or NaN: read from its other rows, and accepted only where
+        the layout they show puts every unreadable row in a padded sample (which counts for nothing)."""
+        clean = lambda s: torch.where(bad.unsqueeze(1), torch.zeros((), dtype=s.dtype, device=s.device), s)  # noqa
+        rowmap = read_sketches(clean(real), [clean(t) for t in tagged], tags, batch, shape, axes, eps, rel)
+        samples = rowmap.layout.samples(shape, batch) if rowmap.layout is not None else None
+        bad = bad.cpu()
+        if samples is None or bool((samples[bad] < 0).any()) or not bool(self.padded[samples[bad]].all()):
+            raise NonFiniteRows("a layer's output gradient is inf or NaN in rows that are not padding")
+        return rowmap
+
     def _where(self) -> str:
         """Where the last forward left the steps verified before, in words (empty if it did not)."""
         where = self.reader.last_divergence
@@ -263,14 +278,22 @@ class BackwardRows:
             real, tagged, tags = tagged[-1], tagged[:-1], tags[:-1]
         else:
             real = self._sketch(state, call.grad)
-        if not all(bool(torch.isfinite(s).all()) for sketches in (real, *tagged) for s in sketches.values()):
+        unreadable = {axes: ~torch.isfinite(sketch).all(1) for axes, sketch in real.items()}
+        for sketches in tagged:
+            for axes, sketch in sketches.items():
+                unreadable[axes] = unreadable[axes] | ~torch.isfinite(sketch).all(1)
+        if any(bool(rows.any()) for rows in unreadable.values()) and self.padded is None:
             raise NonFiniteRows("a layer's output gradient is inf or NaN")
         eps, rel = tolerance(call.grad.dtype, call.precision)
         err = None
         for axes in sorted(real):
             try:
-                return read_sketches(real[axes], [t[axes] for t in tagged], tags, batch, tuple(call.grad.shape), axes,
-                                     eps, rel)
+                bad = unreadable[axes]
+                if not bool(bad.any()):
+                    return read_sketches(real[axes], [t[axes] for t in tagged], tags, batch, tuple(call.grad.shape),
+                                         axes, eps, rel)
+                return self._read_around_padding(real[axes], [t[axes] for t in tagged], tags, batch,
+                                                 tuple(call.grad.shape), axes, eps, rel, bad)
             except RowsMixSamples as e:
                 err = e
         if call.shared_use is not None:

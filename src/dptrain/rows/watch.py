@@ -5,9 +5,8 @@ from __future__ import annotations
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .errors import RowsMixSamples
-from .reading import read_sketches, tolerance
-from .sketch import Projections, sketch_rows
+from .inputs import InputRows, _InputRowsNode
+from .traces import Traces, op_key
 
 _INDEXING = {
     torch.Tensor.__getitem__, torch.index_select, torch.Tensor.index_select, torch.gather, torch.Tensor.gather,
@@ -17,70 +16,6 @@ _INDEXING = {
     torch.Tensor.scatter, torch.Tensor.scatter_, torch.scatter, torch.Tensor.scatter_add, torch.Tensor.scatter_add_,
     torch.scatter_add, torch.Tensor.__setitem__,
 }
-
-
-class InputRows:
-    """The gradient of one tensor that carries the model input's rows (the input itself, or the embedding of
-    its ids), in the real backward and in each tag pass of a verifying step, kept as per-row sketches along each
-    axis where the batch may sit.
-
-    Row i of a model input is sample i by definition, so its gradient must come from sample i's loss alone:
-    a row whose gradient mixes samples shows a forward that mixes samples (a statistic over the batch, rows
-    of one sample fed to another) before any trainable layer, where no layer's output gradient can see it.
-    """
-
-    def __init__(self, batch: int, axes: tuple[int, ...], precision: torch.dtype | None = None):
-        #: where the batch may sit: the model's axis for its own inputs; for a tensor made from ids derived from
-        #: an input (transposed, reshaped) either of the first two that has the batch's size
-        self.batch, self.axes = batch, axes
-        self.precision = precision  # the lowest precision the forward computed in (``computing_precision``)
-        self.dtype: torch.dtype | None = None
-        self.shape: tuple[int, ...] = ()
-        self.real: dict[int, torch.Tensor] | None = None  # axis -> sketch of the real gradient's rows along it
-        self.tagged: list[dict[int, torch.Tensor]] = []  # per tag pass, the same
-        self.tags: list[torch.Tensor] | None = None  # the tags of the passes that made ``tagged``
-        self.proven = False  # its rows stay apart by the graph itself (rows.proof): nothing to read
-
-    def sketches(self, grad: torch.Tensor, projections: Projections) -> dict[int, torch.Tensor]:
-        self.dtype, self.shape = grad.dtype, tuple(grad.shape)
-        return {axis: sketch_rows(grad.movedim(axis, 0), 1, projections)
-                for axis in self.axes if grad.dim() > axis and grad.shape[axis] == self.batch}
-
-
-def _add(into: dict[int, torch.Tensor] | None, more: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """Sketches of two parts of one gradient: the sketch of their sum (a sketch is linear)."""
-    if into is None:
-        return more
-    return {axis: into[axis] + s for axis, s in more.items() if axis in into}
-
-
-def _one_sample_per_row(reading: InputRows, axis: int, tags: list[torch.Tensor], real: dict, tagged: list) -> bool:
-    """Whether each row of the reading along ``axis`` carries the gradient of its own sample's loss only."""
-    if axis not in real or any(axis not in t for t in tagged):
-        return False
-    shape = list(reading.shape)
-    shape.insert(0, shape.pop(axis))
-    eps, rel = tolerance(reading.dtype, reading.precision)
-    try:
-        rowmap = read_sketches(real[axis], [t[axis] for t in tagged], tags, reading.batch, tuple(shape), 1, eps, rel)
-    except RowsMixSamples:
-        return False
-    return rowmap.identity
-
-
-class _InputRowsNode(torch.autograd.Function):
-    """Identity (a copy) on a tensor that carries the model input's rows; its backward hands the gradient to
-    ``record`` (the running backward's ``BackwardRows.record_input``). ``anchor`` makes the copy require grad."""
-
-    @staticmethod
-    def forward(ctx, anchor, x, reading, record):
-        ctx.reading, ctx.record = reading, record
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.record(ctx.reading, grad)
-        return None, grad if ctx.needs_input_grad[1] else None, None, None
 
 
 _EMBEDDINGS = {torch.nn.functional.embedding, torch.embedding}
@@ -99,6 +34,11 @@ _VIEWS = {
 
 _MOVES_AXES = {torch.Tensor.transpose, torch.transpose, torch.Tensor.permute, torch.permute}
 _HOOKS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
+# dropout in its element-wise forms: on or off (train() or eval()), each element stays where it is
+_ELEMENTWISE_RANDOM = {torch.nn.functional.dropout, torch.nn.functional.alpha_dropout,
+                       torch.nn.functional.feature_alpha_dropout, torch.dropout, torch.alpha_dropout,
+                       torch.feature_alpha_dropout, torch.nn.functional.dropout1d, torch.nn.functional.dropout2d,
+                       torch.nn.functional.dropout3d, torch.feature_dropout}
 
 
 def _computes(func) -> bool:
@@ -112,73 +52,6 @@ def _compiling() -> bool:
 
 
 _IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
-
-
-class Traces:
-    """The forwards whose rows were verified, as a trie of their traces (``ForwardWatch``'s keys, in order).
-
-    A forward whose trace ends at a verified record (``END``) computed as a verified one did: its layer calls' layouts
-    are the record's (``RowReader``, keyed by record and call pattern). Any other forward is verified again. At most
-    ``limit`` traces are kept: past it, a new trace is verified at each of its steps, never cached.
-    """
-
-    END = "end"
-
-    def __init__(self, limit: int = 256):
-        self.root: dict = {}
-        self.limit = limit
-        self.count = 0
-        self._records = 0
-
-    def new_record(self) -> int:
-        self._records += 1
-        return self._records
-
-    def insert(self, keys: list, record: int) -> None:
-        """A verified forward's trace (its backward read every call's rows, and it picked no rows by the data)."""
-        if self.count >= self.limit:
-            return
-        node = self.root
-        for key in keys:
-            node = node.setdefault(key, {})
-        if self.END not in node:
-            node[self.END] = record
-            self.count += 1
-
-
-def _size(n, batch: int):
-    """An integer argument as a trace key: the batch size as such, small ones (dims) as they are, others not at all
-    (sequence lengths and widths change from batch to batch without changing which rows meet)."""
-    if n == batch:
-        return "B"
-    return n if -8 <= n < 8 else "*"
-
-
-def _arg_key(a, batch: int, depth: int = 0):
-    t = type(a)
-    if t is int:
-        return _size(a, batch)
-    if isinstance(a, torch.Tensor):
-        return ("t", a.dim())
-    if t is slice:
-        return ("s", *(None if v is None else _size(v, batch) if type(v) is int else "?" for v in
-                       (a.start, a.stop, a.step)))
-    if (t is tuple or t is list) and depth == 0:
-        return tuple(_arg_key(x, batch, 1) for x in a)
-    if a is None or t is bool or t is str or a is Ellipsis:
-        return a
-    if isinstance(a, torch.dtype):
-        return a
-    return t.__name__
-
-
-def op_key(func, args, kwargs, batch: int) -> tuple:
-    """What a trace records of one operation: the function and the form of its arguments (tensors by rank, integers as
-    ``_size`` has them, floats not at all: a mixing coefficient drawn per batch changes nothing)."""
-    key = (func, *(_arg_key(a, batch) for a in args))
-    if kwargs:
-        key += tuple((k, _arg_key(v, batch)) for k, v in kwargs.items())
-    return key
 
 
 class ForwardWatch(TorchFunctionMode):
@@ -218,6 +91,8 @@ class ForwardWatch(TorchFunctionMode):
         #: where the forward left the verified traces (a function's name, or a layer call)
         self.diverged_at: str | None = None
         self.quiet = 0
+        #: the operations it saw run (none, with layer calls recorded: the forward ran compiled, unseen)
+        self.operations = 0
         #: a gradient hook was registered during the forward (on a tensor): what it does to the gradient is not in
         #: the graph, so no row of this forward is proven from the graph (rows.proof); tag passes read them
         self.hooked = False
@@ -293,7 +168,9 @@ class ForwardWatch(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.quiet or _compiling():  # (a compiled region: its bookkeeping by tensor identity is not for tracing)
             return func(*args, **kwargs)
-        self.note(op_key(func, args, kwargs, self.batch), getattr(func, "__name__", str(func)))
+        self.operations += 1
+        if func not in _ELEMENTWISE_RANDOM:  # (dropout keeps each element where it is: in eval() or not, the same trace)
+            self.note(op_key(func, args, kwargs, self.batch), getattr(func, "__name__", str(func)))
         if func in _HOOKS:
             self.hooked = True
         if func in _INDEXING and args and not self.seen:

@@ -1,9 +1,5 @@
 """The row check: which sample each row of a layer call belongs to, read from the gradient, never inferred from a shape.
 
-- ``losses``: the loss at every ``engine.backward(losses)``, proven separable from the graph or read by tag passes of
-  the loss alone, and the losses' gradient reaching parameters outside the model;
-- ``proof``: where the batch sits, propagated edge by edge through the autograd graph (layouts proven without a tag
-  pass);
 - ``layout``: what a row map is (identity, reordered, folded, sequence-first) and the structural layouts;
 - ``reading``: the tags of a tag pass and the reading of a call's rows from them;
 - ``sketch``: the per-row sketches the reading keeps instead of whole tagged gradients (bounded memory);

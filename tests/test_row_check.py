@@ -395,3 +395,43 @@ def test_a_verifying_step_keeps_sketches_of_the_tagged_gradients_never_the_gradi
         engine.detach()
     assert delivered, "no tag pass ran: the test does not test what it says"
     assert max(held) < 0.02 * sum(delivered), (held, delivered)
+
+
+# ------------------------------------------------------------------------------------------ what is verified once
+def test_a_language_model_with_a_padding_mask_is_verified_once_then_followed(float64):
+    """GPT-2 with an attention mask: Hugging Face builds the mask by indexing with positions expanded from
+    torch.arange (padding_mask[batch_idx, kv_idx]), which picks rows by their place, not by the data. Its forwards
+    are verified once (proven from the graph: no tag pass), then follow the verified trace at every step, with
+    batches and lengths that change."""
+    transformers = pytest.importorskip("transformers")
+    from dptrain import backward
+    from dptrain.losses import sequence_losses
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=61, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).double()
+    engine, opt = attached_engine(model, mode="bk-mixopt", max_grad_norm=1.0)
+    passes = []
+    original = backward.Backward._tag_pass
+
+    def counted(self, *args, **kwargs):
+        passes.append(1)
+        return original(self, *args, **kwargs)
+
+    backward.Backward._tag_pass = counted
+    try:
+        followed = []
+        for B, T in [(4, 12), (4, 14), (4, 12), (4, 16)]:
+            ids = torch.randint(0, 61, (B, T))
+            attention = torch.ones(B, T, dtype=torch.long)
+            attention[1:, T - 3:] = 0
+            losses = sequence_losses(model(input_ids=ids, attention_mask=attention).logits, ids,
+                                     attention_mask=attention)
+            followed.append(engine._rows.last_followed)
+            engine.backward(losses)
+            opt.step()
+            opt.zero_grad()
+    finally:
+        backward.Backward._tag_pass = original
+        engine.detach()
+    assert followed == [False, True, True, True] and not passes

@@ -522,3 +522,29 @@ def test_rows_computed_in_bf16_are_read_with_bf16_rounding():
     mixed_g[1] = g[1] + g[2]
     with pytest.raises(rows.RowsMixSamples):
         rows.read_rows(mixed_g, mixed, tags, batch, two_axes=False, precision=torch.bfloat16)
+
+
+@pytest.mark.parametrize("width", [1, 7, 300, 70_001])
+def test_sketched_reading_sees_a_mixture_of_a_percent_and_passes_every_row_of_one_sample(width):
+    """The reading keeps 16 Gaussian projections of each row (rows.sketch): a row that carries 1 % of another
+    sample's gradient (orthogonal to its own) is refused on every draw (the miss probability is 7e-26), and rows of
+    one sample scaled by their tags are read exactly, also across several blocks of the projection."""
+    batch = 4
+    g = torch.Generator().manual_seed(width)
+    for seed in range(20 if width < 1000 else 3):
+        grad = torch.randn(batch, width, generator=g, dtype=torch.float64)
+        tags = rows.make_tags(batch, g)
+        tagged = [grad * v.unsqueeze(1) for v in tags]
+        projections = rows.Projections(seed)
+        assert rows.read_rows(grad, tagged, tags, batch, two_axes=False, projections=projections).identity
+        if width == 1:
+            continue  # (a row of one number is a multiple of any other: its mixtures are seen by the tag's value)
+        other = torch.randn(width, generator=g, dtype=torch.float64)
+        other -= (other @ grad[0]) / (grad[0] @ grad[0]) * grad[0]  # orthogonal to row 0's own gradient
+        other *= 0.01 * grad[0].norm() / other.norm()
+        mixed = [t.clone() for t in tagged]  # row 0 also gets sample 1's gradient, a percent of its own size
+        for t, v in zip(mixed, tags):
+            t[0] += v[1] * other
+        with pytest.raises(rows.RowsMixSamples):
+            rows.read_rows(grad + torch.nn.functional.pad(other[None], (0, 0, 0, batch - 1)), mixed, tags, batch,
+                           two_axes=False, projections=projections)

@@ -334,6 +334,7 @@ class BackwardRunner:
         self.before_backward()
         backward = self.current = Backward(self.setup, self.trainable(), Phase.PLAIN)
         backward.task = task
+        self.capture.new_pass()  # its recomputations are numbered afresh (the last backward's may have run on)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish_plain(backward))
         return backward
 

@@ -58,15 +58,20 @@ IDENTITY = Layout(1, "identity")
 
 
 def pattern_key(shape: tuple[int, ...], batch: int) -> tuple:
-    """A call's shape as far as its rows' layout can depend on it: its two leading sizes written relative to the
-    batch (``("B", k)`` for k·B, ``"*"`` for a size that is no multiple of it) and its number of dimensions.
+    """A call's shape as far as its rows' layout can depend on it: its rows (the first size) as the batch itself
+    (``"B"``), a multiple of it (``"kB"``) or neither (``"*"``); its second size as the batch itself or not; and its
+    number of dimensions.
 
-    Two calls with the same key have the same layout whatever B and the other sizes are (a sequence length that
-    changes from batch to batch), unless the layout depends on the data. A leading size that happens to be a
-    multiple of B gives another key, which is verified anew: that is when a layout cannot be told from shapes.
+    Two calls with the same key have the same layout whatever B and the other sizes are (a sequence length or a
+    number of windows that changes from batch to batch), unless the layout depends on the data. A second size that
+    happens to equal B gives another key, verified anew: that is when which axis holds the batch cannot be told
+    from the shapes (a sequence-first call at T = B).
     """
-    lead = tuple(("B", n // batch) if batch and n % batch == 0 else "*" for n in shape[:2])
-    return (*lead, len(shape))
+    if not shape or not batch:
+        return ("*", len(shape))
+    rows = "B" if shape[0] == batch else "kB" if shape[0] % batch == 0 else "*"
+    second = ("B" if shape[1] == batch else "*") if len(shape) > 1 else None
+    return (rows, second, len(shape))
 
 
 @dataclass

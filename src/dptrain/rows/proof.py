@@ -54,13 +54,25 @@ def _fits(rows: Rows, shape, batch: int) -> bool:
 # A rule gets (node, where the batch sits in each output that receives a gradient, the batch size) and returns
 # where it sits in each input (one entry per next_functions edge: a Rows, FREE, or UNPROVEN).
 
-def _same(node, outs, batch):
+def _on_rows(rule):
+    """A rule written for one output with the batch in it (``Rows``): an output without a batch (FREE) makes every
+    input FREE, one unproven (or several that disagree) leaves the node unproven."""
+
+    def wrapped(node, outs, batch):
+        out = _one(outs)
+        if out is UNPROVEN:
+            return UNPROVEN
+        if out is FREE:
+            return [FREE] * len(node.next_functions)
+        return rule(node, out, batch)
+
+    wrapped.__doc__ = rule.__doc__
+    return wrapped
+
+
+@_on_rows
+def _same(node, out, batch):
     """Element-wise, inputs of the output's shape or broadcast to it (right-aligned)."""
-    out = _one(outs)
-    if out is UNPROVEN:
-        return UNPROVEN
-    if out is FREE:
-        return [FREE] * len(node.next_functions)
     oshape = _shape(node, 0)
     result = []
     for shape in _input_shapes(node):
@@ -88,24 +100,18 @@ def _one(outs):
 def _along(dim_attr: str):
     """An operation along one dimension (softmax, cumsum, a sort): rows along other axes stay apart."""
 
-    def rule(node, outs, batch):
-        out = _one(outs)
-        if out is UNPROVEN or out is FREE:
-            return _same(node, outs, batch)
+    @_on_rows
+    def rule(node, out, batch):
         oshape = _shape(node, 0)
         dim = getattr(node, dim_attr) % max(1, len(oshape))
-        return UNPROVEN if dim == out.axis else _same(node, outs, batch)
+        return UNPROVEN if dim == out.axis else _same(node, {0: out}, batch)
 
     return rule
 
 
-def _reduction(node, outs, batch):
+@_on_rows
+def _reduction(node, out, batch):
     """sum / mean / amax ... over some dimensions (``_saved_dim``, ``_saved_keepdim``)."""
-    out = _one(outs)
-    if out is UNPROVEN:
-        return UNPROVEN
-    if out is FREE:
-        return [FREE] * len(node.next_functions)
     shape = _input_shapes(node)[0]
     if shape is None:
         return UNPROVEN
@@ -121,11 +127,9 @@ def _reduction(node, outs, batch):
     return [Rows(axis, out.inner, out.outer)] + [FREE] * (len(node.next_functions) - 1)
 
 
-def _view(node, outs, batch):
+@_on_rows
+def _view(node, out, batch):
     """A view or reshape: the batch's rows are followed through the flattened order where they stay in one axis."""
-    out = _one(outs)
-    if out is UNPROVEN or out is FREE:
-        return [out] * len(node.next_functions) if out is FREE else UNPROVEN
     oshape, ishape = _shape(node, 0), _input_shapes(node)[0]
     if oshape is None or ishape is None:
         return UNPROVEN
@@ -149,10 +153,8 @@ def _regroup(rows: Rows, oshape, ishape, batch: int) -> Rows | None:
     return None
 
 
-def _transpose(node, outs, batch):
-    out = _one(outs)
-    if out is UNPROVEN or out is FREE:
-        return [out] if out is FREE else UNPROVEN
+@_on_rows
+def _transpose(node, out, batch):
     n = len(_shape(node, 0))
     if hasattr(node, "_saved_dims"):  # permute: output dim i is input dim dims[i]
         dims = [d % n for d in node._saved_dims]
@@ -165,45 +167,27 @@ def _transpose(node, outs, batch):
     return [Rows(1 - out.axis, out.inner, out.outer)] if n == 2 else UNPROVEN
 
 
-def _slice(node, outs, batch):
+@_on_rows
+def _slice(node, out, batch):
     """A slice or narrow along another axis than the batch's (the batch's own rows are picked otherwise)."""
-    out = _one(outs)
-    if out is UNPROVEN or out is FREE:
-        return [out] if out is FREE else UNPROVEN
     n = len(_shape(node, 0))
     dim = node._saved_dim % n
     return UNPROVEN if dim == out.axis else [Rows(out.axis, out.inner, out.outer)]
 
 
-def _select(node, outs, batch):
-    out = _one(outs)
-    if out is UNPROVEN or out is FREE:
-        return [out] if out is FREE else UNPROVEN
+@_on_rows
+def _select(node, out, batch):
     ishape = _input_shapes(node)[0]
     dim = node._saved_dim % len(ishape)
     axis = out.axis if out.axis < dim else out.axis + 1
     return UNPROVEN if axis == dim else [Rows(axis, out.inner, out.outer)]
 
 
-def _unsqueeze(node, outs, batch):
-    out = _one(outs)
-    if out is UNPROVEN or out is FREE:
-        return [out] if out is FREE else UNPROVEN
-    return _view(node, outs, batch)
-
-
-def _expand(node, outs, batch):
-    """An expand: an input of size 1 (or missing) at the batch axis is broadcast over the batch (FREE)."""
-    return _same(node, outs, batch)
-
-
-def _nll(node, outs, batch):
+@_on_rows
+def _nll(node, out, batch):
     """nll_loss / cross-entropy with reduction='none': the class dimension (1) is gone in the output."""
     if getattr(node, "_saved_reduction", 0) != 0:
         return UNPROVEN
-    out = _one(outs)
-    if out is UNPROVEN or out is FREE:
-        return [out] * len(node.next_functions) if out is FREE else UNPROVEN
     axis = out.axis if out.axis == 0 else out.axis + 1
     return [Rows(axis, out.inner, out.outer)] + [FREE] * (len(node.next_functions) - 1)
 
@@ -215,14 +199,10 @@ def _pointwise_loss(node, outs, batch):
     return _same(node, outs, batch)
 
 
-def _matmul(node, outs, batch):
+@_on_rows
+def _matmul(node, out, batch):
     """mm / addmm / bmm: rows of the left factor stay apart when the right one holds no batch; a batched product
     keeps the batch along its batch dimension."""
-    out = _one(outs)
-    if out is UNPROVEN:
-        return UNPROVEN
-    if out is FREE:
-        return [FREE] * len(node.next_functions)
     name = node.name()
     shapes = _input_shapes(node)
     oshape = _shape(node, 0)
@@ -250,12 +230,8 @@ def _matmul(node, outs, batch):
 def _leading_only(spatial: int):
     """Convolutions, pooling, per-sample normalisations: the batch must be in the first dimension."""
 
-    def rule(node, outs, batch):
-        out = _one(outs)
-        if out is UNPROVEN:
-            return UNPROVEN
-        if out is FREE:
-            return [FREE] * len(node.next_functions)
+    @_on_rows
+    def rule(node, out, batch):
         if out.axis != 0:
             return UNPROVEN
         return [Rows(0, out.inner, out.outer) if k == 0 else FREE for k in range(len(node.next_functions))]
@@ -263,10 +239,8 @@ def _leading_only(spatial: int):
     return rule
 
 
-def _layer_norm(node, outs, batch):
-    out = _one(outs)
-    if out is UNPROVEN or out is FREE:
-        return [FREE] * len(node.next_functions) if out is FREE else UNPROVEN
+@_on_rows
+def _layer_norm(node, out, batch):
     oshape = _shape(node, 0)
     normalized = len(getattr(node, "_saved_normalized_shape", ()))
     if out.axis >= len(oshape) - normalized:
@@ -274,10 +248,8 @@ def _layer_norm(node, outs, batch):
     return [Rows(out.axis, out.inner, out.outer)] + [FREE] * (len(node.next_functions) - 1)
 
 
-def _cat(node, outs, batch):
-    out = _one(outs)
-    if out is UNPROVEN or out is FREE:
-        return [FREE] * len(node.next_functions) if out is FREE else UNPROVEN
+@_on_rows
+def _cat(node, out, batch):
     oshape = _shape(node, 0)
     dim = node._saved_dim % len(oshape)
     if dim == out.axis:

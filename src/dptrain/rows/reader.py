@@ -7,7 +7,7 @@ import torch
 from .errors import NonFiniteRows, RowsMixSamples
 from .layout import RowMap, _describe, can_regroup, map_from_layout
 from .reading import make_tags, read_sketches, tolerance
-from .sketch import Projections, sketch_rows, sketch_rows_two_axes
+from .sketch import Projections, sketch_rows
 from .proof import Rows, call_layout, edges_by_id, prove
 from .inputs import InputRows, _add, _one_sample_per_row
 from .traces import Traces
@@ -156,8 +156,7 @@ class BackwardRows:
     def _sketch(self, state, grad: torch.Tensor) -> dict[int, torch.Tensor]:
         """A call's output gradient as the sketches of its rows along the axes its rule's rows are read over."""
         if _two_axes(state, grad):
-            first, both = sketch_rows_two_axes(grad, self.projections)
-            return {1: first, 2: both}
+            return {1: sketch_rows(grad, 1, self.projections), 2: sketch_rows(grad, 2, self.projections)}
         return {1: sketch_rows(grad, 1, self.projections)}
 
     def record_input(self, reading: InputRows, grad: torch.Tensor) -> None:

@@ -33,6 +33,10 @@ _VIEWS = {
 
 
 _MOVES_AXES = {torch.Tensor.transpose, torch.transpose, torch.Tensor.permute, torch.permute}
+# what keeps a range of positions a range of positions (each element where it was, or repeated): its index picks rows
+# by their place, as a slice does
+_KEEPS_POSITIONS = _VIEWS | {torch.Tensor.expand, torch.Tensor.expand_as, torch.Tensor.to, torch.Tensor.clone,
+                             torch.Tensor.repeat, torch.broadcast_to, torch.Tensor.long, torch.Tensor.int}
 _HOOKS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
 # dropout in its element-wise forms: on or off (train() or eval()), each element stays where it is
 _ELEMENTWISE_RANDOM = {torch.nn.functional.dropout, torch.nn.functional.alpha_dropout,
@@ -177,9 +181,12 @@ class ForwardWatch(TorchFunctionMode):
             self.seen = _reorders(func, args, kwargs, self.batch, self._ranges)
             if self.seen:
                 self._diverge(getattr(func, "__name__", str(func)))
-        if func is torch.arange:  # positions made by the forward, not read from the data (kept: ids stay unique)
+        if func is torch.arange or (self._ranges and func in _KEEPS_POSITIONS and args
+                                    and self._ranges.get(id(args[0]), (None,)) is args[0]):
+            # positions made by the forward (a range, and views or expansions of one), not read from the data
             out = func(*args, **kwargs)
-            self._ranges[id(out)] = out
+            if isinstance(out, torch.Tensor):
+                self._ranges[id(out)] = out
             return out
         if self._floats and func in _VIEWS and args and self._floats.get(id(args[0]), (None,))[0] is args[0]:
             # a view of the input stays a view of the input (code may set requires_grad on it, which only a leaf

@@ -271,6 +271,12 @@ def _deberta_v2_relative_params(module) -> tuple[str, ...]:
     return tuple(f"{child}.{name}" for child in children for name, _ in module.get_submodule(child).named_parameters())
 
 
+# DeBERTa (v1) with relative attention: its encoder reads its ``rel_embeddings`` weight itself and hands the table to
+# every layer, whose attention projects it ([1, 2k, d], broadcast over the batch: those projections keep their rules);
+# the encoder claims the table, and its replay gives the table's per-sample gradients.
+reads_child_params("transformers.models.deberta.modeling_deberta.DebertaEncoder",
+                   lambda module: _parameters_under("rel_embeddings")(module)
+                   if getattr(module, "relative_attention", False) else ())
 # DeBERTa-v2 (and DeBERTa-v3, the same classes) with relative attention: the encoder replays itself per sample with
 # respect to its relative table, that table's LayerNorm and the projections the table goes through (module 4 + 5:
 # one more forward of the whole encoder per step, vectorised over the batch, and a per-sample gradient of those

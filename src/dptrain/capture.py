@@ -400,7 +400,7 @@ class Capture:
             module = state.module
             self._hooked[id(module)] = module
             self._pre_hook_fns[id(module)] = EngineHook(self._make_pre_hook(module))
-            pre = self._keep(module.register_forward_pre_hook(self._pre_hook_fns[id(module)]))
+            pre = self._keep(module.register_forward_pre_hook(self._pre_hook_fns[id(module)], with_kwargs=True))
             post = self._keep(module.register_forward_hook(
                 EngineHook(self._make_post_hook(module)), always_call=True, with_kwargs=True, prepend=True))
             self._pre_ids[id(module)], self._post_ids[id(module)] = pre.id, post.id
@@ -600,12 +600,14 @@ class Capture:
             )
 
     def _make_pre_hook(self, module: nn.Module):
-        def pre_hook(module, inputs):
+        def pre_hook(module, inputs, kwargs=None):
             state = self._state_of.get(id(module))
             # A replay by the per-sample fallback runs children as they are: nothing to switch or record.
             if state is None or not torch.is_grad_enabled() or in_replay() or self.paused or self.dry:
                 return None
             self._check_hook_order(module, state)
+            if state.rule.before_call is not None:  # (the fallback keeps a cache passed in as it is before the call)
+                state.rule.before_call(module, inputs, kwargs or {})
             params = self._current_params(state) if self.params_by_name else state.params.values()
             switched = [p for p in params if p.requires_grad]
             for p in switched:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import functools
 import inspect
 import itertools
@@ -159,12 +160,16 @@ class FallbackCall:
     axes: list[int] | None = None
     #: one row broadcast over the batch (``expand_batch``): each sample's rows are that row
     broadcast: bool = False
+    #: positions of the leaves that are objects the call may change (``FallbackRule.before_call``), copied per replay
+    objects: list[int] = field(default_factory=list)
 
     def arguments(self, replaced: dict[int, torch.Tensor] | None = None) -> tuple[tuple, dict]:
-        """The call's arguments for a replay: ``replaced`` put in, and each object that holds tensors (a cache of
-        keys and values the module updates) copied, its tensors detached, so that a replay neither changes the
-        user's object nor differentiates through what the object held."""
-        leaves = [_detached_copy(leaf) for leaf in self.leaves]
+        """The call's arguments for a replay: ``replaced`` put in, and each object the call may change (a cache of
+        keys and values the module adds its own to, kept as it was before the call) copied, its tensors detached,
+        so that a replay changes neither the user's object nor the one kept for the next replay."""
+        leaves = list(self.leaves)
+        for k in self.objects:
+            leaves[k] = _snapshot(leaves[k])
         for k, t in (replaced or {}).items():
             leaves[k] = t
         return pytree.tree_unflatten(leaves, self.spec)
@@ -307,6 +312,11 @@ class _BatchAxes:
         first; once per call pattern."""
         if (self.swapped or output.is_meta or batch is None or batch <= 1 or output.dim() < 2
                 or batch not in tuple(output.shape[1:]) or not output.is_floating_point()):
+            return False
+        if output.shape[0] == 1:
+            # [1, T, ...] with T = B: a table broadcast over the batch (BART's positions looked up on [T] ids), which
+            # the capture expands, rather than one token of a module run sequence-first: positions computed
+            # independently verify as "samples" as well as samples do, and only the rows' reading could tell
             return False
         call = self._keep_call(module, args, kwargs, output.device)
         key = (call.signature, (0,))
@@ -520,6 +530,10 @@ class FallbackRule(_BatchAxes, LayerRule):
         #: calls whose batch is not the leading axis of every argument and output: per call signature and output
         #: leaves, the verified assignment of batch axes (``_AxisAssignment``), or None for the batch-first reading
         self._axes_found: dict[tuple, _AxisAssignment | None] = {}
+        #: the objects among the arguments of the call running now, as they were before it (``before_call``)
+        self._before: dict[int, tuple[Any, Any]] = {}
+        #: per call signature, the arguments as long as the batch that every sample shares (``_shared_arguments``)
+        self._shared_found: dict[tuple, tuple[int, ...]] = {}
 
     # ------------------------------------------------------------------ forward: keep the call
     def capture_call(self, module, args, kwargs, output):
@@ -531,8 +545,24 @@ class FallbackRule(_BatchAxes, LayerRule):
         self._refuse_output_hooks(module, output)
         call = self._keep_call(module, args, kwargs, output.device)
         self._set_rows(module, args, kwargs, call, output.shape[0])
+        shared = self._shared_found.get(call.signature)
+        if shared:
+            self._share(call, shared)
         if call.signature not in self._forward_checked and call.batch > 1 and not output.is_meta:  # meta: plan
-            self._check_independence(module, call, output)
+            try:
+                self._check_independence(module, call, output)
+            except SampleMixingError:
+                # an argument as long as the batch may be shared by every sample (timm EVA's rotary table [N, d]
+                # with N = B, a mask [T, T] with T = B): those whose first row, changed alone, moves the others
+                shared = self._shared_arguments(module, call, output)
+                if not shared:
+                    raise
+                base = call.signature
+                self._share(call, shared)
+                self._check_independence(module, call, output)
+                if len(self._shared_found) >= 256:
+                    self._shared_found.clear()
+                self._shared_found[base] = shared
             self._forward_checked.add(call.signature)
         return call
 
@@ -601,6 +631,32 @@ class FallbackRule(_BatchAxes, LayerRule):
             self._forward_checked.add(call.signature)
         return call, picked
 
+    @staticmethod
+    def _share(call: FallbackCall, shared: tuple[int, ...]) -> None:
+        call.batched = [k for k in call.batched if k not in shared]
+        call.signature = (*call.signature, ("shared", shared))
+
+    def _shared_arguments(self, module, call: FallbackCall, output) -> tuple[int, ...]:
+        """The batched arguments whose first row, changed alone, moves other rows of the output: shared by every
+        sample, though as long as the batch. Empty where no other argument's first row moves the output's first row
+        alone (the call mixes its samples: the refusal stands), or the replay fails."""
+        if len(call.batched) < 2:
+            return ()
+        shared, own = [], False
+        device, enabled, dtype = call.autocast
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            try:
+                again = self._replay(module, *call.arguments())
+                for k in call.batched:
+                    moved = self._replay(module, *call.arguments({k: _perturb_first(call.leaves[k])}))
+                    if not (isinstance(moved, torch.Tensor) and _rows_kept(moved, again)):
+                        shared.append(k)
+                    elif not _close(moved[:1], again[:1]):
+                        own = True  # its first row moves the output's first row, and that row alone
+            except (RuntimeError, ValueError, TypeError):
+                return ()
+        return tuple(shared) if own else ()
+
     def _refuse_output_hooks(self, module, output: torch.Tensor) -> None:
         if output._backward_hooks:
             # The engine reads the output gradient after these hooks, and the replay's vjp would run them again.
@@ -610,22 +666,34 @@ class FallbackRule(_BatchAxes, LayerRule):
                 "outside the module's forward, or register a rule for it with dptrain.register_layer"
             )
 
-    @staticmethod
-    def _keep_call(module, args, kwargs, device: torch.device) -> FallbackCall:
-        """The call's arguments, the tensors detached (``batched`` and ``batch`` are set by ``_set_rows``)."""
+    def before_call(self, module, args, kwargs) -> None:
+        """The objects among the call's arguments that hold tensors, as they are before it runs (copies, their tensors
+        detached): a call may change them (a cache of keys and values it adds its own to), and its replays must
+        see them as the call did (``_keep_call``)."""
+        held = [leaf for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))) if _may_change(leaf)]
+        self._before = {id(leaf): (leaf, _snapshot(leaf)) for leaf in held}
+
+    def _keep_call(self, module, args, kwargs, device: torch.device) -> FallbackCall:
+        """The call's arguments, the tensors detached (``batched`` and ``batch`` are set by ``_set_rows``); an object
+        the call may change, as it was before the call (``before_call``; a copy of it as it is now for a call whose
+        start the capture did not see)."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        kept, versions = [], []
+        kept, versions, objects = [], [], []
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 versions.append((k, leaf._version))
                 leaf = leaf.detach()
+            elif _may_change(leaf):
+                objects.append(k)
+                before = self._before.get(id(leaf))
+                leaf = before[1] if before is not None and before[0] is leaf else _snapshot(leaf)
             kept.append(leaf)
         autocast = autocast_state(device.type)
         signature = (
             module.training, autocast,
             tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in kept),
         )
-        return FallbackCall(kept, spec, [], 0, versions, autocast, signature)
+        return FallbackCall(kept, spec, [], 0, versions, autocast, signature, objects=objects)
 
     @staticmethod
     def _set_rows(module, args, kwargs, call: FallbackCall, batch: int) -> None:
@@ -1308,15 +1376,19 @@ def _tensors_within(obj, depth: int = 0):
             yield from _tensors_within(item, depth + 1)
 
 
-def _detached_copy(obj):
-    """``obj`` itself if it is a tensor or holds none; else a deep copy of it whose tensors are its own, detached."""
-    if isinstance(obj, torch.Tensor) or obj is None or isinstance(obj, (int, float, bool, str)):
-        return obj
-    inside = list(_tensors_within(obj))
-    if not inside:
-        return obj
+def _may_change(obj) -> bool:
+    """Whether an argument is an object a call could change (a cache of keys and values it adds its own to): not a
+    tensor, a plain value, a module, a type or a function."""
+    return not (obj is None or isinstance(obj, (torch.Tensor, int, float, bool, str, bytes, complex, torch.dtype,
+                                                torch.device, torch.Size, slice, type, nn.Module, enum.Enum))
+                or callable(obj))
+
+
+def _snapshot(obj):
+    """A deep copy of ``obj`` whose tensors are its own, detached (no copy of their data); ``obj`` itself where it
+    cannot be copied."""
     try:
-        return copy.deepcopy(obj, memo={id(t): t.detach() for t in inside})
+        return copy.deepcopy(obj, memo={id(t): t.detach() for t in _tensors_within(obj)})
     except Exception:  # an object that cannot be copied: the replay takes it as it is
         return obj
 

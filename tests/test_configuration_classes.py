@@ -507,3 +507,20 @@ def random_rotary_net(seed: int):
 def test_an_argument_as_long_as_the_batch_that_every_sample_shares_is_exact(seed):
     model, batches, refused, what = random_rotary_net(seed)
     _check(model, batches, refused, what, seed)
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
+@pytest.mark.parametrize("path", ["engine", "mean"])
+def test_hidden_states_a_replayed_module_collected_are_refused_in_the_loss(path):
+    """SEW-D summing its layers' hidden states (use_weighted_layer_sum): Hugging Face collects them by hooks on the
+    layers, inside the call of the encoder that the fallback replays (it claims the relative table and its
+    projections); their gradient would reach those parameters around the replay. Refused, naming the encoder (it was
+    silently wrong once the replays stopped adding to the collection)."""
+    pytest.importorskip("transformers")
+    import zoo_configs
+    conf = zoo_configs.configuration("hf/sew-d/weighted layer sum (use_weighted_layer_sum)")
+    case = zoo_configs.CASES["hf"](conf)
+    with pytest.raises(ValueError, match=r"encoder \(SEWDTransformerEncoder\): the loss depends on a tensor computed "
+                                         r"inside its call that left it other than through its output"):
+        engine_clipped_sum(case, quiet=True, mode="bk-mixopt", path=path, max_grad_norm=1.0)

@@ -31,6 +31,7 @@ module. The check above then perturbs one row of the call.
 """
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import enum
@@ -87,7 +88,8 @@ def replay(module: nn.Module, args: tuple, kwargs: dict, params: dict[str, torch
 
     Every other parameter of the subtree enters detached (the replay differentiates only
     ``params``); buffers enter as copies, so a forward that updates them in place (running
-    statistics) leaves the module as it was.
+    statistics) leaves the module as it was. It runs in an empty ``contextvars`` context, so that
+    state a library keeps per model call in context variables does not record it.
 
     Each tensor *slot* (a module object and the attribute name it keeps the tensor under) is
     swapped once, whatever the number of names it answers to: a submodule registered under two
@@ -111,8 +113,11 @@ def replay(module: nn.Module, args: tuple, kwargs: dict, params: dict[str, torch
         for leaf, b in owner._buffers.items():
             if b is not None:
                 swapped[dotted + leaf] = b.clone()
+    # In an empty context: what a library keeps per model call in context variables (Hugging Face's collector of
+    # hidden states, which its layers' hooks append to) does not see the replay's calls of the children.
     with replaying():
-        return torch.func.functional_call(_Bypass(module), swapped, (args, kwargs), tie_weights=False)
+        return contextvars.Context().run(torch.func.functional_call, _Bypass(module), swapped, (args, kwargs),
+                                         tie_weights=False)
 
 
 def autograd_vjp(fn, primals: dict[str, torch.Tensor]):
@@ -231,6 +236,22 @@ def min_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """The least precise of the dtypes given (integer ones count as float32)."""
     floats = [d if d.is_floating_point else torch.float32 for d in dtypes]
     return max(floats, key=lambda d: torch.finfo(d).eps)
+
+
+class SideChannel:
+    """Where a library keeps tensors computed inside a module's call other than in its output (Hugging Face's collector
+    of hidden states and attentions, which hooks on its layers fill): ``snapshot()`` before a call of a module the
+    fallback replays, ``escaped(state)`` after it, the (tensor, setter) pairs the call added (``setter`` puts another
+    tensor in its place). ``layers/hf.py`` registers one in ``SIDE_CHANNELS``."""
+
+    def snapshot(self):
+        raise NotImplementedError
+
+    def escaped(self, state) -> list:
+        raise NotImplementedError
+
+
+SIDE_CHANNELS: list[SideChannel] = []
 
 
 class SampleMixingError(RuntimeError):
@@ -534,6 +555,8 @@ class FallbackRule(_BatchAxes, LayerRule):
         self._before: dict[int, tuple[Any, Any]] = {}
         #: per call signature, the arguments as long as the batch that every sample shares (``_shared_arguments``)
         self._shared_found: dict[tuple, tuple[int, ...]] = {}
+        #: the side channels' state before the call running now (``before_call``)
+        self._channels: list = []
 
     # ------------------------------------------------------------------ forward: keep the call
     def capture_call(self, module, args, kwargs, output):
@@ -669,14 +692,38 @@ class FallbackRule(_BatchAxes, LayerRule):
     def before_call(self, module, args, kwargs) -> None:
         """The objects among the call's arguments that hold tensors, as they are before it runs (copies, their tensors
         detached): a call may change them (a cache of keys and values it adds its own to), and its replays must
-        see them as the call did (``_keep_call``)."""
+        see them as the call did (``_keep_call``). And the side channels' state (``SIDE_CHANNELS``)."""
         held = [leaf for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))) if _may_change(leaf)]
         self._before = {id(leaf): (leaf, _snapshot(leaf)) for leaf in held}
+        self._channels = [(channel, channel.snapshot()) for channel in SIDE_CHANNELS]
+
+    def _guard_escaped(self, module) -> None:
+        """Tensors the call put where a side channel keeps them (Hugging Face's collector of hidden states) rather
+        than in its output: their gradient would reach the module's parameters around the replay, which
+        differentiates the output only. Replaced there by copies that refuse a gradient (``_UnusedOutput``)."""
+        channels, self._channels = self._channels, []
+        escaped = [(t, setter) for channel, state in channels for t, setter in channel.escaped(state)
+                   if isinstance(t, torch.Tensor) and t.requires_grad
+                   and type(t.grad_fn).__name__ != "_UnusedOutputBackward"]
+        if not escaped:
+            return
+        message = (
+            f"{self._name(module)}: the loss depends on a tensor computed inside its call that left it other than "
+            "through its output (hidden states or attentions that Hugging Face collects for output_hidden_states or "
+            "output_attentions, a weighted sum of the layers' hidden states), which the per-sample fallback, "
+            "differentiating the module's output only, would miss. Compute the loss without them "
+            "(output_hidden_states=False, use_weighted_layer_sum=False), register a rule for "
+            f"{type(module).__name__} with dptrain.register_layer, or freeze its parameters"
+        )
+        for (_, setter), copy in zip(escaped, _UnusedOutput.apply(message, *(t for t, _ in escaped))):
+            setter(copy)
 
     def _keep_call(self, module, args, kwargs, device: torch.device) -> FallbackCall:
         """The call's arguments, the tensors detached (``batched`` and ``batch`` are set by ``_set_rows``); an object
         the call may change, as it was before the call (``before_call``; a copy of it as it is now for a call whose
         start the capture did not see)."""
+        if self._channels:
+            self._guard_escaped(module)
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
         kept, versions, objects = [], [], []
         for k, leaf in enumerate(leaves):

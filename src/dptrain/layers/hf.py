@@ -5,13 +5,16 @@ the optional ``transformers`` extra are covered when present and nothing is paid
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+import sys
 
 import torch
 from torch import nn
 
 from .embedding import EmbeddingRule
+from .fallback import SIDE_CHANNELS, SideChannel
 from .linear import LinearRule
 from .norms import AffineNormRule
 from .numerics import factor_weighted_sum
@@ -387,3 +390,36 @@ def _every_descendant_parameter(module) -> tuple[str, ...]:
 
 # The mixer's replay per sample gives every one of its parameters' per-sample gradients, wherever the scan reads them.
 reads_child_params(_state_space_mixer, _every_descendant_parameter)
+
+
+class _OutputCollector(SideChannel):
+    """transformers' collector of hidden states and attentions (``output_hidden_states=True``,
+    ``output_attentions=True``, and heads that sum the layers' hidden states): hooks on the layers append their
+    outputs to lists held in a context variable for the model call. Those a module the fallback replays appended
+    during its call left it other than through its output (``FallbackRule._guard_escaped``)."""
+
+    @staticmethod
+    def _collector():
+        capturing = sys.modules.get("transformers.utils.output_capturing")
+        active = getattr(capturing, "_active_collector", None)
+        return active.get() if active is not None else None
+
+    def snapshot(self):
+        collector = self._collector()
+        if not isinstance(collector, dict):
+            return None
+        return collector, {key: len(value) for key, value in collector.items() if isinstance(value, list)}
+
+    def escaped(self, state) -> list:
+        if state is None:
+            return []
+        collector, sizes = state
+        out = []
+        for key, size in sizes.items():
+            entries = collector.get(key)
+            if isinstance(entries, list):
+                out += [(entries[j], functools.partial(entries.__setitem__, j)) for j in range(size, len(entries))]
+        return out
+
+
+SIDE_CHANNELS.append(_OutputCollector())

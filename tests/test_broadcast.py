@@ -56,6 +56,7 @@ class Positions(nn.Module):
         "dropout on the table alone": lambda pos, h: h + F.dropout(pos, 0.5, training=True),
         # written in place through a view taken as a whole, then used: its gradient would go around the engine
         "first row changed in place, then added": lambda pos, h: h + _first_row_doubled(pos),
+        "viewed as [T, d], changed in place, then added": lambda pos, h: h + _viewed_and_doubled(pos),
     }
 
     def __init__(self, use: str, norm: bool = False):
@@ -89,6 +90,12 @@ def _column_set(pos):
 def _first_row_doubled(pos):
     pos[0] *= 2  # pos[0] is the table as a whole ([T, d]), not its rows: the write goes around them
     return pos
+
+
+def _viewed_and_doubled(pos):
+    whole = pos.view(pos.shape[1], pos.shape[2])  # the table as a whole, an ordinary tensor
+    whole *= 2
+    return whole
 
 
 EXACT = ["added", "moved, then added", "permuted twice, then added", "multiplied", "where",
@@ -131,17 +138,29 @@ def test_one_sample_through_a_broadcast_table_moves_the_model_by_at_most_R(float
 
 
 @pytest.mark.parametrize("path", ["engine", "plain"])
-def test_a_broadcast_table_written_through_a_view_of_it_as_a_whole_is_refused(float64, path):
-    """``pos[0] *= 2`` writes the table through a view that is not its rows; the table used after it leads to the
-    write's node, around the engine's hook: refused when the gradient reaches it, naming the layer."""
-    model = Positions("first row changed in place, then added").double()
+@pytest.mark.parametrize("use, when, why", [
+    # the table used after the write: refused in the forward, its rows no longer hold its values
+    ("first row changed in place, then added", "forward", "through a view of it that the engine does not follow"),
+    # an ordinary view of it used after the write: refused when the gradient reaches the write (capture's guard)
+    ("viewed as [T, d], changed in place, then added", "backward", "the loss depends on a view of it taken before"),
+])
+def test_a_broadcast_table_written_through_a_view_of_it_as_a_whole_is_refused(float64, path, use, when, why):
+    """``pos[0] *= 2`` writes the table through a view that is not its rows (the table as a whole), which the engine
+    does not follow: refused, naming the layer, before any gradient is given."""
+    model = Positions(use).double()
     x, y = _data(4, 4, seed=1)
-    expected = copy.deepcopy(model)(x)
     engine = _engine(model, "bk-mixopt", loss_reduction="sum")
     engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
-    assert torch.equal(model(x), expected)  # the forward's values are those without the engine
-    with pytest.raises(ValueError, match=r"wpe \(Embedding\), a table broadcast over the batch, was modified in place"):
+    match = rf"wpe \(Embedding\), a table broadcast over the batch, was modified in place.*{why}"
+    if when == "forward":
+        with pytest.raises(ValueError, match=match):
+            model(x)
+    else:
+        model(x)  # (the forward runs as without the engine)
+    with pytest.raises(ValueError, match=match):
         _backward(engine, model, x, y, path)
+    engine.detach()
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("size", list(SIZES))

@@ -94,9 +94,10 @@ class TableNet(nn.Module):
         "clamped": lambda t: t.clamp_(-0.8, 0.8),
     }
 
-    def __init__(self, source: str, T: int, split: bool, writes: list[str], use: str, alias: bool):
+    def __init__(self, source: str, T: int, split: bool, writes: list[str], use: str, alias, again=None):
         super().__init__()
         self.source, self.split, self.writes, self.use, self.alias = source, split, writes, use, alias
+        self.again = again
         self.features = nn.Linear(D, D)
         if source == "embedding":
             self.table = nn.Embedding(T + 2, D)
@@ -119,6 +120,8 @@ class TableNet(nn.Module):
             self.WRITES[write](t)
         if self.split:
             t = t.permute(0, 2, 1, 3).reshape(1, T, D)
+        if self.again:  # written again through what was made of it after the first writes
+            self.WRITES[self.again](t)
         if self.use == "added":
             h = torch.tanh(h + t)
         else:  # per-sample queries against the table's rows
@@ -135,11 +138,14 @@ def random_table_net(seed: int):
     split = rng.random() < 0.5
     writes = rng.sample(list(TableNet.WRITES), rng.randint(1, 3))
     alias = rng.randrange(len(writes)) if rng.random() < 0.2 else None  # before which write
-    model = TableNet(rng.choice(["embedding", "projected"]), T, split, writes, rng.choice(["added", "keys"]), alias)
+    again = rng.choice(list(TableNet.WRITES)) if rng.random() < 0.3 else None
+    model = TableNet(rng.choice(["embedding", "projected"]), T, split, writes, rng.choice(["added", "keys"]), alias,
+                     again)
     if model.source == "projected":
         model.relative.requires_grad_(False)
     model = model.double()
-    what = f"seed {seed}: {model.source} table, split {split}, writes {writes}, {model.use}, alias {alias}, B={B} T={T}"
+    what = (f"seed {seed}: {model.source} table, split {split}, writes {writes} then {again}, {model.use}, alias "
+            f"{alias}, B={B} T={T}")
     return model, _batches(rng, g, B, T, rng.random() < 0.5), alias is not None, what
 
 

@@ -50,6 +50,7 @@ class BroadcastRows(torch.Tensor):
     dptrain_family: "_Family | None" = None
     dptrain_generation: int = 0
     dptrain_written: bool = False
+    dptrain_rows_version: int = 0
 
     @staticmethod
     def wrap(rows: torch.Tensor, on_shared_use: tuple[Callable[[str], None], ...], family: "_Family | None" = None,
@@ -63,6 +64,7 @@ class BroadcastRows(torch.Tensor):
         out.dptrain_family = family
         out.dptrain_generation = family.generation if family is not None else 0
         out.dptrain_written = written
+        out.dptrain_rows_version = rows._version
         return out
 
     @classmethod
@@ -88,6 +90,13 @@ class _Family:
         self.generation = 0
 
     def check(self, table: "BroadcastRows") -> None:
+        if table.dptrain_rows._version != table.dptrain_rows_version:
+            raise ValueError(
+                f"the output of {self.where}, a table broadcast over the batch, was modified in place in the forward "
+                "through a view of it that the engine does not follow (a view of the table as a whole, `t[0] *= 2`), "
+                "then used: its rows over the batch, on which the engine reads each sample's gradient, no longer hold "
+                "its values. Modify the table out of place (`t = t * 2`), or through its own name (`t *= 2`)"
+            )
         if table.dptrain_generation != self.generation:
             raise ValueError(
                 f"the output of {self.where}, a table broadcast over the batch, was modified in place in the forward, "
@@ -124,6 +133,8 @@ def _dispatch(func, args, kwargs):
     if verdict == "shared":
         _tell_shared(func, wrapped, plain)
         return plain
+    if verdict == "rowwise" and any(w.dptrain_written for w in wrapped):
+        return _wrap_rowwise(on_rows, wrapped, _plain(func, args, kwargs))  # (the values as in _on_rows)
     return _wrap_rowwise(on_rows, wrapped) if verdict == "rowwise" else on_rows
 
 
@@ -334,6 +345,7 @@ def _write_table(func, args, kwargs, wrapped: list, signature):
         target.dptrain_rows = first.expand(batch, *first.shape[1:])
         _tell_shared(func, wrapped, first)
     target.dptrain_written = True
+    target.dptrain_rows_version = target.dptrain_rows._version
     if family is not None:
         family.generation += 1
         target.dptrain_generation = family.generation
@@ -430,12 +442,14 @@ def _tell_shared(func, wrapped: list, plain) -> None:
 
 def _signature(func, args, kwargs, leaves: list) -> tuple | None:
     """What the verdict depends on: the function, how it was given its arguments, and each argument's shape, dtype,
-    device and gradient flag (tensors) or value (others); ``None`` where an argument has no hashable description
-    (never remembered)."""
+    device and gradient flag (tensors; a table's also the batch its rows span: the same shapes may meet another
+    batch in another model) or value (others); ``None`` where an argument has no hashable description (never
+    remembered)."""
     key = [func, len(args), tuple(kwargs)]
     for a in leaves:
         if isinstance(a, torch.Tensor):
-            key.append((isinstance(a, BroadcastRows), tuple(a.shape), a.dtype, a.device.type, a.requires_grad))
+            rows = a.dptrain_rows.shape[0] if isinstance(a, BroadcastRows) and hasattr(a, "dptrain_rows") else None
+            key.append((rows, tuple(a.shape), a.dtype, a.device.type, a.requires_grad))  # (the batch it spans too)
         elif isinstance(a, slice):
             key.append(("slice", a.start, a.stop, a.step))
         elif a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.layout,

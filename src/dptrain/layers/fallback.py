@@ -167,6 +167,8 @@ class FallbackCall:
     broadcast: bool = False
     #: positions of the leaves that are objects the call may change (``FallbackRule.before_call``), copied per replay
     objects: list[int] = field(default_factory=list)
+    #: positions of the tensor leaves that required grad in the call (activations, not tables or masks)
+    differentiable: frozenset[int] = frozenset()
 
     def arguments(self, replaced: dict[int, torch.Tensor] | None = None) -> tuple[tuple, dict]:
         """The call's arguments for a replay: ``replaced`` put in, and each object the call may change (a cache of
@@ -394,20 +396,24 @@ class _BatchAxes:
             tried = 0
             for outs in out_options:
                 expected = [whole[k].movedim(o, 0) for k, o in zip(per_sample, outs)]
-                # each argument alone: the axes along which one sample's change moves that sample only
+                # each argument alone: the axes along which one sample's change moves that sample only; where it
+                # moves nothing (the sample's data makes it so: a mask over tokens all alike), the axes, or shared
                 options = {}
                 for k, axes in candidates.items():
-                    passing = [a for a in axes
-                               if self._moves_one_sample(module, call, {k: a}, per_sample, outs, expected) is True]
-                    if passing:
-                        options[k] = passing
+                    moves = {a: self._moves_one_sample(module, call, {k: a}, per_sample, outs, expected) for a in axes}
+                    if any(m is True for m in moves.values()):
+                        options[k] = [a for a, m in moves.items() if m is True]
+                    elif any(m is None for m in moves.values()):
+                        options[k] = [a for a, m in moves.items() if m is None] + [None]
                 if not options:
                     continue
                 for combo in itertools.product(*options.values()):
                     if tried >= _MAX_ASSIGNMENTS:
                         break
+                    axes = {k: a for k, a in zip(options, combo) if a is not None}
+                    if not axes:
+                        continue
                     tried += 1
-                    axes = dict(zip(options, combo))
                     if (self._moves_one_sample(module, call, axes, per_sample, outs, expected) is True
                             and self._samples_reproduce(module, call, axes, per_sample, outs, expected)):
                         verified.append((axes, outs))
@@ -661,8 +667,9 @@ class FallbackRule(_BatchAxes, LayerRule):
 
     def _shared_arguments(self, module, call: FallbackCall, output) -> tuple[int, ...]:
         """The batched arguments whose first row, changed alone, moves other rows of the output: shared by every
-        sample, though as long as the batch. Empty where no other argument's first row moves the output's first row
-        alone (the call mixes its samples: the refusal stands), or the replay fails."""
+        sample, though as long as the batch. Only tables, masks and ids (an argument that required grad is an
+        activation, the batch's own); empty where one such moves other rows, where no other argument's first row
+        moves the output's first row alone (the call mixes its samples: the refusal stands), or the replay fails."""
         if len(call.batched) < 2:
             return ()
         shared, own = [], False
@@ -673,6 +680,8 @@ class FallbackRule(_BatchAxes, LayerRule):
                 for k in call.batched:
                     moved = self._replay(module, *call.arguments({k: _perturb_first(call.leaves[k])}))
                     if not (isinstance(moved, torch.Tensor) and _rows_kept(moved, again)):
+                        if k in call.differentiable:
+                            return ()
                         shared.append(k)
                     elif not _close(moved[:1], again[:1]):
                         own = True  # its first row moves the output's first row, and that row alone
@@ -725,10 +734,12 @@ class FallbackRule(_BatchAxes, LayerRule):
         if self._channels:
             self._guard_escaped(module)
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        kept, versions, objects = [], [], []
+        kept, versions, objects, differentiable = [], [], [], []
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 versions.append((k, leaf._version))
+                if leaf.requires_grad:
+                    differentiable.append(k)
                 leaf = leaf.detach()
             elif _may_change(leaf):
                 objects.append(k)
@@ -740,7 +751,8 @@ class FallbackRule(_BatchAxes, LayerRule):
             module.training, autocast,
             tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in kept),
         )
-        return FallbackCall(kept, spec, [], 0, versions, autocast, signature, objects=objects)
+        return FallbackCall(kept, spec, [], 0, versions, autocast, signature, objects=objects,
+                            differentiable=frozenset(differentiable))
 
     @staticmethod
     def _set_rows(module, args, kwargs, call: FallbackCall, batch: int) -> None:

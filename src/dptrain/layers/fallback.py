@@ -667,9 +667,9 @@ class FallbackRule(_BatchAxes, LayerRule):
 
     def _shared_arguments(self, module, call: FallbackCall, output) -> tuple[int, ...]:
         """The batched arguments whose first row, changed alone, moves other rows of the output: shared by every
-        sample, though as long as the batch. Only tables, masks and ids (an argument that required grad is an
-        activation, the batch's own); empty where one such moves other rows, where no other argument's first row
-        moves the output's first row alone (the call mixes its samples: the refusal stands), or the replay fails."""
+        sample, though as long as the batch. Only tables, masks and ids: empty where an argument that required grad
+        (an activation, the batch's own) moves other rows, where no argument's first row moves the output's first
+        row alone (the call mixes its samples: the refusal stands), or where the replay fails."""
         if len(call.batched) < 2:
             return ()
         shared, own = [], False
@@ -855,10 +855,10 @@ class FallbackRule(_BatchAxes, LayerRule):
     def expand_batch(self, module, activation, output, batch):
         """A call with batch size 1 whose output broadcasts over the batch: every input is shared.
 
-        A call with no tensor argument at all (a table computed from parameters alone, Swin's relative position
-        bias) is not expanded: how the model broadcasts it is unknown (over the batch, or over the batch times
-        its windows), so it stays as it is and its one row, shared by every sample, is refused by the rows'
-        reading, naming the module."""
+        A call with no tensor argument at all (a table computed from parameters alone: BEiT's relative position
+        bias) is expanded too: how the model broadcasts it is checked where it meets the batch (``broadcast.py``),
+        and where it meets something else (Swin's bias, added to B x windows rows) its one row, shared by every
+        sample, is refused by the rows' reading, naming the module."""
         activation.batched = []
         activation.batch = batch
         activation.broadcast = True

@@ -1,17 +1,23 @@
 """Private fine-tuning of a small GPT-2 with the Hugging Face Trainer.
 
 The only changes from an ordinary Trainer script are the ``DPTrainer`` class and its privacy
-arguments (``target_epsilon`` / ``noise_multiplier``, ``max_grad_norm``, ``poisson_sampling``). Everything here is
+arguments (``target_epsilon`` / ``noise_multiplier``, ``max_grad_norm``). The batches are Poisson samples with
+fixed shapes (the sampling the accounting is proven for), and every Trainer checkpoint carries the engine's
+and the sampler's state: ``--save-steps`` / ``--resume`` continue a run with its epsilon. Everything here is
 self-contained: the model is built from a config with random weights and trained on generated
 sentences with a character-level vocabulary, so nothing is downloaded.
 
-    python examples/gpt2_trainer.py                      # a few hundred steps
+    python examples/gpt2_trainer.py                      # 100 steps
     python examples/gpt2_trainer.py --tiny --max-steps 3 # a smoke run (seconds)
+    python examples/gpt2_trainer.py --output-dir /tmp/gpt2 --save-steps 50
+    python examples/gpt2_trainer.py --output-dir /tmp/gpt2 --resume /tmp/gpt2/checkpoint-50
+    torchrun --nproc_per_node=2 examples/gpt2_trainer.py # DDP: --batch-size is then per process
 
-Measured at the defaults (epsilon 8, 2000 sentences, 300 steps of expected batch 64, lr 1e-2),
-seed 0, on a 2-core CPU shared with other jobs (load average ~3, OMP_NUM_THREADS=1): held-out
-loss 0.95 nats per character, against 2.78 for the best guess that ignores context and 3.18
-for a uniform guess, in 32 s.
+Measured at the defaults (epsilon 8, 2000 sentences, 100 Poisson steps of expected batch 64 in fixed shapes of
+K rows, a 1-layer GPT-2 of width 32, lr 2e-2), seed 0, on a 2-core CPU shared with other jobs (load average ~9,
+OMP_NUM_THREADS=1): held-out loss 0.80 nats per character, against 2.78 for the best guess that ignores
+context and 3.18 for a uniform guess, in 85 s of training. (The engine reads this model's rows at every step,
+a tag pass per step, in every sampling mode: most of the time.)
 """
 from __future__ import annotations
 
@@ -93,13 +99,16 @@ def context_free_loss(texts: list[str], vocab: CharVocab) -> float:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="a very small model and dataset (CI)")
-    parser.add_argument("--max-steps", type=int, default=300)
+    parser.add_argument("--max-steps", type=int, default=100)
     parser.add_argument("--sentences", type=int, default=None, help="training sentences (default 2000; --tiny 64)")
     parser.add_argument("--batch-size", type=int, default=None, help="expected batch size (default 64; --tiny 16)")
-    parser.add_argument("--lr", type=float, default=1e-2)
+    parser.add_argument("--lr", type=float, default=2e-2)
     parser.add_argument("--epsilon", type=float, default=8.0)
     parser.add_argument("--clipping-mode", default="bk-mixopt")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-dir", default=None, help="where checkpoints go (default: a temporary folder)")
+    parser.add_argument("--save-steps", type=int, default=0, help="a checkpoint every this many steps (0: none)")
+    parser.add_argument("--resume", default=None, help="a checkpoint folder to continue from")
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
@@ -107,19 +116,20 @@ def main(argv: list[str] | None = None) -> dict:
     held_out = generated_sentences(200, args.seed + 1)
     vocab = CharVocab(texts + held_out)
     length = max(len(t) for t in texts)
-    width, layers = (16, 1) if args.tiny else (64, 2)
+    width, layers = (16, 1) if args.tiny else (32, 1)
     config = GPT2Config(vocab_size=len(vocab), n_positions=length, n_embd=width, n_layer=layers, n_head=2,
                         bos_token_id=None, eos_token_id=None, pad_token_id=0)
     model = GPT2LMHeadModel(config)  # random weights: built from the config, nothing downloaded
 
-    with tempfile.TemporaryDirectory() as output_dir:
+    with tempfile.TemporaryDirectory() as scratch:
         training_args = TrainingArguments(
-            output_dir=output_dir,
+            output_dir=args.output_dir or scratch,
             per_device_train_batch_size=args.batch_size or (16 if args.tiny else 64),  # expected (Poisson) batch
             max_steps=args.max_steps,
             learning_rate=args.lr,
             logging_steps=max(1, args.max_steps // 10),
-            save_strategy="no",
+            save_strategy="steps" if args.save_steps else "no",
+            save_steps=args.save_steps or 500,
             report_to=[],
             use_cpu=not torch.cuda.is_available(),
             seed=args.seed,
@@ -131,9 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
             target_epsilon=args.epsilon,       # noise calibrated to max_steps
             max_grad_norm=1.0,                 # per-sample clipping threshold
             clipping_mode=args.clipping_mode,
-            poisson_sampling=True,             # the sampling the privacy accounting assumes
         )
-        result = trainer.train()
+        result = trainer.train(resume_from_checkpoint=args.resume)  # a resumed run continues its epsilon
 
     epsilon = trainer.privacy_engine.get_epsilon()
     loss = held_out_loss(model, SentenceDataset(held_out, vocab, length))

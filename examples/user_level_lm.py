@@ -121,6 +121,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--epsilon", type=float, default=8.0, help="target epsilon, at the author level")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=2e-2)
+    parser.add_argument("--noise", choices=("gaussian", "bandmf"), default="gaussian",
+                        help="bandmf: banded correlated noise over --bands steps, authors in cyclic groups "
+                        "(docs/correlated-noise.md)")
+    parser.add_argument("--bands", default="auto",
+                        help="with --noise bandmf: bands (= cyclic groups), or auto: the number of least expected "
+                        "error at --epsilon (default auto)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true")
     args = parser.parse_args(argv)
@@ -133,15 +139,21 @@ def main(argv: list[str] | None = None) -> dict:
     train_sentences, train_authors = sentences[in_training], authors[in_training]
     test_sentences = sentences[~in_training]
 
-    loader = poisson_loader(TensorDataset(train_sentences), batch_size=args.batch_size, users=train_authors,
-                            max_examples_per_user=args.max_sentences,
-                            generator=torch.Generator().manual_seed(args.seed))
-    steps = round(args.epochs * len(loader))
+    num_users = len(torch.unique(train_authors))
+    steps = round(args.epochs * round(num_users / args.batch_size))  # an epoch: one expected pass over the authors
+    correlated = {}
+    if args.noise == "bandmf":
+        correlated = {"noise": "bandmf", "bands": args.bands if args.bands == "auto" else int(args.bands)}
     model = TrigramMLP()
     engine = dptrain.PrivacyEngine(
-        model, privacy_unit="user", sample_size=loader.num_users, batch_size=args.batch_size,
-        target_epsilon=args.epsilon, steps=steps, max_grad_norm=args.max_grad_norm, seed=args.seed,
+        model, privacy_unit="user", sample_size=num_users, batch_size=args.batch_size,
+        target_epsilon=args.epsilon, steps=steps, max_grad_norm=args.max_grad_norm, seed=args.seed, **correlated,
     )
+    # correlated noise samples the authors in cyclic groups, as many as the engine's bands (chosen by it for "auto")
+    loader = poisson_loader(TensorDataset(train_sentences), batch_size=args.batch_size, users=train_authors,
+                            max_examples_per_user=args.max_sentences,
+                            cyclic_groups=engine.cyclic_groups if engine.cyclic_groups > 1 else None,
+                            generator=torch.Generator().manual_seed(args.seed))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     engine.attach(optimizer, data_loader=loader)
 
@@ -168,6 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
         "delta": report["delta"],
         "privacy_unit": report["privacy_unit"],
         "noise_multiplier": report["noise_multiplier"],
+        "noise": report["noise"],
+        "bands": engine.cyclic_groups if args.noise == "bandmf" else None,
         "untrained_loss": untrained,
         "held_out_loss": held_out_loss(model, test_sentences),
         "context_free_loss": context_free_loss(train_sentences, test_sentences),

@@ -26,7 +26,7 @@ def float64():
 
 @pytest.fixture(autouse=True)
 def no_torch_function_mode_outlives_a_test():
-    """The engine watches verifying forwards with a TorchFunctionMode (rows.ReorderWatch): one left active
+    """The engine watches training forwards with a TorchFunctionMode (rows.ForwardWatch): one left active
     after a forward (an interrupted one, a detach) would see every later torch call of the process."""
     from torch.overrides import _get_current_function_mode_stack
 

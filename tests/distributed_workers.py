@@ -199,6 +199,41 @@ def run_noise(rank: int, world: int, port: int, engine_kind: str, sigma: float, 
         dist.destroy_process_group()
 
 
+def run_correlated_noise(rank: int, world: int, port: int, engine_kind: str, steps: int, out: str) -> None:
+    """``steps`` empty steps with banded correlated noise (pure noise); save each step's private gradient."""
+    _init(rank, world, port)
+    try:
+        import warnings
+
+        from dptrain.correlated import BandedToeplitz
+
+        torch.manual_seed(0)
+        model = Wide()
+        if engine_kind == "ddp":
+            wrapped = nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model.fc1)
+            fully_shard(model.fc2)
+            wrapped = fully_shard(model)
+        engine = dptrain.PrivacyEngine(wrapped, batch_size=1, sample_size=SAMPLE_SIZE, noise_multiplier=1.0,
+                                       noise=BandedToeplitz((0.8, 0.6)), steps=steps, seed=1234)
+        opt = torch.optim.SGD(wrapped.parameters(), lr=0.0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no loader to check
+            engine.attach(opt)
+        grads = []
+        for _ in range(steps):
+            opt.step()
+            grads.append(torch.cat([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).flatten()
+                                    for p in wrapped.parameters()]).clone())
+            opt.zero_grad()
+        torch.save({"grads": torch.stack(grads, 1)}, f"{out}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
 def run_wrong_use(rank: int, world: int, port: int, out: str) -> None:
     """Errors that must be raised on every rank, saved as their messages."""
     _init(rank, world, port)
@@ -282,5 +317,104 @@ def run_leak(rank: int, world: int, port: int, out: str) -> None:
             message = str(e)
         unchanged = all(torch.equal(full_params(model)[n], initial[n]) for n in initial)
         torch.save({"message": message, "unchanged": unchanged}, f"{out}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def train_zero(model, wrapped, optimizer, engine, rank: int, world: int, steps: int = 3) -> None:
+    for step in global_batches(steps, micro=2):
+        for tokens, labels in step:
+            engine.backward(losses_fn(wrapped, tokens[rank::world], labels[rank::world]))
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def run_zero(rank: int, world: int, port: int, out: str) -> None:
+    """ZeroRedundancyOptimizer (Adam, sharded state) under DDP: trained with the engine attached to it (noise 0);
+    the messages when the engine is attached to its local optimizer, when that is stepped on its own, and for
+    overlap_with_ddp=True."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    _init(rank, world, port)
+    messages = {}
+    try:
+        def setup():
+            model = build_model()
+            ddp = nn.parallel.DistributedDataParallel(model)
+            engine = dptrain.PrivacyEngine(ddp, batch_size=GLOBAL_BATCH, sample_size=SAMPLE_SIZE, max_grad_norm=0.05,
+                                           noise_multiplier=0.0)
+            zero = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=0.05)
+            return ddp, engine, zero
+
+        ddp, engine, zero = setup()
+        engine.attach(zero)
+        train_zero(ddp, ddp, zero, engine, rank, world)
+        params, steps = full_params(ddp), engine.steps_taken
+        engine.backward(losses_fn(ddp, *[t[rank::world] for t in global_batches(1)[0][0]]))
+        try:
+            zero.optim.step()
+        except RuntimeError as e:
+            messages["inner stepped"] = str(e)
+        engine.detach()
+
+        ddp, engine, zero = setup()
+        engine.attach(zero.optim)
+        initial = full_params(ddp)
+        engine.backward(losses_fn(ddp, *[t[rank::world] for t in global_batches(1)[0][0]]))
+        try:
+            zero.step()
+        except RuntimeError as e:
+            messages["attached to inner"] = str(e)
+        messages["unchanged"] = all(torch.equal(full_params(ddp)[n], initial[n]) for n in initial)
+        engine.detach()
+
+        ddp, engine, _ = setup()
+        overlapping = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.SGD, lr=0.1,
+                                              overlap_with_ddp=True)
+        try:
+            engine.attach(overlapping)
+        except NotImplementedError as e:
+            messages["overlap"] = str(e)
+        torch.save({"params": params, "steps": steps, "messages": messages}, f"{out}.rank{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_sampling_check(rank: int, world: int, port: int, out: str) -> None:
+    """The sampling check sums the ranks' counts: fixed-size local batches (the same global size every step) are
+    found on every rank at the same step; each rank's shard of a Poisson sample (poisson_loader(distributed=True))
+    is not."""
+    import warnings
+
+    from torch.utils.data import TensorDataset
+
+    _init(rank, world, port)
+    found = {}
+    try:
+        for kind in ("fixed", "poisson"):
+            ddp = nn.parallel.DistributedDataParallel(build_model())
+            engine = dptrain.PrivacyEngine(ddp, batch_size=GLOBAL_BATCH, sample_size=SAMPLE_SIZE, noise_multiplier=0.0)
+            opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+            engine.attach(opt)
+            g = torch.Generator().manual_seed(5)
+            data = TensorDataset(torch.randint(0, 10, (SAMPLE_SIZE, 5), generator=g),
+                                 torch.randint(0, CLASSES, (SAMPLE_SIZE,), generator=g))
+            if kind == "fixed":
+                batches = [data[(torch.arange(GLOBAL_BATCH // world) + 3 * k + rank * 40) % SAMPLE_SIZE]
+                           for k in range(30)]
+            else:
+                batches = dptrain.data.poisson_loader(data, batch_size=GLOBAL_BATCH, steps=40, distributed=True,
+                                                      generator=torch.Generator().manual_seed(6))
+            seen = []
+            for tokens, labels in batches:
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    engine.backward(losses_fn(ddp, tokens, labels))
+                    opt.step()
+                    opt.zero_grad()
+                seen += [(engine.steps_taken, str(w.message)) for w in caught if "Poisson" in str(w.message)]
+            found[kind] = seen
+            engine.detach()
+        torch.save(found, f"{out}.rank{rank}")
     finally:
         dist.destroy_process_group()

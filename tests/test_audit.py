@@ -283,6 +283,64 @@ def test_cli_help_states_the_library_defaults(capsys):
 
     assert main(["audit", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    for key in ("epsilon", "delta", "canaries", "steps", "sample_rate", "confidence", "noise_scale"):
+    for key in ("epsilon", "delta", "canaries", "steps", "sample_rate", "confidence", "noise_scale", "bands"):
         assert f"(default {AUDIT_DEFAULTS[key]:g})" in text, key
     assert f"(default {AUDIT_DEFAULTS['clipping_mode']})" in text
+    assert f"default {AUDIT_DEFAULTS['noise']})" in text
+
+
+# ------------------------------------------------------------------------------------ correlated noise (bandmf)
+
+
+def test_banded_scores_with_one_band_are_the_subsampled_gaussian_scores():
+    from dptrain.audit import banded_scores
+
+    rng = np.random.default_rng(0)
+    observations = rng.normal(size=(5, 40))
+    np.testing.assert_allclose(
+        banded_scores(observations, [1.0], np.zeros(40, dtype=int), contribution=1.0, noise_std=2.0,
+                      sample_rate=0.3),
+        subsampled_gaussian_scores(observations, contribution=1.0, noise_std=2.0, sample_rate=0.3), rtol=1e-12)
+
+
+def test_banded_scores_of_the_ideal_mechanism_give_a_valid_bound_and_catch_too_little_noise():
+    """Simulated BandMF (C^{-1} noise, canaries in cyclic groups, Poisson within a group): honest runs audit below
+    the amplified epsilon, a run with a third of its noise above it."""
+    from dptrain.audit import banded_scores
+    from dptrain.correlated import CorrelatedMechanism, banded_strategy
+    from dptrain.correlated import toeplitz
+
+    steps, bands, q, m = 12, 3, 0.5, 4000
+    strategy = banded_strategy(steps, bands)
+    mechanism = CorrelatedMechanism("bandmf", strategy, bands, steps)
+    sigma = mechanism.calibrate(2.0, 1e-5, q, steps)
+    inverse = toeplitz.materialize(toeplitz.series_inverse(torch.tensor(strategy.column(steps)), steps)).numpy()
+    bounds = {}
+    for scale in (1.0, 1 / 3):
+        rng = np.random.default_rng(1)
+        included = rng.random(m) < 0.5
+        groups = np.arange(m) % bands
+        sampled = (rng.random((steps, m)) < q) & (np.arange(steps)[:, None] % bands == groups[None, :])
+        x = (sampled & included[None, :]).astype(float)
+        y = x + scale * sigma * inverse @ rng.normal(size=(steps, m))
+        scores = banded_scores(y, strategy.coefficients, groups, contribution=1.0, noise_std=sigma, sample_rate=q)
+        bounds[scale] = epsilon_lower_bound(scores, included, delta=1e-5).epsilon
+    assert bounds[1.0] <= mechanism.epsilon(sigma, q, steps, 1e-5) < bounds[1 / 3]
+
+
+def test_small_bandmf_audit_is_consistent_and_catches_a_tenth_of_its_noise():
+    """The engine's own BandMF run (a small model on 200 samples: the canaries are what the audit measures)."""
+    torch.manual_seed(0)
+    small = {"model": torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)),
+             "data": (torch.randn(200, 6), torch.randint(0, 3, (200,))), "noise": "bandmf", "bands": 2,
+             "canaries": 1000, "steps": 8, "seed": 0}
+    honest = run_audit(**small)
+    assert honest.noise == "bandmf" and honest.bands == 2
+    assert 0 <= honest.epsilon_lower_bound <= honest.epsilon <= 2.0 and honest.consistent
+    assert "within 2 cyclic groups, banded correlated noise (bandmf)" in format_report(honest)
+    broken = run_audit(**small, noise_scale=0.1)
+    assert broken.epsilon == honest.epsilon and broken.epsilon_lower_bound > broken.epsilon
+    with pytest.raises(ValueError, match="BLT noise is not amplified"):
+        run_audit(noise="blt")
+    with pytest.raises(ValueError, match="bands applies to noise='bandmf'"):
+        run_audit(bands=2)

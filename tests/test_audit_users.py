@@ -125,8 +125,8 @@ def test_user_level_audit_catches_per_example_clipping_and_passes_the_honest_run
     # user-level promise allows R. The honest run with the same seed (coins, batches, noise) is not flagged.
     options = dict(canaries=3000, steps=10, seed=0, privacy_unit="user", **small)
     honest = run_audit(**options)
-    # The engine's samples-per-step monitor sees the run too: about twice the units per step that it accounts for.
-    with pytest.warns(UserWarning, match="samples per step"):
+    # The engine's sampling check sees the run too: about twice the users per step that it accounts for.
+    with pytest.warns(UserWarning, match="users per step on average.*epsilon is understated"):
         broken = run_audit(clip_per_example=True, **options)
     assert (broken.epsilon, broken.noise_multiplier, broken.sample_rate) == (
         honest.epsilon, honest.noise_multiplier, honest.sample_rate)

@@ -56,6 +56,7 @@ def test_accounting_and_data_take_numpy_integers_and_refuse_bools():
 
 
 def test_one_default_clipping_mode():
+    import importlib
     import inspect
 
     from dptrain import PrivacyEngine
@@ -78,4 +79,11 @@ def test_one_default_clipping_mode():
         pass
     else:
         defaults["Trainer"] = inspect.signature(DPTrainer).parameters["clipping_mode"].default
+    for name, module, attribute in (("Accelerate", "accelerate", "make_private"),
+                                    ("Lightning", "lightning", "DPCallback")):
+        try:
+            integration = importlib.import_module(f"dptrain.integrations.{module}")
+        except ImportError:
+            continue
+        defaults[name] = inspect.signature(getattr(integration, attribute)).parameters["clipping_mode"].default
     assert defaults == dict.fromkeys(defaults, DEFAULT_CLIPPING_MODE)

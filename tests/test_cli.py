@@ -136,6 +136,27 @@ def test_resume_refuses_a_changed_configuration(tmp_path, capsys):
     assert status == 1 and "already trained 1 of 1 epochs" in err
 
 
+def test_bandmf_run_reports_its_mechanism_and_resumes_its_noise_state(tmp_path, capsys, monkeypatch):
+    from dptrain.correlated import CorrelatedMechanism, banded_strategy
+
+    monkeypatch.setenv("DPTRAIN_CACHE_DIR", str(tmp_path / "cache"))
+    status, out, err = run(tiny() + ["--noise", "bandmf", "--bands", "2", "--output", str(tmp_path / "run")],
+                           capsys)
+    assert status == 0, err
+    assert "correlated noise: bandmf (2 bands, amplified), optimized for 6 steps" in out
+    assert "cyclic Poisson sampling over 2 groups" in out
+    two = report_of(tmp_path / "run")
+    assert (two["noise"], two["bands"], two["cyclic_groups"], two["steps"]) == ("bandmf", 2, 2, 6)
+    mechanism = CorrelatedMechanism("bandmf", banded_strategy(6, 2), 2, 6)
+    assert two["epsilon"] == pytest.approx(mechanism.epsilon(two["noise_multiplier"], 2 * 512 / 1437, 6, 1e-5))
+    assert two["epsilon"] <= 3.0
+    status, _, err = run(["train", "--resume", str(tmp_path / "run"), "--epochs", "3"], capsys)
+    assert status == 0, err
+    three = report_of(tmp_path / "run")
+    assert three["steps"] == 9 and three["history"][:2] == two["history"]
+    assert three["epsilon"] == pytest.approx(mechanism.epsilon(two["noise_multiplier"], 2 * 512 / 1437, 9, 1e-5))
+
+
 def test_non_private_run(tmp_path, capsys):
     # A smaller lr than the DP runs': without clipping, Adam at 0.02 overshoots in the first steps.
     status, out, err = run(tiny() + ["--non-private", "--lr", "0.005", "--output", str(tmp_path)], capsys)
@@ -310,6 +331,13 @@ def test_plan_builds_vision_transformers_for_the_input_size(spec, capsys):
         (["epsilon", "--sample-rate", "0.01", "--steps", "10"], "one of the arguments --sigma"),
         (["epsilon", "--target-epsilon", "1e-9", "--sample-rate", "0.5", "--steps", "1000"], "is unreachable"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["train", "--bands", "2"], "--bands, --buffers and --cyclic-groups are for correlated noise"),
+        (["train", "--noise", "bandmf"], "--noise bandmf needs --bands B"),
+        (["train", "--noise", "blt", "--bands", "2"], "--bands is for --noise bandmf"),
+        (["train", "--noise", "bandmf", "--bands", "auto", "--noise-multiplier", "1"], "--bands auto chooses"),
+        (["train", "--noise", "bandmf", "--bands", "0"], "--bands: must be a positive integer (or auto), got 0"),
+        (["train", "--noise", "bandmf", "--bands", "8"], "needs batch size x groups <= 1437"),
+        (["plan", "--noise", "bandmf"], "--noise bandmf needs --bands B"),
     ],
 )
 def test_invalid_values_give_one_line_and_nonzero_exit(argv, message, capsys):

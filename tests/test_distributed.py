@@ -124,6 +124,26 @@ def test_noise_is_added_once_with_std_sigma_r_over_global_batch(tmp_path, engine
     # under DDP all of it on rank 0, under FSDP2 each shard on its owner (checked by the equal grads).
 
 
+@pytest.mark.parametrize("engine_kind", ENGINES)
+def test_correlated_noise_is_drawn_once_per_coordinate_with_its_covariance(tmp_path, engine_kind):
+    """Banded correlated noise (C = T(0.8, 0.6)) under DDP (rank 0 keeps the buffers) and FSDP2 (each rank those
+    of its shard): every rank gets the same gradients, and each coordinate's noise over the steps has covariance
+    C^{-1} C^{-T} (kappa = 1), as on one device."""
+    from dptrain.correlated import toeplitz
+
+    steps, out = 5, tmp_path / "run"
+    _launch(W.run_correlated_noise, engine_kind, steps, str(out))
+    r0, r1 = _results(out)
+    assert torch.equal(r0["grads"], r1["grads"])
+    samples = r0["grads"].double()  # [4090 coordinates, steps]
+    inverse = toeplitz.materialize(toeplitz.series_inverse(torch.tensor([0.8, 0.6], dtype=torch.float64), steps))
+    expected = inverse @ inverse.T
+    empirical = samples.T @ samples / len(samples)
+    diag = torch.diagonal(expected)
+    stderr = torch.sqrt((diag[:, None] * diag[None, :] + expected**2) / len(samples))
+    assert float(((empirical - expected).abs() / stderr).max()) < 5.0
+
+
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     out = tmp_path / "run"
     _launch(W.run_scaler_overflow, str(out))
@@ -163,3 +183,39 @@ def test_data_parallel_and_deepspeed_are_refused():
     engine = dptrain.PrivacyEngine(model, batch_size=8, sample_size=64, noise_multiplier=1.0)
     with pytest.raises(NotImplementedError, match="DeepSpeedZeroOptimizer"):
         engine.attach(ZeroOptimizer(model.parameters(), lr=0.1))
+
+
+def test_zero_redundancy_optimizer_is_exact_and_its_local_optimizer_gets_one_clear_message(tmp_path):
+    """The engine attached to a ZeroRedundancyOptimizer (Adam state sharded over the ranks) trains as one process
+    with a plain Adam on the whole batches (noise 0). Attached to its local optimizer, or that stepped on its own:
+    one message each, saying what to do; overlap_with_ddp=True is refused at attach."""
+    out = tmp_path / "run"
+    _launch(W.run_zero, str(out))
+    model = W.build_model()
+    engine = dptrain.PrivacyEngine(model, batch_size=W.GLOBAL_BATCH, sample_size=W.SAMPLE_SIZE, max_grad_norm=0.05,
+                                   noise_multiplier=0.0)
+    adam = torch.optim.Adam(model.parameters(), lr=0.05)
+    engine.attach(adam)
+    W.train_zero(model, model, adam, engine, rank=0, world=1)
+    expected = W.full_params(model)
+    for r in _results(out):
+        assert r["steps"] == 3
+        for name, ref in expected.items():
+            torch.testing.assert_close(r["params"][name], ref, rtol=1e-10, atol=1e-12)
+        messages = r["messages"]
+        assert "was stepped on its own" in messages["inner stepped"]
+        assert "Call step() on the ZeroRedundancyOptimizer" in messages["inner stepped"]
+        assert "attached to the local optimizer (Adam) of a ZeroRedundancyOptimizer" in messages["attached to inner"]
+        assert "Attach the engine to the ZeroRedundancyOptimizer itself" in messages["attached to inner"]
+        assert messages["unchanged"]
+        assert "overlap_with_ddp=False" in messages["overlap"]
+
+
+def test_the_sampling_check_sums_the_ranks_counts(tmp_path):
+    out = tmp_path / "run"
+    _launch(W.run_sampling_check, str(out))
+    results = _results(out)
+    for r in results:
+        assert r["poisson"] == []
+        assert [step for step, _ in r["fixed"]] == [20]  # on every rank, with the global numbers
+        assert "their variance is 0 " in r["fixed"][0][1] and "mean 8.0 per step" in r["fixed"][0][1]

@@ -14,6 +14,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import math
 import warnings
 import weakref
 
@@ -538,6 +539,102 @@ def test_a_detached_engine_makes_room_for_another(float64):
     _engine(model, "bk").attach(torch.optim.SGD(model.parameters(), lr=0.1))
 
 
+# two task models sharing an encoder (multi-task): two engines would each clip their own part of a sample's gradient
+def _two_task_models(frozen: bool):
+    torch.manual_seed(3)
+    encoder = nn.Sequential(nn.Linear(6, 8), nn.Tanh())
+    encoder.requires_grad_(not frozen)
+    return encoder, nn.Sequential(encoder, nn.Linear(8, 3)), nn.Sequential(encoder, nn.Linear(8, 3))
+
+
+def test_two_engines_on_models_sharing_a_trainable_module_are_refused_naming_it(float64):
+    _, task_a, task_b = _two_task_models(frozen=False)
+    x, y = _data(4)
+    expected = reference_clipped_gradient(task_a, _losses, (x, y), max_grad_norm=R)
+    first = _engine(task_a, "bk").attach(torch.optim.SGD(task_a.parameters(), lr=0.0))
+    second = _engine(task_b, "bk")
+    with pytest.raises(RuntimeError, match=r"module '0.0' \(Linear\) of this model is also in the model of another "
+                                           r"attached PrivacyEngine.*bounded by neither engine.*one engine and one "
+                                           r"optimizer"):
+        second.attach(torch.optim.SGD(task_b.parameters(), lr=0.1))
+    # the first engine is untouched by the refusal: still exact
+    first.backward(_losses(task_a, x, y))
+    first._step.optimizer.step()
+    assert_matches({n: p.grad for n, p in task_a.named_parameters()}, expected)
+    first.detach()
+    second.attach(torch.optim.SGD(task_b.parameters(), lr=0.1))  # once the other is detached
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_a_frozen_module_shared_by_two_engines_models_is_exact_in_both(float64, mode, path):
+    """A frozen shared encoder is hooked by neither engine: each engine's step is its own model's clipped sum, also
+    with the other model's forward between its forward and its backward."""
+    _, task_a, task_b = _two_task_models(frozen=True)
+    (xa, ya), (xb, yb) = _data(5, seed=1), _data(4, seed=2)
+    expected_a = reference_clipped_gradient(task_a, _losses, (xa, ya), max_grad_norm=R)
+    expected_b = reference_clipped_gradient(task_b, _losses, (xb, yb), max_grad_norm=R)
+    engine_a, optimizer_a = attached_engine(task_a, mode=mode, max_grad_norm=R,
+                                            loss_reduction="sum" if path == "plain" else "mean")
+    try:
+        losses_a = _losses(task_a, xa, ya)
+        got_b = clipped_gradient(task_b, _losses, (xb, yb), mode=mode, max_grad_norm=R, path=RUN[path])
+        engine_a.backward(losses_a) if path == "engine" else losses_a.sum().backward()
+        optimizer_a.step()
+        got_a = {n: p.grad for n, p in task_a.named_parameters() if p.requires_grad}
+    finally:
+        engine_a.detach()
+    assert_matches(got_a, expected_a, what="task a")
+    assert_matches(got_b, expected_b, what="task b")
+
+
+def test_a_shared_module_unfrozen_after_attach_is_refused_at_the_next_forward(float64):
+    encoder, task_a, task_b = _two_task_models(frozen=True)
+    engine_a = _engine(task_a, "bk-mixopt").attach(torch.optim.SGD(task_a.parameters(), lr=0.1))
+    engine_b = _engine(task_b, "bk-mixopt").attach(torch.optim.SGD(task_b.parameters(), lr=0.1))
+    encoder.requires_grad_(True)
+    before = copy.deepcopy(task_a.state_dict())
+    for model in (task_a, task_b):
+        with pytest.raises(RuntimeError, match=r"module '0.0' \(Linear\) of this model is also in the model of "
+                                               "another attached PrivacyEngine"):
+            model(_data(3)[0])
+    assert all(torch.equal(v, before[k]) for k, v in task_a.state_dict().items())
+    engine_a.detach()
+    engine_b.detach()
+
+
+class EncoderWithTwoHeads(nn.Module):
+    """The fix for two task models sharing an encoder: one model, both heads, one engine."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.encoder = nn.Sequential(nn.Linear(6, 8), nn.Tanh())
+        self.head_a, self.head_b = nn.Linear(8, 3), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.encoder(x)
+        return self.head_a(h), self.head_b(h)
+
+
+def _two_task_losses(model, x, y):
+    out_a, out_b = model(x)
+    return F.cross_entropy(out_a, y, reduction="none") + F.cross_entropy(out_b, y % 2, reduction="none")
+
+
+@pytest.mark.parametrize("mode,path", PATHS)
+def test_one_model_holding_both_heads_is_exact_and_bounds_one_sample(float64, mode, path):
+    x, y = _data(5)
+    model = EncoderWithTwoHeads().double()
+    expected = reference_clipped_gradient(model, _two_task_losses, (x, y), max_grad_norm=R)
+    assert_matches(clipped_gradient(model, _two_task_losses, (x, y), mode=mode, max_grad_norm=R, path=RUN[path]),
+                   expected)
+    # the neighbour test: D and D minus one sample differ by at most R
+    without = clipped_gradient(model, _two_task_losses, (x[1:], y[1:]), mode=mode, max_grad_norm=R, path=RUN[path])
+    full = clipped_gradient(model, _two_task_losses, (x, y), mode=mode, max_grad_norm=R, path=RUN[path])
+    difference = math.sqrt(sum(float((full[n] - without[n]).square().sum()) for n in full))
+    assert difference <= R * (1 + 1e-9)
+
+
 def test_a_forward_back_propagated_twice_is_refused(float64):
     model = _hooked_model()
     engine = _engine(model, "bk-mixopt").attach(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -876,7 +973,14 @@ def test_a_loss_parameter_added_to_the_optimizer_is_refused(float64, mode):
     centres = nn.Parameter(torch.randn(3, 3))
     opt.add_param_group({"params": [centres]})
     before = centres.detach().clone()
-    engine.backward(F.cross_entropy(model(_data(1)[0]) @ centres * 10, torch.tensor([1]), reduction="none"))
+    # engine.backward sees the loss reach it (rows.losses): refused before anything is accumulated
+    with pytest.raises(ValueError, match="outside the model given to the engine"):
+        engine.backward(F.cross_entropy(model(_data(1)[0]) @ centres * 10, torch.tensor([1]), reduction="none"))
+    assert centres.grad is None
+    if engine.recipe.two_pass:
+        return
+    # a plain backward does not show the loss to the engine: the raw gradient is found, dropped and refused at the step
+    (F.cross_entropy(model(_data(1)[0]) @ centres * 10, torch.tensor([1]), reduction="none")).sum().backward()
     with pytest.raises(RuntimeError, match="not part of the model"):
         opt.step()
     assert torch.equal(centres.detach(), before) and centres.grad is None

@@ -97,3 +97,20 @@ def test_ddp_example_learns_under_torchrun(engine):
     assert line.startswith(f"{'FSDP2' if engine == 'fsdp' else 'DDP'} on 2 processes: 36 steps")
     accuracy = float(line.split("test accuracy ")[1].split()[0])
     assert accuracy > 0.6  # ten digits: chance is 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("example", ["accelerate_finetune", "lightning_finetune"])
+def test_framework_fine_tuning_examples_learn_privately(example):
+    """Pretrained on the public digits 0-4, fine-tuned privately on 5-9 through the framework's integration."""
+    pytest.importorskip("sklearn")
+    pytest.importorskip("accelerate" if example.startswith("accelerate") else "lightning")
+    if example.startswith("accelerate"):  # one AcceleratorState per process: the example builds its own
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+    out = _run(example, ["--quiet"])
+    assert out["steps"] == 42  # six epochs of round(1 / q) = 7 Poisson steps, q = 96 / 700
+    assert out["epsilon"] == pytest.approx(3.0, rel=0.05)
+    assert out["pretrained_accuracy"] < 0.05  # it knew only the other digits
+    assert out["accuracy"] > 0.75  # five classes: chance is 0.2 (measured 0.91-0.96)

@@ -10,6 +10,8 @@ import itertools
 import math
 from fractions import Fraction
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -222,10 +224,37 @@ def test_a_mask_given_to_the_engine_is_exact_and_lets_the_layout_be_cached(float
             optimizer.step()
             got = {n: p.grad.clone() for n, p in case.model.named_parameters()}
             assert engine._rows.layouts, "nothing was cached: every step would run the tag passes"
-        assert not engine._capture.rows.watch_next  # the second forward had nothing left to read
+        assert engine._rows.last_followed  # the second forward computed as a verified one: nothing left to read
     finally:
         engine.detach()
     assert_matches(got, plain, rtol=1e-12, what=mode)
+
+
+@pytest.mark.parametrize("fill", ["sentinel", "nan", "inf"])
+@pytest.mark.parametrize("case_name", sorted(CASES))
+@pytest.mark.parametrize("mode", MODES)
+def test_padded_rows_count_for_nothing_whatever_they_hold(float64, mode, case_name, fill):
+    """Padded rows holding a mask sentinel (float32's lowest value), NaN or inf, given to the engine with their
+    mask, over two steps: exact, as if they held zeros (they are zeroed before any norm is formed; a Gram of the
+    sentinel overflowed, and 0 times NaN is NaN)."""
+    value = {"sentinel": torch.finfo(torch.float32).min, "nan": float("nan"), "inf": float("inf")}[fill]
+    case = CASES[case_name]()
+    plain = clipped_gradient(case.model, case.losses_fn, case.batch, mode=mode, max_grad_norm=0.5)
+    *padded, mask = _padded(case.batch, 3)
+    padded = [t.masked_fill((~mask).reshape(-1, *([1] * (t.dim() - 1))), value) if t.is_floating_point() else t
+              for t in padded]
+    engine, optimizer = attached_engine(case.model, mode=mode, max_grad_norm=0.5)
+    try:
+        for _ in range(2):
+            optimizer.zero_grad()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                engine.backward(case.losses_fn(case.model, *padded), mask=mask)
+            optimizer.step()
+            got = {n: p.grad.clone() for n, p in case.model.named_parameters()}
+            assert_matches(got, plain, rtol=1e-12, what=f"{mode}, {fill}")
+    finally:
+        engine.detach()
 
 
 def test_padded_rows_are_not_counted_as_samples(float64):

@@ -1,23 +1,31 @@
 """DPTrainer: the Hugging Face Trainer loop made private by the engine.
 
-The central check: one Trainer step (two accumulated micro-batches, the Trainer's own
-optimizer.step) leaves in p.grad exactly the oracle's clipped per-sample sum divided by the
-logical batch size, in float64.
+The central check: one Trainer step (accumulated micro-batches, the Trainer's own optimizer.step) leaves in
+p.grad exactly the oracle's clipped per-sample sum over the step's Poisson batch (the specification's draw,
+tests/framework_helpers.py) divided by the expected logical batch size, in float64; under gradient
+checkpointing the same, and under bf16 / fp16 within what the precision explains. A run resumed from a
+checkpoint continues the uninterrupted run's epsilon, step count and batches, with fresh noise. Several
+processes: tests/test_frameworks_distributed.py.
 """
 from __future__ import annotations
 
 import importlib
+import json
+
+import os
 import sys
 import warnings
 
 import pytest
 import torch
 
+from dptrain.data import PoissonSampler
 from dptrain.losses import sequence_losses
+from framework_helpers import assert_within, grad_norm_difference, logical_batches, oracle_step, precision_bounds, take
 from helpers import Case, assert_matches, reference, split_max_grad_norm
 
 T = pytest.importorskip("transformers")
-from dptrain.integrations.hf_trainer import DPTrainer, per_sample_losses  # noqa: E402
+from dptrain.integrations.hf_trainer import STATE_FILE, DPTrainer, per_sample_losses  # noqa: E402
 
 N, L, V = 8, 6, 30
 
@@ -33,9 +41,9 @@ class DictDataset(torch.utils.data.Dataset):
         return {k: v[i] for k, v in self.columns.items()}
 
 
-def _gpt2(seed=0):
+def _gpt2(seed=0, layers=1):
     torch.manual_seed(seed)
-    cfg = T.GPT2Config(vocab_size=V, n_embd=16, n_layer=1, n_head=2, n_positions=L, resid_pdrop=0.0,
+    cfg = T.GPT2Config(vocab_size=V, n_embd=16, n_layer=layers, n_head=2, n_positions=L, resid_pdrop=0.0,
                        embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
     return T.GPT2LMHeadModel(cfg)
 
@@ -49,12 +57,23 @@ def _lm_data(seed=0, n=N):
     return ids, mask, labels
 
 
+def _dataset(columns):
+    ids, mask, labels = columns
+    return DictDataset(input_ids=ids, attention_mask=mask, labels=labels)
+
+
 def _args(tmp_path, **overrides):
     kwargs = dict(output_dir=str(tmp_path), per_device_train_batch_size=4, gradient_accumulation_steps=2,
                   max_steps=1, learning_rate=0.0, optim="sgd", save_strategy="no", report_to=[], use_cpu=True,
-                  logging_steps=1, disable_tqdm=True, seed=0)
+                  logging_steps=1, disable_tqdm=True, seed=0, data_seed=7)
     kwargs.update(overrides)
     return T.TrainingArguments(**kwargs)
+
+
+def _trainer(cls=None, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return (cls or DPTrainer)(**kwargs)
 
 
 class GradSnapshot(T.TrainerCallback):
@@ -72,85 +91,206 @@ def _lm_losses(model, ids, mask, labels):
     return sequence_losses(model(input_ids=ids, attention_mask=mask).logits, labels, shift=True, reduction="mean")
 
 
-@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
-def test_one_trainer_step_is_the_clipped_per_sample_mean(tmp_path, mode):
-    model = _gpt2().double()
-    ids, mask, labels = _lm_data()
-    case = Case(model, _lm_losses, (ids, mask, labels))
-    R = split_max_grad_norm(case, "all-layer")
-    expected = {n: g / N for n, g in reference(case, max_grad_norm=R).items()}
+def _first_batch(columns, batch_size, trainer):
+    """The indices of the first logical batch, by the specification (the single-process seeded draw)."""
+    return logical_batches(len(columns[0]), batch_size, trainer.privacy_engine.max_batch_size, 7, 1)[0]
 
+
+# --------------------------------------------------------------------------- one step against the oracle
+@pytest.mark.parametrize("mode, checkpointing", [("bk-mixopt", False), ("ghost", False), ("bk-mixopt", True),
+                                                 ("ghost", True)])
+def test_one_trainer_step_is_the_clipped_per_sample_mean(tmp_path, mode, checkpointing):
+    # q = 1 (all 8 every step) in two micro-batches of K / 2 rows, padding included
+    model = _gpt2(layers=2).double()
+    columns = _lm_data()
+    R = split_max_grad_norm(Case(model, _lm_losses, columns), "all-layer")
+    expected = {n: g / N for n, g in reference(Case(model, _lm_losses, columns), max_grad_norm=R).items()}
     snapshot = GradSnapshot(model)
+    trainer = _trainer(model=model, args=_args(tmp_path, activation_checkpointing=checkpointing),
+                       train_dataset=_dataset(columns), callbacks=[snapshot], noise_multiplier=0.0, max_grad_norm=R,
+                       clipping_mode=mode)
+    trainer.train()
+    assert model.is_activation_checkpointing == checkpointing
+    engine = trainer.privacy_engine
+    assert engine.batch_size == N and engine.steps_taken == 1 and engine.max_batch_size > N
+    assert_matches(snapshot.grads, expected, what=f"DPTrainer one step, {mode}, checkpointing={checkpointing}")
+
+
+def test_a_poisson_step_is_the_oracle_on_the_specified_batch(tmp_path):
+    # q = 1/2: the step's batch is the seeded single-process draw, cut into two padded micro-batches
+    model = _gpt2().double()
+    columns = _lm_data(n=16)
+    snapshot = GradSnapshot(model)
+    trainer = _trainer(model=model, args=_args(tmp_path), train_dataset=_dataset(columns), callbacks=[snapshot],
+                       noise_multiplier=0.0, max_grad_norm=0.05)
+    loader = trainer.get_train_dataloader()
+    K = trainer.privacy_engine.max_batch_size
+    assert all(batch["input_ids"].shape[0] == K // 2 for batch in loader) and len(loader) == 2 * 2  # round(1/q) steps
+    indices = _first_batch(columns, 8, trainer)
+    assert 0 < len(indices) < 16
+    expected = oracle_step(model, _lm_losses, columns, indices, 0.05, 8)
+    trainer.train()
+    assert_matches(snapshot.grads, expected, what="Poisson step")
+
+
+class _CPUFp16Trainer(DPTrainer):
+    """Accelerate turns fp16 off on a CPU (it needs a GPU for its scaler); these two attributes are what it sets on
+    a GPU, so the Trainer's fp16 path (autocast to float16 around the forward, the GradScaler in the prepared
+    optimizer's step) runs here as it runs there."""
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        self.accelerator.native_amp = True
+        self.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)  # overflows: the engine retries
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_steps_are_within_what_the_precision_explains(tmp_path, precision):
+    model64 = _gpt2(layers=2).double()
+    columns = _lm_data()
+    R = split_max_grad_norm(Case(model64, _lm_losses, columns), "all-layer")
+    bounds = precision_bounds(model64, _lm_losses, columns, R, torch.bfloat16 if precision == "bf16" else torch.float16)
+    ref = reference(Case(model64, _lm_losses, columns), max_grad_norm=R)
+    model = _gpt2(layers=2)
+    snapshot = GradSnapshot(model)
+    trainer = _trainer(_CPUFp16Trainer if precision == "fp16" else DPTrainer, model=model,
+                       args=_args(tmp_path, **{precision: True}), train_dataset=_dataset(columns),
+                       callbacks=[snapshot], noise_multiplier=0.0, max_grad_norm=R)
+    trainer.train()
+    scaler = trainer.accelerator.scaler
+    assert (scaler is not None) == (precision == "fp16")
+    if scaler is not None:
+        assert scaler.get_scale() < 2.0**40  # the first scale overflowed; the engine found one that works ...
+    assert trainer.privacy_engine.steps_taken == 1  # ... without skipping the step
+    assert not trainer.accelerator.optimizer_step_was_skipped
+    assert_within({n: g * N for n, g in snapshot.grads.items()}, ref, bounds, what=precision)
+
+
+def test_one_sample_moves_the_step_by_at_most_the_clipping_norm(tmp_path):
+    """The neighbour test through the Trainer: D and D minus one sample (q = 1 for both), noise 0."""
+    R = 1e-3  # clips every sample: each one's contribution is exactly R long
+    sums = []
+    for n in (N, N - 1):
+        model = _gpt2().double()
+        ids, mask, labels = _lm_data()
+        keep = [i for i in range(N) if n == N or i != 3]
+        snapshot = GradSnapshot(model)
+        trainer = _trainer(model=model, args=_args(tmp_path, per_device_train_batch_size=n,
+                                                   gradient_accumulation_steps=1),
+                           train_dataset=_dataset(take((ids, mask, labels), keep)), callbacks=[snapshot],
+                           noise_multiplier=0.0, max_grad_norm=R)
+        trainer.train()
+        sums.append({k: g * n for k, g in snapshot.grads.items()})
+    assert grad_norm_difference(*sums) == pytest.approx(R, rel=1e-9)
+
+
+# --------------------------------------------------------------------------- checkpoints
+def _resumable_run(tmp_path, seen, resume=None, **overrides):
+    """16 examples, expected batch 4 (round(1/q) = 4 steps per epoch), 6 steps; a checkpoint every 2 steps."""
+    def losses(model, inputs):
+        seen.append(inputs["input_ids"].clone())
+        return _lm_losses(model, inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
+
+    args = _args(tmp_path / "run", per_device_train_batch_size=2, max_steps=6, learning_rate=1e-2,
+                 save_strategy="steps", save_steps=2, **overrides)
+    trainer = _trainer(model=_gpt2(), args=args, train_dataset=_dataset(_lm_data(n=16)), noise_multiplier=1.0,
+                       per_sample_loss=losses, engine_kwargs={"seed": 0})
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """(trainer, the batches of its micro-steps, its output folder): 6 steps, a checkpoint every 2."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    batches = []
+    trainer = _resumable_run(folder, batches)
+    assert all(os.path.isfile(folder / "run" / f"checkpoint-{s}" / STATE_FILE) for s in (2, 4, 6))
+    return trainer, batches, folder
+
+
+# from the middle of the first epoch (the Trainer skips its trained batches, or with ignore_data_skip the sampler
+# continues itself) and from the end of it (the next epoch's draw)
+@pytest.mark.parametrize("checkpoint, ignore_data_skip", [(2, False), (2, True), (4, False)])
+def test_resuming_continues_epsilon_steps_and_batches_with_fresh_noise(tmp_path, uninterrupted, checkpoint,
+                                                                       ignore_data_skip):
+    full, full_batches, folder = uninterrupted
+    resumed_batches = []
+    resumed = _resumable_run(tmp_path, resumed_batches, resume=str(folder / "run" / f"checkpoint-{checkpoint}"),
+                             ignore_data_skip=ignore_data_skip)
+    engine = resumed.privacy_engine
+    assert engine.steps_taken == full.privacy_engine.steps_taken == 6
+    assert engine.get_epsilon() == full.privacy_engine.get_epsilon()
+    micro = 2 * checkpoint  # two micro-batches per step
+    assert len(resumed_batches) == len(full_batches) - micro
+    assert all(torch.equal(a, b) for a, b in zip(full_batches[micro:], resumed_batches))  # the same batches
+    # the same batches, model and optimizer state from the checkpoint: only the noise differs (fresh, not seed 0's)
+    final = dict(resumed.model.named_parameters())
+    assert any(not torch.equal(p, final[n]) for n, p in full.model.named_parameters())
+    logged = [e for e in resumed.state.log_history if "epsilon" in e and "loss" in e]
+    assert logged[-1]["epsilon"] == pytest.approx(full.privacy_engine.get_epsilon())
+
+
+def test_a_checkpoint_without_privacy_state_is_refused(tmp_path):
+    ids, mask, labels = _lm_data(n=16)
+    args = _args(tmp_path, per_device_train_batch_size=2, max_steps=2, save_strategy="steps", save_steps=2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = DPTrainer(model=model, args=_args(tmp_path), train_dataset=DictDataset(
-            input_ids=ids, attention_mask=mask, labels=labels), callbacks=[snapshot],
-            noise_multiplier=0.0, max_grad_norm=R, clipping_mode=mode)
-        trainer.train()
-    assert trainer.privacy_engine.batch_size == N
-    assert trainer.privacy_engine.steps_taken == 1
-    assert_matches(snapshot.grads, expected, what=f"DPTrainer one step, {mode}")
+        T.Trainer(model=_gpt2(), args=args, train_dataset=_dataset((ids, mask, labels))).train()
+    assert json.loads((tmp_path / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
+    trainer = _trainer(model=_gpt2(), args=_args(tmp_path, per_device_train_batch_size=2, max_steps=4),
+                       train_dataset=_dataset((ids, mask, labels)), noise_multiplier=1.0)
+    with pytest.raises(FileNotFoundError, match="holds no privacy state .dptrain_state.pt.*restart the privacy"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
 
 
+# --------------------------------------------------------------------------- sampling, logs, refusals
 def test_training_logs_epsilon_and_calibrates_to_max_steps(tmp_path):
     ids, mask, labels = _lm_data(n=16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = DPTrainer(model=_gpt2(), args=_args(tmp_path, max_steps=3, learning_rate=1e-3, optim="adamw_torch"),
-                            train_dataset=DictDataset(input_ids=ids, attention_mask=mask, labels=labels),
-                            target_epsilon=4.0, max_grad_norm=1.0)
-        trainer.train()
+    trainer = _trainer(model=_gpt2(), args=_args(tmp_path, max_steps=3, learning_rate=1e-3, optim="adamw_torch"),
+                       train_dataset=_dataset((ids, mask, labels)), target_epsilon=4.0, max_grad_norm=1.0)
+    trainer.train()
     engine = trainer.privacy_engine
     assert engine.steps_taken == 3
     assert engine.get_epsilon() == pytest.approx(4.0, rel=0.05)
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert logged and all("epsilon" in entry and "grad_norm" not in entry for entry in logged)
+    report = trainer.privacy_report()
+    assert report["epsilon_is_proven_bound"] and report["truncation_delta"] > 0  # fixed shapes, truncation counted
 
 
-def test_poisson_sampling_draws_variable_batches(tmp_path):
-    ids, mask, labels = _lm_data(n=16)
+def test_shuffled_batches_are_an_opt_in_recorded_as_unproven(tmp_path):
+    ids, mask, labels = _lm_data()
+    with pytest.warns(UserWarning, match="not a proven bound"):
+        trainer = DPTrainer(model=_gpt2(), args=_args(tmp_path), noise_multiplier=1.0, poisson_sampling=False,
+                            train_dataset=_dataset((ids, mask, labels)))
+    assert not isinstance(trainer.get_train_dataloader().batch_sampler, PoissonSampler)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = DPTrainer(model=_gpt2(), args=_args(tmp_path, max_steps=4, gradient_accumulation_steps=1),
-                            train_dataset=DictDataset(input_ids=ids, attention_mask=mask, labels=labels),
-                            noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=True)
-        loader = trainer.get_train_dataloader()
-        sizes = [batch["input_ids"].shape[0] for batch in loader]
         trainer.train()
-    from dptrain.data import is_poisson_loader
-
-    assert is_poisson_loader(loader)
-    assert len(sizes) == 4  # one expected pass: 1 / q batches with q = 4 / 16
-    assert trainer.privacy_engine.steps_taken == 4
+    report = trainer.privacy_report()
+    assert report["epsilon_is_proven_bound"] is False and "not a proven bound" in report["note"]
+    assert report["max_batch_size"] is None and report["steps"] == 1
 
 
-_CHECKPOINTING = ("activation_checkpointing" if "activation_checkpointing" in T.TrainingArguments.__dataclass_fields__
-                  else "gradient_checkpointing")
-
-
-@pytest.mark.parametrize("setting, message", [
-    ({_CHECKPOINTING: True}, "checkpointing"),
-    (dict(torch_compile=True), "torch_compile"),
+@pytest.mark.parametrize("setting, engine_kwargs, message", [
+    (dict(torch_compile=True), {}, "torch_compile"),
+    (dict(auto_find_batch_size=True), {}, "auto_find_batch_size"),
+    (dict(train_sampling_strategy="group_by_length"), {}, "train_sampling_strategy"),
+    ({}, {"batch_size": 4}, r"engine_kwargs must not repeat .*batch_size"),
+    ({}, {"max_batch_size": 12}, r"engine_kwargs must not repeat .*max_batch_size"),
 ])
-def test_unsupported_settings_are_refused(tmp_path, setting, message):
+def test_settings_that_cannot_be_private_are_refused(tmp_path, setting, engine_kwargs, message):
     ids, mask, labels = _lm_data()
     with pytest.raises(ValueError, match=message):
-        DPTrainer(model=_gpt2(), args=_args(tmp_path, **setting), noise_multiplier=1.0,
-                  train_dataset=DictDataset(input_ids=ids, attention_mask=mask, labels=labels))
+        DPTrainer(model=_gpt2(), args=_args(tmp_path, **setting), noise_multiplier=1.0, engine_kwargs=engine_kwargs,
+                  train_dataset=_dataset((ids, mask, labels)))
 
 
-def test_fixed_size_batches_warn_that_the_accounting_assumes_poisson_sampling(tmp_path):
-    ids, mask, labels = _lm_data()
-    with pytest.warns(UserWarning, match="Poisson"):
-        DPTrainer(model=_gpt2(), args=_args(tmp_path), noise_multiplier=1.0,
-                  train_dataset=DictDataset(input_ids=ids, attention_mask=mask, labels=labels))
-
-
-def test_poisson_sampling_needs_one_batch_per_step(tmp_path):
-    ids, mask, labels = _lm_data()
-    with pytest.raises(ValueError, match="gradient_accumulation_steps=1"):
-        DPTrainer(model=_gpt2(), args=_args(tmp_path), noise_multiplier=1.0, poisson_sampling=True,
-                  train_dataset=DictDataset(input_ids=ids, attention_mask=mask, labels=labels))
+def test_a_max_batch_size_that_does_not_split_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="use a multiple of 2, e.g. 10"):
+        DPTrainer(model=_gpt2(), args=_args(tmp_path), noise_multiplier=1.0, max_batch_size=9,
+                  train_dataset=_dataset(_lm_data()))
 
 
 # --------------------------------------------------------------------------- default per-sample losses
@@ -201,3 +341,6 @@ def test_missing_transformers_names_the_extra(monkeypatch):
     monkeypatch.delitem(sys.modules, "dptrain.integrations.hf_trainer")
     with pytest.raises(ImportError, match=r"pip install 'dptrain\[transformers\]'"):
         importlib.import_module("dptrain.integrations.hf_trainer")
+
+
+

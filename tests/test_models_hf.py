@@ -282,10 +282,21 @@ def test_t5_trainable_relative_attention_bias_goes_through_the_stacks():
     assert fallback_modules(model) == []
 
 
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost", "per-sample"])
+def test_t5_called_with_its_cache_on_is_exact_through_the_fallback(mode):
+    """With the table trainable the decoder stack is replayed; its cache of keys and values (use_cache, the default)
+    holds tensors that do not depend on the table the stack claims (the bias is added to the scores), so the replay
+    differentiates what it must and the call is exact. (It was refused while the forward's watch also watched the
+    engine's replays: the replay's embedding lookups were then carried as the input's rows.)"""
+    case, R, ref = with_oracle(lambda: t5_case(relative_bias=True, use_cache=True))
+    assert_matches(_engine(case, mode=mode, max_grad_norm=R), ref, rtol=1e-10 if mode != "ghost" else 1e-5,
+                   what=f"T5 with use_cache, {mode}")
+
+
 def test_t5_decoder_cache_the_loss_uses_is_refused_naming_use_cache():
     """With the table trainable the decoder stack is replayed; its cache of keys and values (use_cache, the default)
     holds tensors that depend on the table, which the fallback does not differentiate. Exact while the loss does not
-    use the cache (the case above); a loss that does is refused, naming the decoder and use_cache=False."""
+    use the cache (the test above); a loss that does is refused, naming the decoder and use_cache=False."""
     case = t5_case(relative_bias=True, use_cache=True)
     ids, mask, labels = case.batch
 

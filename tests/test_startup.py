@@ -89,4 +89,8 @@ def test_cli_choices_are_the_library_ones():
 
     assert cli.CLIPPING_FNS == CLIPPING_FNS
     assert cli.DECISION_RULES == DECISION_RULES
+    from dptrain.cli.options import NOISES
+    from dptrain.correlated.resolve import NOISES as ENGINE_NOISES
+
+    assert NOISES == ENGINE_NOISES
     assert all(issubclass(getattr(torch.optim, name), torch.optim.Optimizer) for name in cli.OPTIMIZERS.values())

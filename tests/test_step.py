@@ -5,18 +5,15 @@ and optimizers other than the attached one. Each case is checked against the one
 clipping binding) in every mode and on both backward paths, and at batch size 1 with noise 0, where the applied
 update must have norm <= R.
 
-The step's own state: the clipped sums' precision, the noise generator across a checkpoint, and the number of
-samples that reach each step. Low precision: with bf16 parameters or under bf16 autocast the clipped sums are
+The step's own state: the clipped sums' precision, the noise generator across a checkpoint, and what feeds the
+count of samples per step (the sampling check itself: tests/test_sampling_check.py). Low precision: with bf16 parameters or under bf16 autocast the clipped sums are
 float32 until the noise is added; one sample's contribution (every other sample's loss weighted 0, noise 0) has
 norm <= R up to float32 rounding in every mode and on both backward paths.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-import re
-import warnings
 
 import pytest
 import torch
@@ -472,79 +469,6 @@ def test_secure_noise_is_never_saved_nor_continued():
 
 
 # --------------------------------------------------------------------------- samples per step
-from dptrain.step import SamplesPerStep  # noqa: E402
-
-
-@contextlib.contextmanager
-def no_warnings():
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        yield
-
-
-def poisson_counts(n: int, q: float, steps: int, seed: int) -> list[int]:
-    """The sizes of ``steps`` Poisson batches: each of n samples in with probability q."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.binomial(torch.full((steps,), float(n)), torch.full((steps,), q), generator=g).long().tolist()
-
-
-def feed(counter: SamplesPerStep, step_counts: list[int], micro_batches: int = 1) -> None:
-    """One step per count, its samples split into ``micro_batches`` backwards (as a loader split would)."""
-    for count in step_counts:
-        for k in range(micro_batches):
-            counter.add_backward(count // micro_batches + (1 if k < count % micro_batches else 0))
-        counter.end_step()
-
-
-@pytest.mark.parametrize("n,batch_size", [(10_000, 1), (10_000, 4), (60_000, 256), (1_000, 500), (50, 49)])
-def test_honest_poisson_batches_never_warn(n, batch_size, recwarn):
-    q = batch_size / n
-    for seed in range(200):
-        counter = SamplesPerStep(batch_size, q)
-        feed(counter, poisson_counts(n, q, 100, seed), micro_batches=1 + seed % 4)
-        assert not counter.warned, f"seed {seed}"
-    assert not [w for w in recwarn if "samples per step" in str(w.message)]
-
-
-def test_micro_batch_size_given_as_batch_size_warns_once_naming_both_numbers():
-    n, micro, accumulated = 60_000, 64, 4
-    logical_q = micro * accumulated / n  # what the loader draws per optimizer step
-    counter = SamplesPerStep(micro, micro / n)  # what the user told the engine
-    counts = poisson_counts(n, logical_q, 9, seed=0)
-    feed(counter, counts, micro_batches=accumulated)
-    assert not counter.warned  # fewer than MIN_STEPS steps: no verdict yet
-    with pytest.warns(UserWarning, match=r"batch_size=64 was given.*micro-batch size given as batch_size") as got:
-        feed(counter, poisson_counts(n, logical_q, 1, seed=1), micro_batches=accumulated)
-    found = re.search(r"received ([\d.]+) samples per step.*about ([\d.]+)x too small", str(got[0].message))
-    mean, ratio = float(found[1]), float(found[2])
-    assert abs(mean - micro * accumulated) < 6 * math.sqrt(micro * accumulated / 10)  # the mean it saw, named
-    assert 3.5 < ratio < 4.5
-    with no_warnings():
-        feed(counter, poisson_counts(n, logical_q, 50, seed=2), micro_batches=accumulated)  # said once only
-
-
-def test_a_step_after_every_micro_batch_warns_too():
-    n, logical = 60_000, 256
-    counter = SamplesPerStep(logical, logical / n)
-    micro_counts = poisson_counts(n, logical / n / 4, 10, seed=0)  # each micro-batch stepped on its own
-    with pytest.warns(UserWarning, match=r"batch_size=256 was given.*optimizer.step\(\) after every micro-batch"):
-        feed(counter, micro_counts)
-
-
-def test_fixed_shape_batches_and_data_parallel_ranks_are_honest():
-    # K rows per batch (padding included) reach the model: up to K per step is honest, even K > 2 b
-    counter = SamplesPerStep(4, 4 / 1000, max_batch_size=20)
-    with no_warnings():
-        feed(counter, [20] * 100)
-    # each of 4 ranks counts its own quarter of a logical batch of 256
-    counter = SamplesPerStep(256, 256 / 60_000, ranks=4)
-    with no_warnings():
-        feed(counter, poisson_counts(60_000, 64 / 60_000, 100, seed=3))
-    counter = SamplesPerStep(256, 256 / 60_000)  # the same counts without ranks: too few per step
-    with pytest.warns(UserWarning, match="samples per step"):
-        feed(counter, poisson_counts(60_000, 64 / 60_000, 10, seed=3))
-
-
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
 def test_every_completed_backward_tells_its_samples_on_both_paths(mode, monkeypatch):
     """What the engine feeds SamplesPerStep.add_backward: each completed backward's batch (Backward.batch),

@@ -33,6 +33,12 @@ def add_ratios(entry: dict, device: torch.device) -> None:
         mem, ref_mem = memory_of(rec, device), memory_of(ref, device)
         if mem is not None and ref_mem:
             rec["memory_ratio"] = mem / ref_mem
+        # the first step (the engine reads which sample each row belongs to) and the steady ones, apart
+        for step in ("first_step", "steady"):
+            if rec.get(f"{step}_peak_bytes") and ref.get(f"{step}_peak_bytes"):
+                rec[f"{step}_memory_ratio"] = rec[f"{step}_peak_bytes"] / ref[f"{step}_peak_bytes"]
+        if rec.get("first_step_s") and rec.get("median_s"):
+            rec["first_step_vs_steady"] = rec["first_step_s"] / rec["median_s"]
 
 
 @dataclass(frozen=True)
@@ -69,9 +75,16 @@ TARGETS = (
     Target("cpu", "vgg11-gn-32", "bk-mixopt", "time_ratio", 1.1, "for comparison: Opacus hooks about 12x, the book-keeping paper's code 2.1x"),
     Target("cpu", "vgg11-gn-224", "bk-mixopt", "memory_ratio", 1.3),
     Target("cpu", "resnet18-gn-224", "bk-mixopt", "memory_ratio", 1.3),
+    # the first step, the one that reads which sample each row belongs to (issue 30)
+    Target("cpu", "gpt2-t100", "bk-mixopt", "first_step_memory_ratio", 1.05),
+    Target("cpu", "resnet18-gn-224", "bk-mixopt", "first_step_memory_ratio", 1.2),
+    Target("cpu", "vgg11-gn-224", "bk-mixopt", "first_step_memory_ratio", 1.2),
     # one GPU, each arm in its own process (the gpu-quick preset's rows)
     Target("cuda", "gpt2-t100", "bk-mixopt", "time_ratio", 1.12),
     Target("cuda", "gpt2-t100", "bk-mixopt", "memory_ratio", 1.02),
+    Target("cuda", "gpt2-t100", "bk-mixopt", "first_step_memory_ratio", 1.05),
+    Target("cuda", "resnet18-gn-224-b128", "bk-mixopt", "first_step_memory_ratio", 1.2),
+    Target("cuda", "vgg11-gn-224", "bk-mixopt", "first_step_memory_ratio", 1.2),
     Target("cuda", "resnet18-gn-224-b128", "bk-mixopt", "time_ratio", 1.8),
     Target("cuda", "resnet18-gn-224-b128", "bk-mixopt", "memory_ratio", 1.3),
     Target("cuda", "vgg11-gn-224", "bk-mixopt", "time_ratio", 1.8),
@@ -94,7 +107,9 @@ def _targets_for(results: dict) -> list[Target]:
 
 CSV_FIELDS = ("config", "arm", "status", "batch_size", "median_s", "p25_s", "p75_s", "min_s", "cpu_median_s",
               "time_ratio", "cpu_time_ratio", "throughput", "peak_bytes", "baseline_bytes",
-              "peak_above_baseline_bytes", "memory_ratio", "max_batch", "max_batch_throughput", "error", "note")
+              "peak_above_baseline_bytes", "memory_ratio", "first_step_peak_bytes", "steady_peak_bytes",
+              "first_step_memory_ratio", "steady_memory_ratio", "first_step_s", "first_step_vs_steady", "max_batch",
+              "max_batch_throughput", "error", "note")
 
 
 def write_csv(results: dict, path: Path) -> None:
@@ -128,7 +143,8 @@ def markdown(results: dict) -> str:
         f"(commit {env['dptrain_commit']})",
         f"- Load average (1, 5, 15 min) at start: {env['load_average_at_start']}",
         f"- Memory: {'total `torch.cuda.max_memory_allocated`' if cuda else 'peak RSS above the baseline taken after the model, batches, optimizer and engine exist'}"
-        f" ({_memory_method(results)}), over a warm-up step and one more, each arm in its own process.",
+        f" ({_memory_method(results)}), over a warm-up step and one more, each arm in its own process; the first "
+        "step (which reads which sample each row belongs to) and the later ones are also given apart.",
         "- Time: median wall-clock step (forward + loss + backward + optimizer step), after warm-up; all arms of "
         "a configuration in one process on the same batches, timed steps round-robin in shuffled order.",
     ]
@@ -150,8 +166,9 @@ def markdown(results: dict) -> str:
                   f"{entry['description']}; batch {entry['batch_size']}; {entry['warmup']} warm-up + "
                   f"{entry['steps']} timed steps; load average before/after: {entry.get('load_average_before')} / "
                   f"{entry.get('load_average_after')}" + _separate_run(entry, env, run_method), ""]
-        header = "| arm | step time (ms) median [IQR] | × non-private | CPU time × | peak memory (MiB) | × non-private |"
-        rule = "|---|---|---|---|---|---|"
+        header = ("| arm | step time (ms) median [IQR] | × non-private | CPU time × | peak memory (MiB) | × non-private |"
+                  " first step: memory × | steady: memory × |")
+        rule = "|---|---|---|---|---|---|---|---|"
         if cuda:
             header += " largest batch | samples/s at largest |"
             rule += "---|---|"
@@ -162,7 +179,8 @@ def markdown(results: dict) -> str:
                 f"{rec['median_s'] * 1e3:.0f} [{rec['p25_s'] * 1e3:.0f}–{rec['p75_s'] * 1e3:.0f}]")
             row = (f"| {arm} | {time_cell} | {_fmt(rec.get('time_ratio'), '.2f', '×')} | "
                    f"{_fmt(rec.get('cpu_time_ratio'), '.2f', '×')} | {_fmt(mem and mem / 2**20, '.0f')} | "
-                   f"{_fmt(rec.get('memory_ratio'), '.2f', '×')} |")
+                   f"{_fmt(rec.get('memory_ratio'), '.2f', '×')} | {_fmt(rec.get('first_step_memory_ratio'), '.2f', '×')} "
+                   f"| {_fmt(rec.get('steady_memory_ratio'), '.2f', '×')} |")
             if cuda:
                 row += f" {_fmt(rec.get('max_batch'), 'd')} | {_fmt(rec.get('max_batch_throughput'), '.1f')} |"
             search = rec.get("max_batch_search")

@@ -49,7 +49,9 @@ __all__ = [
     "create_accountant",
     "default_delta",
     "default_max_batch_size",
+    "epsilon_of_history",
     "poisson_delta",
+    "small_delta_problem",
     "truncation_delta",
 ]
 
@@ -123,6 +125,19 @@ def _check_max_batch_size(value: Any) -> int:
 
 def _check_delta(delta: Any) -> float:
     return checks.open_unit("delta", delta, "a common choice is default_delta(len(dataset)) = 1 / (10 * len(dataset))")
+
+
+def small_delta_problem(delta: float, sample_size: int, unit: str = "example") -> str | None:
+    """What is wrong with ``delta`` for a dataset of ``sample_size`` units, or None when it is below ``1 / sample_size``.
+
+    A mechanism that publishes one randomly chosen record in full (the "name and shame" release) is
+    ``(0, 1/n)``-DP, so a guarantee at ``delta >= 1/n`` allows exactly that.
+    """
+    if delta < 1.0 / sample_size:
+        return None
+    return (f"delta={delta:.3g} is at least 1/sample_size = 1/{sample_size}: at such a delta, publishing one "
+            f"randomly chosen {unit} in full (\"name and shame\") meets the guarantee. Use a delta well below "
+            f"1/sample_size, e.g. default_delta(sample_size) = {default_delta(sample_size):.3g}")
 
 
 def default_delta(sample_size: int) -> float:
@@ -274,9 +289,19 @@ _EPSILON_BACKENDS: dict[str, Callable[[Sequence[HistoryEntry], float], float]] =
 
 
 def _epsilon(name: str, history: Sequence[HistoryEntry], delta: float) -> float:
+    history = [entry for entry in history if entry[2] > 0]
     if not history:
         return 0.0
     return _EPSILON_BACKENDS[name](history, delta)
+
+
+def epsilon_of_history(history: Sequence[HistoryEntry], delta: float, accountant: str = DEFAULT_ACCOUNTANT) -> float:
+    """Epsilon of the composition of ``history``, ``[(noise_multiplier, sample_rate, steps), ...]``, at ``delta``:
+    the steps of a run whose noise or sample rate changed (a resumed run, a schedule). No warning for ``"gdp"``."""
+    name = _check_accountant_name(accountant)
+    entries = [(_check_noise_multiplier(sigma), checks.sample_rate(q), _check_count(count, "steps", 0))
+               for sigma, q, count in history]
+    return _epsilon(name, entries, _check_delta(delta))
 
 
 # ----------------------------------------------------------------------- accountant
@@ -344,6 +369,10 @@ class Accountant:
                 "Not an accountant state: expected a dict with keys 'name' and 'history' "
                 "as returned by Accountant.state_dict()."
             )
+        if "mechanism" in state:
+            raise ValueError(
+                "this state was saved by the accountant of a correlated-noise run (noise='bandmf' or 'blt'), whose "
+                "epsilon is not DP-SGD's: resume it with the same noise (PrivacyEngine(..., noise=...))")
         if state["name"] != self.name:
             raise ValueError(
                 f"This state was saved by the {state['name']!r} accountant and cannot be "
@@ -538,6 +567,7 @@ def calibrate_noise_multiplier(
     *,
     sample_size: int | None = None,
     max_batch_size: int | None = None,
+    history: Sequence[HistoryEntry] = (),
 ) -> float:
     """The smallest noise multiplier whose epsilon does not exceed ``target_epsilon``.
 
@@ -547,6 +577,11 @@ def calibrate_noise_multiplier(
     multiplier above ``MAX_NOISE_MULTIPLIER``. With ``max_batch_size=K`` (needs
     ``sample_size``) the target holds at ``target_delta`` including the truncation term
     of fixed-shape batches (see :func:`compute_epsilon`).
+
+    ``history``: steps already taken, ``[(noise_multiplier, sample_rate, count), ...]`` (a resumed run):
+    the result is the noise of the ``steps`` steps still to come, so that all of them together stay
+    within the target. (Their truncation term, if they were truncated, is the caller's to take from
+    ``target_delta``.)
     """
     name = _check_accountant_name(accountant)
     target = checks.positive("target_epsilon", target_epsilon)
@@ -555,9 +590,15 @@ def calibrate_noise_multiplier(
     delta = _fixed_shape_delta(_check_delta(target_delta), sample_size, q, max_batch_size, steps)
     if name == "gdp":
         warnings.warn(_GDP_WARNING, GDPApproximationWarning, stacklevel=2)
+    prior = [(_check_noise_multiplier(s), checks.sample_rate(r), _check_count(c, "steps", 0)) for s, r, c in history]
+    if prior:
+        spent = _epsilon(name, prior, delta)
+        if spent >= target:
+            raise ValueError(f"target_epsilon={target} at delta={delta} is unreachable: the steps already taken "
+                             f"spend epsilon={spent:.4g} at that delta")
 
     def epsilon(sigma: float) -> float:
-        return _epsilon(name, [(sigma, q, steps)], delta) if sigma > 0.0 else math.inf
+        return _epsilon(name, prior + [(sigma, q, steps)], delta) if sigma > 0.0 else math.inf
 
     def unreachable(sigma: float, sigma_epsilon: float) -> ValueError:
         return ValueError(
@@ -570,7 +611,7 @@ def calibrate_noise_multiplier(
     # 1. Bracket the answer, low < sigma* <= high with epsilon(low) > target >=
     # epsilon(high) (epsilon decreases in sigma), starting from the closed-form GDP
     # answer, which is usually within ~20 % of the RDP / PLD one.
-    guess = min(max(_gdp_noise_multiplier(target, delta, q, steps), 1e-3), MAX_NOISE_MULTIPLIER)
+    guess = min(max(_gdp_noise_multiplier(target, delta, q, steps, gdp_mu(prior)), 1e-3), MAX_NOISE_MULTIPLIER)
     guess_epsilon = epsilon(guess)
     factor = 1.5
     if guess_epsilon > target:
@@ -628,15 +669,15 @@ def _fixed_shape_delta(delta: float, sample_size: Any, q: float, max_batch_size:
     return poisson_delta(delta, sample_size, q, max_batch_size, steps)
 
 
-def _gdp_noise_multiplier(target: float, delta: float, q: float, steps: int) -> float:
-    """Closed-form (CLT) noise multiplier for a target: a starting point only."""
+def _gdp_noise_multiplier(target: float, delta: float, q: float, steps: int, prior_mu: float = 0.0) -> float:
+    """Closed-form (CLT) noise multiplier for a target, after steps of GDP ``prior_mu``: a starting point only."""
     low, high = 0.0, 1.0
     while gdp_epsilon(high, delta) < target and high < 1e6:
         low, high = high, 2.0 * high
     for _ in range(60):  # mu to ~1e-15 relative; gdp_epsilon costs microseconds
         middle = 0.5 * (low + high)
         low, high = (middle, high) if gdp_epsilon(middle, delta) < target else (low, middle)
-    mu = low
+    mu = math.sqrt(max(0.0, low * low - prior_mu * prior_mu)) if math.isfinite(prior_mu) else 0.0  # mu^2 compose
     if mu <= 0.0:
         return MAX_NOISE_MULTIPLIER
     # mu = q * sqrt(T * (exp(1/sigma^2) - 1))  <=>  sigma = 1 / sqrt(log1p((mu / q)^2 / T))

@@ -89,6 +89,8 @@ AUDIT_DEFAULTS: dict[str, Any] = {
     "accountant": "pld",
     "privacy_unit": "example",
     "examples_per_canary": 4,  # with privacy_unit="user": the examples of each canary user
+    "noise": "gaussian",
+    "bands": 2,  # with noise="bandmf": the bands of the strategy (and the cyclic groups)
 }
 
 # What a canary is, and what the audited epsilon protects (PrivacyEngine's privacy_unit).
@@ -246,6 +248,37 @@ def subsampled_gaussian_scores(
     return np.logaddexp(math.log1p(-sample_rate), shift).sum(0)
 
 
+def banded_scores(observations: np.ndarray, coefficients, groups: np.ndarray, *, contribution: float,
+                  noise_std: float, sample_rate: float) -> np.ndarray:
+    """Per-canary log-likelihood ratios for banded correlated noise with cyclic Poisson sampling.
+
+    ``observations[t, i]`` is ``x[t, i] + noise_std (C^{-1} z)[t, i]`` for the b-banded Toeplitz ``C`` of
+    ``coefficients`` (unit norm). The auditor applies ``C`` (post-processing): ``C y = C x + noise_std z``, white.
+    Canary ``i`` can only be sampled at the steps ``s`` of its group, ``s mod b = groups[i]``, each time with
+    probability ``q``, adding ``contribution * c`` to rows ``s .. s + b - 1`` of ``C x``: those blocks are disjoint
+    for one canary, so its participations are independent observations. The projection of block ``s`` on ``c``
+    (its rows before the end of the run) is ``N(0, s^2)`` or, if sampled, ``N(mu_s, s^2)`` with
+    ``mu_s = contribution * ||c_kept||``: the subsampled Gaussian's ratio, summed over the canary's steps.
+    """
+    y = np.asarray(observations, dtype=np.float64)
+    c = np.asarray(coefficients, dtype=np.float64)
+    steps, bands = y.shape[0], len(c)
+    column = np.zeros(steps)
+    column[: min(bands, steps)] = c[:steps]
+    whitened = np.zeros_like(y)
+    for lag in range(min(bands, steps)):  # C y: lower-triangular Toeplitz, c_lag on the lag-th subdiagonal
+        whitened[lag:] += column[lag] * y[: steps - lag]
+    scores = np.zeros(y.shape[1])
+    for start in range(steps):
+        kept = c[: min(bands, steps - start)]
+        norm = float(np.linalg.norm(kept))
+        projection = kept @ whitened[start: start + len(kept)] / norm
+        terms = subsampled_gaussian_scores(projection[None, :], contribution=contribution * norm,
+                                           noise_std=noise_std, sample_rate=sample_rate)
+        scores += np.where(groups == start % bands, terms, 0.0)
+    return scores
+
+
 # ====================================================================== canaries in the engine's path
 
 
@@ -317,6 +350,8 @@ class AuditResult:
     train_size: int                 # real training samples
     seed: int
     wall_time_s: float
+    noise: str = "gaussian"         # "gaussian" (DP-SGD) or "bandmf" (banded correlated noise, cyclic sampling)
+    bands: int | None = None        # with noise="bandmf": the bands (and cyclic groups)
     privacy_unit: str = "example"   # what a canary is, and what epsilon protects: "example" or "user"
     examples_per_canary: int = 1    # rows of each canary (> 1 only for canary users)
     clipped_unit: str = "example"   # what the engine clipped: the privacy unit, unless deliberately broken
@@ -409,6 +444,8 @@ def run_audit(
     examples_per_canary: int | None = None,
     users: Sequence[int] | np.ndarray | torch.Tensor | None = None,
     clip_per_example: bool = False,
+    noise: str = AUDIT_DEFAULTS["noise"],
+    bands: int | None = None,
 ) -> AuditResult:
     """Train ``model`` with ``canaries`` gradient canaries, privately, and audit the run.
 
@@ -437,6 +474,13 @@ def run_audit(
     ``examples_per_canary`` examples). A third deliberately broken run, only at the user level:
     ``clip_per_example`` gives the engine a distinct user id for every row, so it clips each
     example instead of each user (a canary user then adds ``examples_per_canary`` x R).
+
+    ``noise="bandmf"`` audits banded correlated noise (``bands`` bands, default 2) with cyclic Poisson sampling
+    over ``bands`` groups, ``sample_rate`` the rate within a group: canary ``i`` is in group ``i mod bands``
+    (fixed in advance, so the auditor knows it whether the canary is in or out), the promise is the amplified
+    BandMF epsilon (``dptrain.correlated``), and the auditor scores each canary on ``C y`` (:func:`banded_scores`).
+    BLT noise is not audited: it is not amplified and its columns overlap, so a canary's steps are no longer
+    independent observations for this one-run test; its epsilon rests on the sensitivity of its strategy.
     """
     started = time.perf_counter()
     epsilon = checks.positive("epsilon", epsilon)
@@ -447,6 +491,15 @@ def run_audit(
     confidence = checks.open_unit("confidence", confidence)
     noise_scale = checks.non_negative("noise_scale", noise_scale)
     per_canary = _checked_unit(privacy_unit, examples_per_canary, users, clip_per_example)
+    if noise == "blt":
+        raise ValueError("the audit supports noise='gaussian' and 'bandmf'; BLT noise is not amplified and its "
+                         "columns overlap, so the one-run audit's per-step likelihood does not apply "
+                         "(docs/correlated-noise.md)")
+    noise = checks.choice("noise", noise, ("gaussian", "bandmf"))
+    if noise == "gaussian" and bands is not None:
+        raise ValueError("bands applies to noise='bandmf'")
+    bands = 1 if noise == "gaussian" else checks.positive_int("bands", AUDIT_DEFAULTS["bands"] if bands is None
+                                                              else bands)
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
     from . import accounting
@@ -492,27 +545,47 @@ def run_audit(
     # q is fixed by the pool of every potential member (unit: example or user), not by the coins:
     # neighbouring datasets (one canary in or out) are then sampled with the same q, as the accounting assumes.
     pool = population + canaries
-    batch_size = max(1, round(sample_rate * pool))
+    batch_size = max(1, round(sample_rate * pool / bands))  # sample_rate: within a cyclic group
 
     audited = CanaryModel(base, canaries).to(device)
     optimizer = torch.optim.Adam(audited.parameters(), lr=lr)
-    sigma = accounting.calibrate_noise_multiplier(epsilon, delta, batch_size / pool, steps, accountant=accountant)
+    mechanism, correlated = None, {}
+    if noise == "bandmf":
+        from .correlated import CorrelatedMechanism, banded_strategy
+
+        mechanism = CorrelatedMechanism("bandmf", banded_strategy(steps, bands), bands, steps)
+        sigma = mechanism.calibrate(epsilon, delta, batch_size * bands / pool, steps, accountant)
+        correlated = {"noise": mechanism.strategy, "cyclic_groups": bands, "steps": steps}
+    else:
+        sigma = accounting.calibrate_noise_multiplier(epsilon, delta, batch_size / pool, steps, accountant=accountant)
     # The mechanism the engine runs: the promise, unless deliberately broken. Its own accountant then
     # charges for what it draws; the epsilon reported is the promise's.
     threshold = max_grad_norm * (_UNCLIPPED_NORM_OVER_R if clipping_off else 1.0)
     engine = PrivacyEngine(
         audited, batch_size=batch_size, sample_size=pool, max_grad_norm=threshold,
         noise_multiplier=sigma * noise_scale * (max_grad_norm / threshold),  # the noise drawn: sigma R noise_scale
-        clipping_mode=clipping_mode, accountant=accountant, seed=seed + 1, privacy_unit=privacy_unit,
+        clipping_mode=clipping_mode, accountant=accountant, seed=seed + 1, privacy_unit=privacy_unit, **correlated,
     )
+    cyclic = bands if noise == "bandmf" else None
     loader_generator = torch.Generator().manual_seed(seed + 2)
     if privacy_unit == "user":
         # Canary user i has the id population + i: distinct from every real user's.
         row_users = torch.cat([real_users, population + member_rows])
         loader = poisson_loader(dataset, sample_rate=engine.sample_rate, steps=steps, generator=loader_generator,
-                                users=row_users)
+                                users=row_users, cyclic_groups=cyclic)
     else:
-        loader = poisson_loader(dataset, sample_rate=engine.sample_rate, steps=steps, generator=loader_generator)
+        loader = poisson_loader(dataset, sample_rate=engine.sample_rate, steps=steps, generator=loader_generator,
+                                cyclic_groups=cyclic)
+    canary_groups = np.arange(canaries) % bands
+    if cyclic is not None:
+        # Canary i is in group i mod b, decided before the coins: the same whether it is in or out, so the
+        # auditor may use it. (Any fixed group of the differing unit is covered by the amplification theorem.)
+        sampler = loader.batch_sampler
+        if privacy_unit == "user":  # units are users: canary user i has the id population + i
+            units, canary_of_unit = torch.searchsorted(sampler.user_ids, population + member_ids), member_ids
+        else:  # units are rows: the canaries' rows follow the n real ones
+            units, canary_of_unit = n + torch.arange(len(member_rows)), member_rows
+        sampler.group_of[units] = torch.as_tensor(canary_groups)[canary_of_unit]
     engine.attach(optimizer, data_loader=loader)
 
     # What the auditor sees: the private gradient of the probe after each step, times the
@@ -553,20 +626,28 @@ def run_audit(
     # not the one run: it tests the promise.
     canary_sum = canary_norm * per_canary
     contribution = canary_sum * min(1.0, max_grad_norm / canary_sum)
-    scores = subsampled_gaussian_scores(
-        np.stack(observations), contribution=contribution,
-        noise_std=sigma * max_grad_norm, sample_rate=engine.sample_rate,
-    )
+    if mechanism is not None:
+        scores = banded_scores(np.stack(observations), mechanism.strategy.coefficients, canary_groups,
+                               contribution=contribution, noise_std=sigma * max_grad_norm,
+                               sample_rate=engine.sample_rate)
+        claimed = mechanism.epsilon(sigma, engine.sample_rate, engine.steps_taken, delta, accountant)
+    else:
+        scores = subsampled_gaussian_scores(
+            np.stack(observations), contribution=contribution,
+            noise_std=sigma * max_grad_norm, sample_rate=engine.sample_rate,
+        )
+        claimed = accounting.compute_epsilon(sigma, engine.sample_rate, engine.steps_taken, delta, accountant)
     bound = epsilon_lower_bound(scores, included, delta=delta, confidence=confidence)
     return AuditResult(
-        epsilon=accounting.compute_epsilon(sigma, engine.sample_rate, engine.steps_taken, delta, accountant),
+        epsilon=claimed,
         delta=delta, epsilon_lower_bound=bound.epsilon,
         confidence=confidence, canaries=canaries, steps=steps, clipping_mode=clipping_mode,
         noise_scale=float(noise_scale), included_canaries=int(included.sum()), guesses_in=bound.guesses_in,
         guesses_out=bound.guesses_out, correct_guesses=bound.correct, noise_multiplier=sigma,
         sample_rate=engine.sample_rate, max_grad_norm=max_grad_norm, accountant=accountant, model=model_name,
         data=data_name, train_size=n, seed=seed, wall_time_s=round(time.perf_counter() - started, 3),
-        privacy_unit=privacy_unit, examples_per_canary=per_canary,
+        privacy_unit=privacy_unit, examples_per_canary=per_canary, noise=noise,
+        bands=bands if noise == "bandmf" else None,
         clipped_unit="example" if clip_per_example else privacy_unit,
         train_users=population if privacy_unit == "user" else None,
     )
@@ -588,7 +669,8 @@ def format_report(result: AuditResult) -> str:
     lines += [
         f"audit: {r.model} on {r.data} ({real}) + {planted} "
         f"({r.included_canaries} included at random), {r.steps} steps at sample rate {r.sample_rate:.4g}"
-        f"{' per user' if r.privacy_unit == 'user' else ''}, "
+        f"{' per user' if r.privacy_unit == 'user' else ''}"
+        f"{f' within {r.bands} cyclic groups, banded correlated noise (bandmf)' if r.noise == 'bandmf' else ''}, "
         f"clipping {r.clipping_mode}, max grad norm {r.max_grad_norm:g}",
         f"claimed:  epsilon = {r.epsilon:.3f} at delta = {r.delta:g}{' per user' if r.privacy_unit == 'user' else ''} "
         f"({r.accountant} accountant, noise multiplier {r.noise_multiplier:.4g})",

@@ -69,7 +69,8 @@ class Backward:
     """One backward (both passes, the tag passes and fp16 retries included); see the module docstring."""
 
     def __init__(self, setup: BackwardSetup, trainable: TrainableSet, phase: Phase, samples: int | None = None,
-                 units: torch.Tensor | None = None, tag_losses: torch.Tensor | None = None):
+                 units: torch.Tensor | None = None, tag_losses: torch.Tensor | None = None,
+                 padded: torch.Tensor | None = None):
         self.setup = setup
         self.recipe = setup.recipe
         self.trainable = trainable
@@ -98,6 +99,10 @@ class Backward:
         #: what the tag passes weight instead of the losses (a fixed-shape batch's unmasked losses: its padded rows
         #: then show their layout too)
         self.tag_losses = tag_losses
+        #: the padded samples of a fixed-shape batch ([B] bool, on the CPU; None: none): their rows count for nothing,
+        #: whatever they hold (a mask sentinel, NaN, inf)
+        self.padded = padded
+        self.rows.padded = padded
         setup.sums.begin()
 
     # ------------------------------------------------------------------ engine.backward
@@ -226,9 +231,10 @@ class Backward:
         if call.forward_id is not None and call.forward_id in done_forwards:  # (a tag pass too: it comes first)
             raise RuntimeError(
                 f"{state.path}: this model call was already back-propagated in this step (one forward, "
-                "two backward passes, e.g. two heads' losses back-propagated one after the other): each would be "
-                "clipped on its own, so a sample could contribute more than max_grad_norm. Add the losses and "
-                "back-propagate them once"
+                "two backward passes, e.g. two heads' losses back-propagated one after the other, or a backward split "
+                "at a detached activation, layers called outside model(...) included): each would be clipped on its "
+                "own, so a sample could contribute more than max_grad_norm. Add the losses and back-propagate them "
+                "once"
             )
         if self.rows.tagging:
             self.rows.record_tagged(state, call, grad)
@@ -269,11 +275,15 @@ class Backward:
 
     def _row_map(self, state: LayerState, call: Call, batch: int) -> RowMap:
         try:
-            if self.units is None:
-                return self.rows.resolve(state, call, batch)
-            return self.rows.resolve(state, call, self.samples).for_units(self.units, self.unit_count, state, call)
+            rowmap = self.rows.resolve(state, call, batch if self.units is None else self.samples)
         except NonFiniteRows:
             raise self._non_finite() from None
+        if self.padded is not None:  # rows of padding belong to no sample: zeroed before any norm
+            rows = call.shape[0] if rowmap.axes == 1 else call.shape[0] * call.shape[1]
+            rowmap = rowmap.without(self.padded, rows)
+        if self.units is not None:
+            rowmap = rowmap.for_units(self.units, self.unit_count, state, call)
+        return rowmap
 
     def _clipped_units(self, losses: torch.Tensor) -> int:
         """How many clipped units the losses hold: samples, or users."""

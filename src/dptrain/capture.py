@@ -21,6 +21,7 @@ parameter of the model is refused (``StateWrites``: version counters). The hooks
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.nn.modules import module as _module_globals
+from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils import _pytree as pytree
 
@@ -37,7 +39,8 @@ from .distributed import is_dtensor
 from .layers.numerics import swap01
 from .layers.protocol import LayerDims, LayerRule, OutputLeaves
 from .layers.fallback import in_replay
-from .rows import ReorderWatch, RowReader, computing_precision, pattern_key, tensors_in
+from .rows import ForwardWatch, RowReader, computing_precision, pattern_key, tensors_in
+from .rows.losses import mark_outputs
 
 
 def in_backward() -> bool:
@@ -72,6 +75,15 @@ class Call:
     rowmap: Any = None  # rows.RowMap, once read
     precision: torch.dtype | None = None  # the lowest precision its model call computed in (rows.computing_precision)
     broadcast: bool = False  # a call on one row, its output broadcast over the batch (broadcast.py)
+    trace: int | None = None  # the trace record of its model call (rows.Traces): its layout is cached per trace
+    #: where its output gradient is read in the graph, for rows.proof (ids: the call does not hold the graph): the
+    #: edge (id of the node, output index), the shapes where it is read at a reshape's base (base, output), and
+    #: whether the rule sees the output with its first two dimensions swapped (sequence first)
+    edge: tuple | None = None
+    edge_shape: tuple | None = None
+    edge_view: tuple | None = None
+    edge_swapped: bool = False
+    provable: bool = True  # nothing outside the graph acts on its gradient (no user hook in its forward)
     shared_use: str | None = None  # an operation that used its output of batch size 1 without broadcasting it
 
 
@@ -326,7 +338,16 @@ class Capture:
         self.rows = rows if rows is not None else RowReader()
         self._ordinals: dict[int, int] = {}  # per layer: how many calls it made in this model call / recomputation
         self._recomputed_ordinals: dict[int, int] = {}
-        self._watch: ReorderWatch | None = None
+        self._watch: ForwardWatch | None = None
+        self._forward_calls: list = []  # (layer state, call) of the open model call
+        #: the open model call's input depends on trainable parameters outside the model (a GAN's generated samples):
+        #: the model is a function for it, not trained (``_outside_parameters``)
+        self._passthrough: str | None = None
+        #: the model call that layer calls made outside any belong to (``_forward_of_outside_call``)
+        self._last_forward: int | None = None
+        self._outside_groups = 0
+        #: the graph task of the last backward that went through such a call's output
+        self.passthrough_task = -1
         self._forward_needs_tags = False
         #: set by the engine: replaces a model call's outputs by tagging ones (plain backward of new patterns);
         #: (outputs, patterns not read yet, the input's rows can be followed through the graph)
@@ -461,13 +482,54 @@ class Capture:
         device = next((t.device for t in tensors_in((args, kwargs))), None)
         self.forward_precision = (computing_precision(device, self._param_dtypes)
                                   if device is not None and not self.dry else None)
-        if self.rows.watch_next and not self.dry and self.forward_batch:
-            inputs = [t for t in tensors_in((args, kwargs)) if t.dim() > dim and t.shape[dim] == self.forward_batch]
-            self._watch = _start_watch(self.forward_batch, inputs, dim, self._anchor, self.on_input_grad,
-                                       self.forward_precision)
+        self._forward_calls = []
+        self._passthrough = None if self.dry else _outside_parameters((args, kwargs), self.model)
         if torch.is_grad_enabled() and not self.dry:
             self.state_writes.before()
+        if self._passthrough is None and not self.dry and self.forward_batch:  # (last: it watches the forward alone)
+            inputs = [t for t in tensors_in((args, kwargs)) if t.dim() > dim and t.shape[dim] == self.forward_batch]
+            self._watch = _start_watch(self.forward_batch, inputs, dim, self._anchor, self.on_input_grad,
+                                       self.forward_precision, self.rows.traces)
         return None
+
+    def _settle_calls(self, watch, forward_id: int) -> None:
+        """The model call returned: its calls' layouts are the verified trace's it followed to its end, or are read
+        in its backward (a verifying forward: its trace is kept once that backward has read every row)."""
+        record = watch.verified_record()
+        # A forward compiled whole (torch.compile) runs its operations where the watch does not see them: its trace
+        # shows nothing of what it computed, so it is verified at every step (proofs from its graph, tag passes).
+        unseen = watch.operations == 0 and bool(self._forward_calls)
+        verifying = record is None or unseen
+        if verifying:
+            record = self.rows.traces.new_record()
+            if not watch.seen and not unseen:  # a trace that picked rows by the data is read at every step, never kept
+                self.rows.pending_trace(forward_id, watch.keys, record)
+        self.rows.forward_clean = not watch.seen
+        self.rows.last_followed = not verifying
+        self.rows.last_trace = record
+        self.rows.last_divergence = watch.diverged_at
+        for state, call in self._forward_calls:
+            call.trace = record
+            call.cacheable = not watch.seen
+            call.provable = not watch.hooked
+            if self.rows.needs_tags(state, call):
+                call.unread = True
+            self._forward_needs_tags |= call.unread
+        self._forward_calls = []
+
+    def _forward_of_outside_call(self) -> int:
+        """The model call a layer call made outside any belongs to: the last one since the last backward (a head applied
+        to the model's output), or a group of its own (negative ids) that the other calls outside it join until the
+        next backward. So a backward split at a detached activation (two backwards of one forward's samples, each
+        clipped on its own) is seen as a model call back-propagated twice."""
+        if self._last_forward is None:
+            self._outside_groups += 1
+            self._last_forward = -self._outside_groups
+        return self._last_forward
+
+    def backward_ended(self) -> None:
+        """A backward completed: layer calls made outside a model call from now on are another forward's."""
+        self._last_forward = None
 
     def note_unread_call(self) -> None:
         """A call of the open model call became one whose rows must be read (a table of batch size 1 used without
@@ -505,32 +567,41 @@ class Capture:
     def _model_post_hook(self, module, args, output):
         if in_backward() or self._open_forward is None or in_replay() or self.paused:
             return None
+        watch = self._watch  # (the forward ended: what the checks below compute is not the forward's)
+        self._watch = None
+        if watch is not None:
+            watch.__exit__(None, None, None)
         self.state_writes.check()  # (a refusal: the always-called hook drops this call)
         self._check_view_outputs()
         self._finished_forward = True
-        self._open_forward = None
-        # Recomputations of this call (checkpointing) may cache their layouts if it picked no rows by the data:
-        # known from its watch, or, unwatched with nothing new, as for the model call that was watched last.
-        carried = self._watch is not None and bool(self._watch.readings)  # the input's rows can be followed
-        if self._watch is not None:
-            self.rows.forward_clean = not self._watch.seen
-        elif self._forward_needs_tags:
-            self.rows.forward_clean = False
-        self._end_watch()
-        # The next model call is watched if this one had patterns not verified yet (they are read in this
-        # step's backward, and cached only from a watched call).
-        self.rows.watch_next = self._forward_needs_tags
+        forward_id, self._open_forward = self._open_forward, None
+        self._last_forward = forward_id
+        if self._passthrough is not None:  # the model was a function of outside parameters: nothing is trained
+            self._passthrough = None
+            for t in tensors_in(output):
+                if t.requires_grad:
+                    t.register_hook(self._passthrough_grad_hook)
+            return None
+        carried = watch is not None and bool(watch.readings)  # the input's rows can be followed
+        if watch is not None:
+            self._settle_calls(watch, forward_id)
         replaced = None
         if torch.is_grad_enabled() and not self.dry:
             if self.on_tag_outputs is not None:  # a plain backward reads new patterns' rows from tagged outputs
                 replaced = self.on_tag_outputs(output, self._forward_needs_tags, carried)
-            for t in tensors_in(replaced if replaced is not None else output):
+            returned = replaced if replaced is not None else output
+            for t in tensors_in(returned):
                 if t.requires_grad:
                     t.register_hook(self._scalar_output_hook if t.dim() == 0 else self._output_grad_hook)
+            # (the loss check finds the per-sample outputs by these marks, in their autograd nodes)
+            mark_outputs(returned, self.forward_batch, 0 if self.batch_first else 1, forward_id, self.forward_precision)
         return replaced
 
     def _output_grad_hook(self, grad):
         self.on_output_grad()
+
+    def _passthrough_grad_hook(self, grad):
+        self.passthrough_task = graph_task()
 
     def _scalar_output_hook(self, grad):
         if self.on_scalar_output_grad is not None:
@@ -558,6 +629,15 @@ class Capture:
             self._end_watch()  # (its watch too: a mode left active would see every later torch call)
             self.drop_forward(self._open_forward)
             self._open_forward = None
+
+    @contextlib.contextmanager
+    def pausing(self):
+        """Nothing is recorded or read inside (a backward that is not training: the loss check's passes)."""
+        previous, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = previous
 
     # ------------------------------------------------------------------ layer hooks
     def _tracking(self) -> bool:
@@ -615,7 +695,31 @@ class Capture:
             self._switched.setdefault(id(module), []).append(switched)
             return None
 
-        return pre_hook
+        return self._quietly(pre_hook)
+
+    def _quietly(self, hook):
+        """A layer hook of the engine's: what it computes is not the forward's (the model call's watch does not
+        see it, nor pays for it)."""
+        capture = weakref.ref(self)
+
+        def quiet(*args, **kwargs):
+            alive = capture()
+            if alive is None or not (alive.dry or torch.is_grad_enabled()):
+                return None  # (evaluation: nothing to record; the hooks cost this test alone)
+            watch = alive._watch
+            if watch is None:
+                return hook(*args, **kwargs)
+            stack = _get_current_function_mode_stack()
+            if stack and stack[-1] is watch:  # (the usual case: out of the way altogether, at no cost per operation)
+                with _pop_mode_temporarily():
+                    return hook(*args, **kwargs)
+            watch.quiet += 1  # (a mode of the program's own above it: the watch lets operations through unrecorded)
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                watch.quiet -= 1
+
+        return quiet
 
     @staticmethod
     def _current_params(state: LayerState) -> list[nn.Parameter]:
@@ -649,6 +753,8 @@ class Capture:
                             self._on_gradient(leaf, state, lambda g: None)
                 return None
             self._restore(module)
+            if self._passthrough is not None and not in_backward():
+                return None  # (a call whose input depends on outside parameters: not trained, not recorded)
             state = self._state_of.get(id(module))
             if state is None or state.rule.captures_input or not self._tracking() or output is None:
                 return None  # (None: the forward raised, and this always-called hook runs on its way out)
@@ -666,7 +772,7 @@ class Capture:
                 )
             return self._record(state, module, (args, kwargs), output)
 
-        return post_hook
+        return self._quietly(post_hook)
 
     def _batch_not_leading(self, state: LayerState, module: nn.Module, args, kwargs, output) -> bool:
         """A tensor output of a batch-first model whose batch the rule verified at another axis than the first (the
@@ -703,7 +809,7 @@ class Capture:
             if self._tracking():
                 keep(source, output)
 
-        return source_pre_hook if from_input else source_hook
+        return self._quietly(source_pre_hook if from_input else source_hook)
 
     def _make_input_hook(self, module: nn.Module, site: int = 0, has_source: bool = False):
         """For rules that read the gradient of a tensor entering a submodule (``capture_sites``)."""
@@ -724,7 +830,7 @@ class Capture:
                 captured = (kept,)
             return (self._record(state, state.module, captured, inputs[0], site), *inputs[1:])
 
-        return input_hook
+        return self._quietly(input_hook)
 
     def _record(self, state: LayerState, module: nn.Module, inputs: tuple, tensor: torch.Tensor,
                 site: int | None = None) -> torch.Tensor:
@@ -777,10 +883,11 @@ class Capture:
             returned = broadcast_rows(tensor, shared_use_marker(call, self), f"{state.path} ({type(module).__name__})")
         else:
             returned = tensor
+        call.edge_swapped = output_swapped
         if output_swapped:
-            self._on_gradient(tensor, state, lambda g: self.on_grad(state, call, swap01(g)))
+            self._on_gradient(tensor, state, lambda g: self.on_grad(state, call, swap01(g)), call)
         else:
-            self._on_gradient(tensor, state, lambda g: self.on_grad(state, call, g), call.broadcast)
+            self._on_gradient(tensor, state, lambda g: self.on_grad(state, call, g), call)
         return returned
 
     def _new_call(self, state: LayerState, activation, dims: LayerDims, shape: tuple, forward_batch: int | None,
@@ -789,6 +896,8 @@ class Capture:
         # Which sample each row belongs to is read from the gradient (rows.py), never taken from the shape.
         version = activation._version if isinstance(activation, torch.Tensor) else None
         forward_id = None if recomputed else self._open_forward
+        if forward_id is None and not recomputed and not self.dry:
+            forward_id = self._forward_of_outside_call()
         call = Call(activation, dims, forward_batch, version, forward_id, recomputed)
         call.shape = shape
         call.precision = self.forward_precision
@@ -797,10 +906,15 @@ class Capture:
             call.ordinal = ordinals.get(id(state.module), 0)
             ordinals[id(state.module)] = call.ordinal + 1
             call.key = pattern_key(call.shape, forward_batch)
-            call.cacheable = (self.rows.forward_clean if recomputed
-                              else self._watch is not None and not self._watch.seen)
-        if not self.dry and not recomputed and self.rows.needs_tags(state, call):
-            call.unread = self._forward_needs_tags = True
+            if recomputed:  # (a recomputation of the last model call: its trace, and its cacheability)
+                call.trace, call.cacheable = self.rows.last_trace, self.rows.forward_clean
+        if not self.dry and not recomputed:
+            watch = self._watch
+            if watch is not None and call.ordinal is not None:
+                watch.note(("call", id(state.module), call.ordinal, call.key), state.path)
+                self._forward_calls.append((state, call))
+            elif self.rows.needs_tags(state, call):  # (outside a watched model call: read at every step)
+                call.unread = self._forward_needs_tags = True
         state.calls.append(call)
         if self.dry:  # sizes are all a plan needs; nothing holds the call but this list
             call.activation = None
@@ -871,7 +985,7 @@ class Capture:
         return read
 
     def _on_gradient(self, tensor: torch.Tensor, state: LayerState, read: Callable[[torch.Tensor], None],
-                     broadcast: bool = False) -> None:
+                     call: Call | None = None) -> None:
         """Call ``read`` with the gradient of ``tensor`` as the node that made it receives it.
 
         A node pre-hook runs after every tensor hook, so the engine reads the gradient that actually reaches the
@@ -891,10 +1005,15 @@ class Capture:
         elif base is not None and self._open_forward is not None and not in_backward():
             # any other view: an in-place op on it would hide its gradient (checked when the model call returns;
             # ``broadcast``: the rows of a table, which the table's own writes leave readable, broadcast.py)
+            broadcast = call is not None and call.broadcast
             self._view_outputs.append((tensor, tensor._version, state, broadcast))  # (held until the call returns)
         if node is None:
             tensor.register_hook(read)
             return
+        if call is not None:
+            call.edge = (id(node), index)
+            if shape is not None:
+                call.edge_shape, call.edge_view = tuple(base.shape), tuple(shape)
 
         def pre_hook(grad_outputs):
             grad = grad_outputs[index]
@@ -954,12 +1073,37 @@ def _broadcast_rows_of(inputs: tuple) -> tuple:
 
 
 @torch._dynamo.disable
-def _start_watch(batch: int, inputs: list, axis: int, anchor, record, precision) -> ReorderWatch:
-    """A verifying model call's watch (``rows.ReorderWatch``), entered; run eagerly under torch.compile, whose
+def _start_watch(batch: int, inputs: list, axis: int, anchor, record, precision, traces) -> ForwardWatch:
+    """A model call's watch (``rows.ForwardWatch``), entered; run eagerly under torch.compile, whose
     tracing would rebuild the mode without its state."""
-    watch = ReorderWatch(batch, inputs, axis, anchor, record, precision)
+    watch = ForwardWatch(batch, inputs, axis, anchor, record, precision, traces)
     watch.__enter__()
     return watch
+
+
+def _outside_parameters(inputs, model: nn.Module, limit: int = 100_000) -> str | None:
+    """The trainable parameters outside ``model`` that a model call's floating-point inputs depend on (a GAN's
+    generated samples through the generator), described, or None. Only inputs that require gradients are walked."""
+    roots = [t for t in tensors_in(inputs) if t.is_floating_point() and t.requires_grad]
+    if not roots:
+        return None
+    own = {id(p) for p in model.parameters()}
+    found, seen = [], set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    found += [t for t in roots if t.grad_fn is None and isinstance(t, nn.Parameter) and id(t) not in own]
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if isinstance(variable, nn.Parameter) and variable.requires_grad and id(variable) not in own:
+            found.append(variable)
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    if not found:
+        return None
+    shapes = ", ".join(str(tuple(p.shape)) for p in found[:4]) + (", ..." if len(found) > 4 else "")
+    return f"{len(found)} parameter(s) of shapes {shapes}"
 
 
 def outside_model_call(state: LayerState) -> ValueError:

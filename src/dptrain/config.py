@@ -9,6 +9,7 @@ from typing import Any
 from . import accounting, checks
 from .algorithms import RECIPES
 from .clipping import CLIPPING_FNS
+from .correlated import resolve as correlated_resolve
 from .losses import LOSS_REDUCTIONS
 from .planning import DECISION_RULES
 
@@ -41,9 +42,18 @@ class EngineConfig:
     batch_first: bool
     budget: str
     privacy_unit: str = "example"
+    noise: str = "gaussian"  # "gaussian" (DP-SGD), or correlated: "bandmf", "blt" (dptrain.correlated)
+    cyclic_groups: int = 1  # g of cyclic Poisson sampling (dptrain.cyclic); 1: plain Poisson sampling
+    mechanism: Any = None  # the CorrelatedMechanism of correlated noise (None for "gaussian")
 
     @property
     def sample_rate(self) -> float:
+        """q, the Poisson rate the accountant uses: within a unit's cyclic group (``batch_size * g / N``)."""
+        return self.batch_size * self.cyclic_groups / self.sample_size
+
+    @property
+    def inclusion_rate(self) -> float:
+        """The chance that a unit is in a given step's batch, ``batch_size / N`` (``sample_rate / g``)."""
         return self.batch_size / self.sample_size
 
     @property
@@ -83,16 +93,55 @@ def _noise_multiplier(sigma, target_epsilon, target_delta, epochs, steps, sample
                                                  max_batch_size=max_batch_size), planned
 
 
+def _correlated(noise, name, groups, sigma, target_epsilon, epochs, steps, checked, bands, buffers, workload_momentum):
+    """(mechanism, noise multiplier, planned steps, cyclic groups) of correlated noise: its strategy is built for the
+    planned length, which is needed even with a given noise multiplier; ``groups == 0``: ``bands="auto"``."""
+    if (sigma is None) == (target_epsilon is None):
+        raise ValueError("give exactly one of noise_multiplier or target_epsilon (with epochs or steps)")
+    if (epochs is None) == (steps is None):
+        raise ValueError(f"noise={name!r} needs the planned length of training, for which its strategy is optimized "
+                         "(and, with target_epsilon, the noise calibrated): give exactly one of epochs or steps")
+    n, b = checked["sample_size"], checked["batch_size"]
+    # An epoch is round(N / batch_size) steps, as dptrain.data.poisson_loader runs it (cyclic or not).
+    planned = checks.positive_int("steps", steps) if steps is not None else int(
+        math.ceil(checks.positive("epochs", epochs) * max(1, round(n / b))))
+    if groups == 0:  # bands="auto"
+        if target_epsilon is None:
+            raise ValueError("bands='auto' chooses the bands for a target: give target_epsilon, not noise_multiplier")
+        bands = groups = correlated_resolve.choose_bands(planned, b, n, checks.positive("target_epsilon",
+                                                                                          target_epsilon),
+                                                         checked["target_delta"], workload_momentum)
+    mechanism = correlated_resolve.build_mechanism(noise, name, groups, planned, bands, buffers, workload_momentum)
+    if sigma is not None:
+        return mechanism, checks.non_negative("noise_multiplier", sigma), planned, groups
+    delta = accounting.poisson_delta(checked["target_delta"], n, b / n, checked["max_batch_size"], planned)
+    sigma = mechanism.calibrate(checks.positive("target_epsilon", target_epsilon), delta, b * groups / n, planned,
+                                checked["accountant"])
+    return mechanism, sigma, planned, groups
+
+
 def make_config(*, batch_size, sample_size, max_grad_norm, noise_multiplier, target_epsilon, target_delta, epochs,
                 steps, clipping_mode, clipping_fn, clipping_style, loss_reduction, decision_rule, clipping_gamma,
                 accountant, secure_rng, seed, allow_fallback, batch_first, budget, max_batch_size,
-                privacy_unit="example") -> EngineConfig:
+                privacy_unit="example", noise="gaussian", bands=None, buffers=None, cyclic_groups=None,
+                workload_momentum=0.0) -> EngineConfig:
     """Check every argument (cheap ones first: a wrong choice is reported before any calibration), then
     calibrate the noise multiplier if a target epsilon was given."""
     batch_size = checks.positive_int("batch_size", batch_size, "the expected logical batch size")
     sample_size = checks.positive_int("sample_size", sample_size, "the dataset size")
     if batch_size > sample_size:
         raise ValueError(f"batch_size={batch_size} is larger than sample_size={sample_size}")
+    noise_name, groups = correlated_resolve.noise_kind(noise, bands, buffers, cyclic_groups)  # 0: bands="auto"
+    if batch_size * groups > sample_size:
+        raise ValueError(
+            f"batch_size={batch_size} with cyclic_groups={groups} needs batch_size * cyclic_groups <= sample_size="
+            f"{sample_size}: each group of about sample_size / g units supplies a whole expected batch at its steps. "
+            "Use fewer bands / groups or a smaller batch_size")
+    workload_momentum = checks.real("workload_momentum", workload_momentum, "the momentum the strategy is built for")
+    if not 0.0 <= workload_momentum < 1.0:
+        raise ValueError(f"workload_momentum must be in [0, 1), got {workload_momentum}")
+    if noise_name == "gaussian" and workload_momentum != 0.0:
+        raise ValueError("workload_momentum applies to correlated noise (noise='bandmf' or 'blt')")
     delta_given = target_delta is not None
     checked = dict(
         batch_size=batch_size,
@@ -117,6 +166,16 @@ def make_config(*, batch_size, sample_size, max_grad_norm, noise_multiplier, tar
         max_batch_size=None if max_batch_size is None else checks.positive_int(
             "max_batch_size", max_batch_size, "the fixed number of rows of every batch, K"),
     )
+    problem = accounting.small_delta_problem(checked["target_delta"], sample_size, checked["privacy_unit"])
+    if problem is not None:
+        if checked["budget"] == "strict":
+            raise ValueError(f"target_{problem} (budget='strict' refuses such a delta)")
+        warnings.warn(f"target_{problem}", stacklevel=4)
+    if noise_name != "gaussian":
+        mechanism, sigma, planned, groups = _correlated(noise, noise_name, groups, noise_multiplier, target_epsilon,
+                                                        epochs, steps, checked, bands, buffers, workload_momentum)
+        return EngineConfig(noise_multiplier=sigma, planned_steps=planned, noise=noise_name, cyclic_groups=groups,
+                            mechanism=mechanism, **checked)
     sigma, planned = _noise_multiplier(noise_multiplier, target_epsilon, checked["target_delta"], epochs, steps,
                                        batch_size / sample_size, accountant, delta_given, sample_size,
                                        checked["max_batch_size"])

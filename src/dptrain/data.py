@@ -21,6 +21,8 @@ can be zero. A shuffled fixed-size ``DataLoader`` does not match that analysis.
   privacy): each user is in a batch independently with probability q, with up to
   ``max_examples_per_user`` of their examples, and every batch is a :class:`UserBatch`
   ``(data, users)`` that says whose each row is (:class:`UserPoissonSampler`).
+* ``poisson_loader(..., cyclic_groups=g)`` samples *cyclically* (:mod:`dptrain.cyclic`): each unit in one of g
+  fixed groups, step t samples group ``t mod g`` (what amplified banded matrix factorization needs).
 """
 
 from __future__ import annotations
@@ -855,7 +857,11 @@ class DPDataLoader(DataLoader):
     def __init__(self, dataset: Dataset, sampler: PoissonSampler, **kwargs: Any):
         super().__init__(dataset, batch_sampler=sampler, **kwargs)
         self.sample_rate = sampler.sample_rate
-        self.expected_batch_size = sampler.sample_rate * sampler.num_samples
+        #: g of cyclic Poisson sampling (dptrain.cyclic; 1: plain Poisson sampling): q is then the rate within a group
+        self.cyclic_groups = getattr(sampler, "cyclic_groups", 1)
+        self.expected_batch_size = sampler.sample_rate * sampler.num_samples / self.cyclic_groups
+        #: with cyclic groups, the run's step number of the last batch handed out (None before the first)
+        self.last_batch_step: int | None = None
         self.max_batch_size = sampler.max_batch_size
         self.privacy_unit = sampler.privacy_unit
         self.num_users = getattr(sampler, "num_users", None)
@@ -874,6 +880,8 @@ class DPDataLoader(DataLoader):
         for batch in super().__iter__():
             self._consumed += 1
             self._recent_rows.append(batch_len(batch) or 0)
+            if self.cyclic_groups > 1:
+                self.last_batch_step = sampler.step_of(self._consumed - 1)
             yield batch
         self._consumed = None
 
@@ -910,6 +918,7 @@ def poisson_loader(
     max_batch_size: int | None = None,
     users: Any = None,
     max_examples_per_user: int | None = None,
+    cyclic_groups: int | None = None,
 ) -> DPDataLoader:
     """A ``DataLoader`` with Poisson sampling over a map-style ``dataset``.
 
@@ -954,6 +963,14 @@ def poisson_loader(
     examples). Epochs are ``round(1 / q)`` steps. With ``distributed=True`` the ranks own
     disjoint sets of users, all of a user's examples on one rank
     (:class:`DistributedUserPoissonSampler`). Not available with ``max_batch_size`` yet.
+
+    ``cyclic_groups=g`` makes the sampling *cyclic* (:mod:`dptrain.cyclic`, what amplified banded matrix
+    factorization needs: ``PrivacyEngine(..., noise="bandmf", bands=b)`` with ``g >= b``): every unit (example,
+    or user) is assigned once to one of g groups, uniformly at random, and step t samples only group
+    ``t mod g``, each of its units with probability q, the *within-group* rate: ``q = batch_size * g / N`` for
+    an expected batch of ``batch_size`` (``sample_rate`` gives q itself). Epochs are ``round(g / q)`` steps.
+    Fixed shapes, users and ``distributed=True`` work as without it. Take exactly one optimizer step per batch,
+    in order: the engine checks that step t trains on the loader's batch t.
     """
     if isinstance(dataset, IterableDataset) or not hasattr(dataset, "__len__"):
         raise ValueError(
@@ -975,8 +992,16 @@ def poisson_loader(
             "Give exactly one of sample_rate (probability q that an example is in a batch) "
             "or batch_size (the expected batch size, q = batch_size / len(dataset))."
         )
+    groups = 1 if cyclic_groups is None else checks.positive_int("cyclic_groups", cyclic_groups,
+                                                                "the number of cyclic groups, g")
     if batch_size is not None:
         batch_size = checks.positive_int("batch_size", batch_size)
+        if groups > 1 and batch_size * groups > num_samples:
+            raise ValueError(
+                f"batch_size={batch_size} with cyclic_groups={groups} needs batch_size * cyclic_groups <= "
+                f"{num_samples} (the units to sample): each group of about {num_samples // groups} units supplies a "
+                "whole expected batch at its steps (within-group rate q = batch_size * g / N <= 1). Use fewer groups "
+                "or a smaller batch_size")
         if batch_size > num_samples:
             raise ValueError(
                 f"batch_size={batch_size} exceeds the number of users {num_samples}; with users=, batch_size is "
@@ -985,7 +1010,7 @@ def poisson_loader(
                 f"batch_size={batch_size} exceeds the dataset size {num_samples}; the "
                 "expected batch size must be at most len(dataset) (sample rate <= 1)."
             )
-        sample_rate = batch_size / num_samples
+        sample_rate = batch_size * groups / num_samples
     if not isinstance(distributed, bool):
         raise ValueError(f"distributed must be True or False, got {distributed!r}")
     if max_batch_size is not None:
@@ -996,18 +1021,22 @@ def poisson_loader(
                 "max_batch_size is not supported with distributed=True yet: each rank would truncate its own "
                 "shard, which the accounting (one Binomial(N, q) draw per step) does not cover"
             )
-    if distributed and users is not None:
-        sampler: PoissonSampler = DistributedUserPoissonSampler(
+    if not distributed and (num_replicas is not None or rank is not None):
+        raise ValueError(
+            "num_replicas / rank only apply to distributed sampling: pass distributed=True "
+            "(without it, every process would sample the whole dataset)."
+        )
+    if groups > 1:
+        sampler: PoissonSampler = _cyclic_sampler(num_samples, sample_rate, groups, distributed, num_replicas, rank,
+                                                  steps, generator, max_batch_size, user_ids if users is not None
+                                                  else None, max_examples_per_user)
+    elif distributed and users is not None:
+        sampler = DistributedUserPoissonSampler(
             user_ids, sample_rate, num_replicas, rank, steps=steps, generator=generator,
             max_examples_per_user=max_examples_per_user)
     elif distributed:
         sampler = DistributedPoissonSampler(
             num_samples, sample_rate, num_replicas, rank, steps=steps, generator=generator
-        )
-    elif num_replicas is not None or rank is not None:
-        raise ValueError(
-            "num_replicas / rank only apply to distributed sampling: pass distributed=True "
-            "(without it, every process would sample the whole dataset)."
         )
     elif users is not None:
         sampler = UserPoissonSampler(user_ids, sample_rate, steps=steps, generator=generator,
@@ -1034,6 +1063,26 @@ def poisson_loader(
     return DPDataLoader(
         dataset, sampler, num_workers=num_workers, collate_fn=collate, pin_memory=pin_memory
     )
+
+
+def _cyclic_sampler(num_samples, sample_rate, groups, distributed, num_replicas, rank, steps, generator,
+                    max_batch_size, user_ids, max_examples_per_user) -> PoissonSampler:
+    """The sampler of ``poisson_loader(..., cyclic_groups=groups)`` (``dptrain.cyclic``)."""
+    from . import cyclic  # it builds on the samplers of this module
+
+    if distributed and user_ids is not None:
+        return cyclic.CyclicDistributedUserPoissonSampler(user_ids, sample_rate, groups, num_replicas, rank,
+                                                          steps=steps, generator=generator,
+                                                          max_examples_per_user=max_examples_per_user)
+    if distributed:
+        return cyclic.CyclicDistributedPoissonSampler(num_samples, sample_rate, groups, num_replicas, rank,
+                                                      steps=steps, generator=generator)
+    if user_ids is not None:
+        return cyclic.CyclicUserPoissonSampler(user_ids, sample_rate, groups, steps=steps, generator=generator,
+                                               max_examples_per_user=max_examples_per_user,
+                                               max_batch_size=max_batch_size)
+    return cyclic.CyclicPoissonSampler(num_samples, sample_rate, groups, steps=steps, generator=generator,
+                                       max_batch_size=max_batch_size)
 
 
 def is_poisson_loader(loader: Any) -> bool:

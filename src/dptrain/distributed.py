@@ -56,6 +56,31 @@ def refuse_deepspeed(obj) -> None:
         )
 
 
+def _is_zero(optimizer) -> bool:
+    if not dist.is_available():
+        return False
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def zero_inner(optimizer) -> torch.optim.Optimizer | None:
+    """The local optimizer of a ``torch.distributed.optim.ZeroRedundancyOptimizer`` (this rank's shard of the
+    parameters, stepped by the wrapper's ``step()``, which then broadcasts each shard), or None."""
+    return getattr(optimizer, "optim", None) if _is_zero(optimizer) else None
+
+
+def refuse_unsupported_optimizer(optimizer) -> None:
+    """DeepSpeed's optimizers, and ZeroRedundancyOptimizer's mode that steps inside DDP's communication hook."""
+    refuse_deepspeed(optimizer)
+    if _is_zero(optimizer) and getattr(optimizer, "_overlap_with_ddp", False):
+        raise NotImplementedError(
+            "ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside DDP's gradient communication hook, which "
+            "never runs while the engine is attached (the engine reduces the clipped sums itself, once per step): "
+            "build it with overlap_with_ddp=False (the default), and call its step() as usual"
+        )
+
+
 def refuse_unsupported(model: nn.Module) -> None:
     """Clear errors for wrappers whose gradient handling the engine cannot take over."""
     refuse_deepspeed(model)
@@ -86,9 +111,9 @@ class DataParallel:
         """Called by ``PrivacyEngine.detach``."""
 
     def noisy_sum(self, params: Sequence[nn.Parameter], local: list[torch.Tensor],
-                  add_noise: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+                  add_noise: Callable[[nn.Parameter, torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
         """Sum of the ranks' ``local`` clipped sums plus noise once; one tensor per parameter
-        (the parameter's local shard under FSDP2)."""
+        (the parameter's local shard under FSDP2). ``add_noise(p, t)``: the parameter's noise into ``t``."""
         raise NotImplementedError
 
     def as_grad(self, p: nn.Parameter, value: torch.Tensor) -> torch.Tensor:
@@ -99,6 +124,12 @@ class DataParallel:
         """Each value's maximum over the ranks (one collective)."""
         t = torch.tensor(values, dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.tolist()
+
+    def total(self, values: list[float], device: torch.device) -> list[float]:
+        """Each value's sum over the ranks (one collective)."""
+        t = torch.tensor(values, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t.tolist()
 
     def any(self, flag: bool, device: torch.device) -> bool:
@@ -136,7 +167,7 @@ class DDPGradients(DataParallel):
 
     def noisy_sum(self, params, local, add_noise):
         if self.rank == 0:
-            local = [add_noise(t) for t in local]
+            local = [add_noise(p, t) for p, t in zip(params, local)]
         for bucket in _buckets(local):
             flat = torch.cat([t.reshape(-1) for t in bucket])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
@@ -180,7 +211,7 @@ class FSDP2Gradients(DataParallel):
         for p, t in zip(params, local):
             partial = DTensor.from_local(t, p.device_mesh, [Partial()] * p.device_mesh.ndim, run_check=False)
             shard = partial.redistribute(p.device_mesh, p.placements).to_local()
-            out.append(add_noise(shard))
+            out.append(add_noise(p, shard))
         return out
 
     def as_grad(self, p, value):

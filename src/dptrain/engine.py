@@ -7,6 +7,7 @@ budget (``budget``), the GradScaler protocol (``precision``) and data parallelis
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 import weakref
@@ -16,24 +17,37 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import accounting, attached, data, distributed
+from . import accounting, attached, checks, data, distributed
 from .algorithms import DEFAULT_CLIPPING_MODE
 from .backward import BackwardSetup
 from .budget import Budget, PrivacyBudgetExceeded
 from .capture import Capture
 from .config import EngineConfig, FromConfig, make_config
+from .correlated.privacy import CorrelatedAccountant
+from .correlated.streaming import CorrelatedNoise
+from .cyclic import cyclic_groups_of
 from .layers.fallback import FallbackRule, fallback_warning
+from .ledger import Ledger
 from .noise import GaussianNoise
 from .pipeline import StepSums
 from .planning import DEFAULT_DECISION_RULE, LayerDecision
 from .precision import LossScaling
 from .rows import RowReader
 from .runner import BackwardRunner
+from .sampling import SamplingMismatch
 from .step import PrivateStep
 from .trainable import TrainableKey, TrainableSet, build_trainable_set
 from .validation import frozen_batchnorm_checks, validate
 
-__all__ = ["EngineConfig", "PrivacyBudgetExceeded", "PrivacyEngine"]
+__all__ = ["EngineConfig", "PrivacyBudgetExceeded", "PrivacyEngine", "SamplingMismatch"]
+
+
+def _real_units(mask: torch.Tensor, users: torch.Tensor | None) -> int:
+    """The units of a fixed-shape batch that are not padding: its real rows, or the users of its real rows."""
+    if users is None:
+        return int(mask.sum())  # (a loader's mask is on the CPU: no host-device synchronisation)
+    return int(torch.unique(users.detach().cpu()[mask.cpu()]).numel())
+
 
 class PrivacyEngine:
     """Makes an ordinary PyTorch training loop differentially private.
@@ -63,6 +77,8 @@ class PrivacyEngine:
     batch_first = FromConfig()
     budget = FromConfig()
     privacy_unit = FromConfig()
+    noise = FromConfig()
+    cyclic_groups = FromConfig()
     recipe = FromConfig()
 
     def __init__(
@@ -91,6 +107,11 @@ class PrivacyEngine:
         budget: str = "warn",
         max_batch_size: int | None = None,
         privacy_unit: str = "example",
+        noise: str = "gaussian",
+        bands: int | None = None,
+        buffers: int | None = None,
+        cyclic_groups: int | None = None,
+        workload_momentum: float = 0.0,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -102,12 +123,19 @@ class PrivacyEngine:
             clipping_style=clipping_style, loss_reduction=loss_reduction, decision_rule=decision_rule,
             clipping_gamma=clipping_gamma, accountant=accountant, secure_rng=secure_rng, seed=seed,
             allow_fallback=allow_fallback, batch_first=batch_first, budget=budget, max_batch_size=max_batch_size,
-            privacy_unit=privacy_unit)
+            privacy_unit=privacy_unit, noise=noise, bands=bands, buffers=buffers, cyclic_groups=cyclic_groups,
+            workload_momentum=workload_momentum)
         self.model = model
-        self.accountant = accounting.create_accountant(accountant)
+        mechanism = self.config.mechanism
+        self.accountant = (accounting.create_accountant(accountant) if mechanism is None
+                           else CorrelatedAccountant(accountant, mechanism))
+        self._ledger = Ledger(self.config, self.accountant)  # the steps applied, with their values (in the accountant)
         rank = self._parallel.rank if self._parallel is not None else 0
         # Under FSDP2 every rank draws the noise of its own shard: independent streams per rank.
         self._noise = GaussianNoise(seed=None if seed is None else seed + 7919 * rank, secure=secure_rng)
+        if mechanism is not None:  # correlated noise: the i.i.d. draws through the strategy's C^{-1}, per parameter
+            self._noise = CorrelatedNoise(mechanism, self._noise, lambda p: self._trainable.param_name(p))
+        self._cyclic_loader = None  # the attached loader, when it samples cyclic groups (its steps are checked)
 
         # Set by attach: the hooks, the optimizer, the GradScaler protocol, what every backward works with.
         self._capture: Capture | None = None
@@ -118,13 +146,13 @@ class PrivacyEngine:
         # Long-lived parts: the step's clipped sums, the row layouts read so far, the budget, the trainable set.
         self._sums = StepSums()
         self._rows = RowReader(seed)
-        self._budget = Budget(self.config)
+        self._budget = Budget(self.config, self._ledger)
         self._key = TrainableKey(model)
         self._trainable: TrainableSet | None = None
         self._warned_fallback: set[str] = set()
         self._follow_trainable()
         # the private step and its lifecycle (zero_grad, closures, the GradScaler's skip, the step count)
-        self._step = PrivateStep(self.config, self.accountant, self._noise, self._budget, self._sums, self._parallel,
+        self._step = PrivateStep(self.config, self._ledger, self._noise, self._budget, self._sums, self._parallel,
                                  lambda: self._trainable)
         if not self._trainable.layers:
             raise ValueError("the model has no trainable parameters: nothing to train privately")
@@ -158,6 +186,8 @@ class PrivacyEngine:
         key = self._key()
         if self._trainable is not None and key == self._trainable.key:
             return
+        if self._capture is not None:
+            attached.refuse_shared(self.model, self._step)  # a module shared with another engine's model, unfrozen
         validate(self.model, allow_fallback=self.allow_fallback)
         self._trainable = build_trainable_set(
             self.model, allow_fallback=self.allow_fallback, batch_first=self.batch_first,
@@ -207,14 +237,21 @@ class PrivacyEngine:
         """
         if data_loader is not None:
             self._check_loader(data_loader)
+        elif self.cyclic_groups > 1:
+            warnings.warn(
+                f"noise={self.noise!r}: no data_loader was given to attach(), so the engine cannot check that the "
+                f"batches are sampled as its accounting assumes (cyclic Poisson sampling over {self.cyclic_groups} "
+                "groups, batch t of the loader at step t). Pass attach(optimizer, data_loader=poisson_loader(..., "
+                f"cyclic_groups={self.cyclic_groups}))", stacklevel=2)
         if self._step.optimizer is not None:
             raise RuntimeError("this engine is already attached; call detach() first")
-        distributed.refuse_deepspeed(optimizer)
+        distributed.refuse_unsupported_optimizer(optimizer)
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"attach() needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if grad_scaler is not None and not (hasattr(grad_scaler, "get_scale") and hasattr(grad_scaler, "is_enabled")):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler, got {type(grad_scaler).__name__}")
         attached.refuse_second(self.model, self._step)
+        attached.refuse_shared(self.model, self._step)
         self._follow_trainable()
         model_params = set(self.model.parameters())
         held = [p for group in optimizer.param_groups for p in group["params"]]
@@ -242,6 +279,7 @@ class PrivacyEngine:
         if data.is_poisson_loader(data_loader):
             loader = weakref.ref(data_loader)
             runner.loader_rows = lambda: getattr(loader(), "recent_batch_rows", None)
+            self._cyclic_loader = loader if self.cyclic_groups > 1 else None
         self._step.attach(optimizer, self._scaling, runner, self._prepare_step)
         attached.add(self.model, self._step)
         TrainableKey.watch()
@@ -259,11 +297,20 @@ class PrivacyEngine:
                     "(PrivacyEngine(privacy_unit='user', sample_size=<number of users>) with "
                     "poisson_loader(..., users=...))"
                 )
+            groups = cyclic_groups_of(loader)
+            if groups != self.cyclic_groups:
+                raise ValueError(
+                    f"the loader samples with cyclic_groups={groups} but the engine (noise={self.noise!r}) accounts "
+                    f"for cyclic_groups={self.cyclic_groups}: build the loader with poisson_loader(..., "
+                    f"cyclic_groups={self.cyclic_groups})" + (" (amplified banded noise needs cyclic Poisson "
+                                                             "sampling over at least `bands` groups)"
+                                                             if self.noise == "bandmf" else ""))
             if not math.isclose(loader.sample_rate, self.sample_rate, rel_tol=1e-9):
+                within = " * cyclic_groups" if self.cyclic_groups > 1 else ""
                 raise ValueError(
                     f"the loader samples with q={loader.sample_rate:.6g} but the engine accounts for "
-                    f"q = batch_size / sample_size = {self.sample_rate:.6g}: build both from the same batch size "
-                    "and dataset size"
+                    f"q = batch_size{within} / sample_size = {self.sample_rate:.6g}: build both from the same batch "
+                    "size and dataset size"
                 )
             loader_k = getattr(getattr(loader, "batch_sampler", None), "max_batch_size", None)
             if loader_k != self.max_batch_size:
@@ -302,9 +349,11 @@ class PrivacyEngine:
         """Forwards and backwards inside are not training: nothing is recorded or clipped.
 
         For gradients with respect to the *inputs* (adversarial examples, saliency maps) taken with
-        ``torch.autograd.grad(loss, x)``: outside this context the engine cannot tell such a backward
-        from a training one, and would add the sample's clipped gradient to the step. A ``.backward()``
-        inside still refuses to leave parameter gradients (they would not be private).
+        ``torch.autograd.grad(loss, x)``, and for a GAN's generator step through the private discriminator
+        (``with engine.paused(): g_loss.backward()``: the generator gets its exact gradient): outside this context
+        the engine cannot tell such a backward from a training one, and would add the sample's clipped gradient to
+        the step. A ``.backward()`` inside leaves no gradient in the model's trainable parameters (they would not be
+        private): theirs are dropped, and only the private step gives them one.
         """
         if self._capture is None:
             raise RuntimeError("call engine.attach(optimizer) first")
@@ -345,13 +394,18 @@ class PrivacyEngine:
                                   or users.is_floating_point()):
             raise ValueError(f"users must be an integer tensor of shape [{losses.shape[0]}] (one user id per loss), "
                              f"got {type(users).__name__}{tuple(users.shape) if isinstance(users, torch.Tensor) else ''}")
-        tag_losses = None
+        tag_losses = real = padded = None
         if mask is not None:
             masked = data.masked_losses(losses, mask)  # (checks the mask)
             # a padded row's loss tags its rows, unless it is not finite (zero inputs can give that)
             tag_losses = torch.where(losses.detach().isfinite(), losses, masked)
             losses = masked
-        self._runner.run(losses, users, tag_losses)
+            real = _real_units(mask, users)
+            padded = ~mask.detach().cpu()
+            if not bool(padded.any()):
+                padded = None
+        with self._runner.samples_per_step.real_count(real):  # the sampling check counts real samples, not rows
+            self._runner.run(losses, users, tag_losses, padded)
 
     def _on_model_call(self) -> None:
         self._runner.settle()
@@ -359,9 +413,12 @@ class PrivacyEngine:
             self._follow_trainable()
 
     def _on_accumulated_grad(self, p: nn.Parameter) -> None:
-        """Autograd reached a covered parameter: it was used outside its own layer's forward call."""
+        """Autograd reached a covered parameter: it was used outside its own layer's forward call (or the backward
+        runs inside ``paused()``, which is not training: the gradient is dropped)."""
         name = self._trainable.param_name(p)
         p.grad = None  # never leave a non-private gradient where the optimizer could use it
+        if self._capture is not None and self._capture.paused:
+            return
         raise RuntimeError(
             f"parameter {name!r} was used outside the forward call of its own layer (e.g. a weight read by "
             "F.linear or a matmul elsewhere), so its per-sample gradient would not be clipped: use the layer "
@@ -369,10 +426,29 @@ class PrivacyEngine:
         )
 
     def _prepare_step(self) -> None:
-        """Before the private step: a failed plain backward is dropped, the trainable set read again."""
+        """Before the private step: a failed plain backward is dropped, the trainable set read again, and with
+        cyclic sampling the step's batch checked to be the loader's batch of this step."""
+        self._check_cyclic_step()
         self._runner.settle()
         self._capture.settle_open_forward()
         self._follow_trainable()
+
+    def _check_cyclic_step(self) -> None:
+        """Step t must train on the cyclic loader's batch t: its group is t mod g, and the accounting (a unit's
+        steps g apart) holds only if no batch is skipped, repeated or merged into another step."""
+        loader = self._cyclic_loader() if self._cyclic_loader is not None else None
+        if loader is None:
+            return
+        last, step = getattr(loader, "last_batch_step", None), self.steps_taken
+        if last != step:
+            drew = "no batch from it yet" if last is None else f"its batch {last} last"
+            raise RuntimeError(
+                f"step {step} of this run with cyclic Poisson sampling over {self.cyclic_groups} groups must train "
+                f"on the loader's batch {step} (group {step % self.cyclic_groups}), but the loop drew {drew}: "
+                "the privacy accounting assumes each unit's steps are cyclic_groups apart. Take exactly one "
+                "optimizer step per batch of the loader, in order (split a batch into physical batches with "
+                "dptrain.data.split_batches), and resume the loader's state_dict with the engine's. Nothing was "
+                "applied")
 
     # ------------------------------------------------------------------ reports
     def last_decisions(self) -> list[LayerDecision]:
@@ -380,19 +456,32 @@ class PrivacyEngine:
         return list(self._runner.decisions) if self._runner is not None else []
 
     def get_epsilon(self, delta: float | None = None) -> float:
-        """Epsilon spent by the steps taken so far, at ``delta`` (default: ``target_delta``)."""
-        delta = self.target_delta if delta is None else delta
-        return self.accountant.get_epsilon(accounting.poisson_delta(
-            delta, self.sample_size, self.sample_rate, self.max_batch_size, self.steps_taken))
+        """Epsilon spent by the steps taken so far, at ``delta`` (default: ``target_delta``): the composition of the
+        steps as they ran (a resumed checkpoint's with its own values), fixed-shape truncation included."""
+        return self._epsilon(self.target_delta if delta is None else self._check_delta(delta))
+
+    def _epsilon(self, delta: float) -> float:
+        if self.config.mechanism is not None:  # correlated noise: the mechanism's event over the run
+            return self.accountant.get_epsilon(accounting.poisson_delta(
+                delta, self.sample_size, self.config.inclusion_rate, self.max_batch_size, self.steps_taken))
+        return self._ledger.epsilon(delta)
+
+    def _check_delta(self, delta: float) -> float:
+        delta = checks.open_unit("delta", delta)
+        problem = accounting.small_delta_problem(delta, self.sample_size, self.privacy_unit)
+        if problem is not None:
+            warnings.warn(problem, stacklevel=3)
+        return delta
 
     def privacy_report(self, delta: float | None = None) -> dict:
-        delta = self.target_delta if delta is None else delta
+        """This engine's configuration and what the steps taken spent; ``history``: the steps as they ran."""
+        delta = self.target_delta if delta is None else self._check_delta(delta)
         return {
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
             "steps": self.steps_taken,
             "planned_steps": self.planned_steps,
-            "epsilon": self.get_epsilon(delta),
+            "epsilon": self._epsilon(delta),
             "target_epsilon": self.target_epsilon,
             "delta": delta,
             "accountant": self.accountant.name,
@@ -400,19 +489,27 @@ class PrivacyEngine:
             "clipping_mode": self.clipping_mode,
             "privacy_unit": self.privacy_unit,
             "max_batch_size": self.max_batch_size,
-            "truncation_delta": 0.0 if self.max_batch_size is None else accounting.truncation_delta(
-                self.sample_size, self.sample_rate, self.max_batch_size, self.steps_taken),
+            "truncation_delta": (self._ledger.truncation_delta() if self.config.mechanism is None else 0.0
+                                 if self.max_batch_size is None else accounting.truncation_delta(
+                                     self.sample_size, self.config.inclusion_rate, self.max_batch_size,
+                                     self.steps_taken)),
+            "history": [dataclasses.asdict(segment) for segment in self._ledger.segments],
+            "noise": self.noise,
+            "cyclic_groups": self.cyclic_groups,
+            "strategy": None if self.config.mechanism is None else self.config.mechanism.strategy.as_dict(),
         }
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:
-        """Everything needed to resume: step counter, accountant history and, unless ``secure_rng``, the noise
-        generator's state (used only by ``load_state_dict(..., reproducible_noise=True)``)."""
+        """Everything needed to resume: step counter, accountant history, the ledger (the values every step ran
+        with: noise multiplier, sample rate, sample size, max_batch_size, and the privacy unit) and, unless
+        ``secure_rng``, the noise generator's state (used only by ``load_state_dict(..., reproducible_noise=True)``)."""
         return {
             "steps_taken": self.steps_taken,
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
             "accountant": self.accountant.state_dict(),
+            "ledger": self._ledger.state_dict(),
             "noise": self._noise.state_dict(),
         }
 
@@ -425,15 +522,24 @@ class PrivacyEngine:
         uninterrupted run number for number; it is private only if this checkpoint is resumed once, on the
         batches the stopped run would have drawn (it warns). ``secure_rng=True`` never saves the stream.
 
-        The noise multiplier is configuration, not state: build the engine with the same
-        ``noise_multiplier`` (the checkpoint holds it) before loading.
+        The noise multiplier, sample rate, sample size and ``max_batch_size`` are configuration, not state: the
+        steps after loading run with this engine's. Where they differ from the checkpoint's (a noise multiplier
+        calibrated for a longer plan, another dataset size), the accountant composes the checkpoint's steps with
+        their own values and this engine's with its own; epsilon and the budget are those of the steps as they
+        ran, and a warning says what changed, how many steps still fit ``target_epsilon`` and the noise multiplier
+        that would fit the plan. A checkpoint of another ``privacy_unit`` or accountant is refused. A checkpoint
+        written before the ledger existed loads with a warning: its steps are taken with this
+        engine's sample size, ``max_batch_size`` and privacy unit.
         """
         missing = {"steps_taken", "accountant", "noise"} - set(state)
         if missing:
             raise ValueError(f"not a dptrain engine state: missing {sorted(missing)}")
-        self._noise.load_state_dict(state["noise"], keep_stream=reproducible_noise)
-        self.accountant.load_state_dict(state["accountant"])
+        self._noise.load_state_dict(state["noise"], keep_stream=reproducible_noise)  # (may refuse: nothing else changed)
+        old_format = self._ledger.load_state_dict(state, self.config)  # checks it all before changing anything
         self.steps_taken = int(state["steps_taken"])
+        for note in (old_format, self._budget.resume_note()):
+            if note is not None:
+                warnings.warn(note, stacklevel=2)
         if reproducible_noise:
             warnings.warn(
                 "reproducible_noise=True: the noise continues the checkpoint's stream. Resuming this checkpoint "

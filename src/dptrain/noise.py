@@ -62,6 +62,11 @@ class GaussianNoise:
         out = torch.randn(like.shape, generator=self._generator(like.device), device=like.device, dtype=dtype)
         return out.mul_(std)
 
+    def sampler(self, step: int):
+        """The noise of one private step, ``(parameter, sum, std) -> N(0, std^2)`` shaped like the sum: independent
+        of the parameter and the step (correlated noise, ``dptrain.correlated.streaming``, uses both)."""
+        return lambda p, like, std: self.sample(like, std)
+
     def state_dict(self) -> dict:
         """The generators' state, for ``load_state_dict(..., keep_stream=True)`` only; nothing of a secure one."""
         if self.secure:
@@ -83,6 +88,9 @@ class GaussianNoise:
         saved stream would then add the same noise to different data (steps k..n of a run reused).
         ``keep_stream=True`` continues the saved stream (reproducible, and safe only for a single resume on
         the same batches); a secure generator never keeps one."""
+        if "mechanism" in state:
+            raise ValueError("this noise state was saved by a run with correlated noise (noise='bandmf' or 'blt'); "
+                             "resume it with the same noise, not with independent Gaussian noise")
         if state.get("secure") or self.secure:
             if state.get("secure") != self.secure:
                 raise ValueError("cannot load a seeded noise state into a secure_rng engine or vice versa")

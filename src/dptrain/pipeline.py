@@ -31,6 +31,7 @@ from .layers.numerics import accumulation_dtype, float32_at_least, shared_sq_nor
 from .layers.protocol import LayerDims
 from .planning import LayerDecision, decide_parameter, join_dims
 from .rows import RowMap
+from .rows.layout import zero_rows
 
 
 class Overflow(Exception):
@@ -149,7 +150,10 @@ def layer_operands(state: LayerState, calls: list[Call], batch: int,
     for c in calls:
         rowmap = row_map(state, c, batch)
         if rowmap.identity:
-            parts.append(rule.operands(module, c.activation, c.grad))
+            activation, grad = c.activation, c.grad
+            if rowmap.dropped is not None:  # a fixed-shape batch's padded rows: nothing of them, whatever they hold
+                activation, grad = zero_rows(activation, rowmap.dropped), zero_rows(grad, rowmap.dropped)
+            parts.append(rule.operands(module, activation, grad))
             dims.append(c.dims)
         else:
             ops, call_dims = rowmap.regroup(rule, module, c.activation, c.grad)

@@ -22,6 +22,8 @@ from .pipeline import Overflow
 from .planning import LayerDecision
 from .precision import LossScaling
 from .rows import tag_passes, tag_rows
+from .rows.losses import check_losses
+from .rows.proof import Rows
 from .step import SamplesPerStep
 from .trainable import TrainableSet
 
@@ -79,22 +81,34 @@ class BackwardRunner:
     def _done(self, backward: Backward) -> None:
         """A backward completed: its model calls may not be back-propagated again in this step."""
         self.done_forwards |= backward.forwards
+        self.capture.backward_ended()
+        self.setup.rows.verified(backward.forwards)
         self.decisions = backward.decisions
         self.samples_per_step.add_backward(backward.batch)
 
     # ------------------------------------------------------------------ engine.backward
     def run(self, losses: torch.Tensor, users: torch.Tensor | None = None,
-            tag_losses: torch.Tensor | None = None) -> None:
+            tag_losses: torch.Tensor | None = None, padded: torch.Tensor | None = None) -> None:
         """``engine.backward(losses[, users])``, the losses checked and ``[B]`` (``users``: each row's user id;
         ``tag_losses``: what the tag passes weight, the unmasked losses of a fixed-shape batch)."""
         self.settle()
         self.capture.settle_open_forward()
         parallel = self.parallel
+        B = losses.shape[0]
+        forward_batch = self.capture.forward_batch
+        trained = B > 0 and losses.requires_grad and (forward_batch is None or B == forward_batch)
+        units, step_users, proven = None, set(), True
+        if trained:
+            self._refuse_rows_beyond_loader(B, "engine.backward got", "per-sample losses")
+            units, step_users = self._units(users) if users is not None else (None, set())
+            proven = self._check_rows(losses, units)
         passes = None  # tag passes (rows.py) agreed by every rank: one more backward each, in which FSDP2 gathers
+        needs = trained and (not proven or self._needs_tags())
         if parallel is not None:
-            needs = losses.shape[0] > 0 and losses.requires_grad and self._needs_tags()
-            flag, most = parallel.maximum([float(needs), float(losses.shape[0])], losses.device)
+            flag, most = parallel.maximum([float(needs), float(B)], losses.device)
             passes = tag_passes(int(most)) if flag else 0
+        elif trained:
+            passes = tag_passes(B) if needs else 0
         # Without a scaler, non-finite losses show as non-finite norms (checked once, with them): no extra
         # host-device synchronisation on the hot path.
         scaling = self.scaling
@@ -102,8 +116,6 @@ class BackwardRunner:
             self.forget_calls()  # fp16 overflow already in the forward: the step is skipped
             self.after_backward(True)
             return
-        B = losses.shape[0]
-        forward_batch = self.capture.forward_batch
         if B and forward_batch is not None and B != forward_batch and losses.requires_grad:
             self.forget_calls()
             raise ValueError(
@@ -119,11 +131,9 @@ class BackwardRunner:
                 raise ValueError("the losses do not depend on any trainable parameter (did the forward run under no_grad?)")
             self.after_backward(False)
             return  # an empty batch contributes nothing; the step still adds noise and counts
-        self._refuse_rows_beyond_loader(B, "engine.backward got", "per-sample losses")
-        units, step_users = self._units(users) if users is not None else (None, set())
         self.before_backward()
         backward = self.current = Backward(self.setup, self.trainable(), Phase.SINGLE, samples=B, units=units,
-                                           tag_losses=tag_losses)
+                                           tag_losses=tag_losses, padded=padded)
         can_retry = scaling is not None and scaling.can_retry(scaling.scale(), self.recipe.two_pass,
                                                               parallel is not None)
         try:
@@ -145,6 +155,21 @@ class BackwardRunner:
         finally:
             self.current = None
         self.after_backward(overflow)
+
+    def _check_rows(self, losses: torch.Tensor, units: torch.Tensor | None) -> bool:
+        """The checks of which sample each row belongs to that run before the backward: the loss check (every step:
+        rows.losses), then the layouts the graph proves for the calls not read yet (rows.proof). Whether nothing is
+        left for a tag pass; a refusal drops the calls (nothing was accumulated)."""
+        try:
+            calls = [(s, c) for s in self.trainable().layers for c in s.calls]
+            with self.capture.pausing():  # (its passes are not training: no hook records them)
+                check_losses(losses, units, self.setup.rows.generator, calls, model=self.capture.model)
+            if losses.grad_fn is None:
+                return True
+            return self.setup.rows.prove([(losses.grad_fn, losses.output_nr, Rows(0))], losses.shape[0], calls)
+        except BaseException:
+            self.forget_calls()
+            raise
 
     def _units(self, users: torch.Tensor) -> tuple[torch.Tensor, set[int]]:
         """(each row's unit, 0..U-1 in the order of the users' ids; the users' ids). Refuses a user whose rows of
@@ -233,8 +258,10 @@ class BackwardRunner:
         return backward is None or backward.phase is Phase.PLAIN and not backward.rows.tagging
 
     def on_model_output_grad(self) -> None:
-        """The gradient reached the model's output: a plain backward starts (on the outermost graph task)."""
-        if self._plain_or_none() and not self.recipe.two_pass and not self.capture.paused:
+        """The gradient reached the model's output: a plain backward starts (on the outermost graph task), unless
+        nothing in the model is trainable now (a frozen discriminator in a GAN's generator step)."""
+        if (self._plain_or_none() and not self.recipe.two_pass and not self.capture.paused
+                and self.trainable().users):
             self._refuse_plain_user_level()
             self._begin_plain(from_layer=None)
 
@@ -264,17 +291,25 @@ class BackwardRunner:
             needs, passes = bool(flag), tag_passes(int(most))
         if not needs or self.recipe.two_pass or batch is None:
             return None  # (two-pass modes refuse a plain backward at its first output gradient)
-        all_tags = self.setup.rows.new_tags(batch, passes)
         runner = weakref.ref(self)
+        tagged = []  # the outputs tagged: one alone may be the root of a proof (rows.proof)
+        all_tags = []  # (drawn at the first tag pass: a forward never back-propagated draws none)
 
-        def tagged_pass(raw: torch.Tensor, grad: torch.Tensor, axis: int) -> None:
+        def tagged_pass(raw, grad: torch.Tensor, axis: int) -> None:
             alive = runner()
             backward = alive.current if alive is not None else None
             if backward is None or backward.phase is not Phase.PLAIN or backward.rows.tagging:
                 return  # engine.backward tags its losses instead
+            if len(tagged) == 1 and alive.parallel is None:
+                node, nr = (raw.node, raw.output_nr) if not isinstance(raw, torch.Tensor) else (raw.grad_fn, raw.output_nr)
+                calls = [(s, c) for s in alive.trainable().layers for c in s.calls]
+                if node is not None and alive.setup.rows.prove([(node, nr, Rows(axis))], batch, calls):
+                    return  # every row the tag passes would read is proven by the graph
+            if not all_tags:
+                all_tags.extend(alive.setup.rows.new_tags(batch, passes))
             backward.tag_plain(raw, grad, axis, all_tags)
 
-        return tag_rows(output, batch, 0 if self.config.batch_first else 1, tagged_pass, from_input)
+        return tag_rows(output, batch, 0 if self.config.batch_first else 1, tagged_pass, from_input, tagged)
 
     # ------------------------------------------------------------------ a plain loss.backward()
     def _begin_plain(self, from_layer: Call | None) -> Backward:
@@ -299,6 +334,7 @@ class BackwardRunner:
         self.before_backward()
         backward = self.current = Backward(self.setup, self.trainable(), Phase.PLAIN)
         backward.task = task
+        self.capture.new_pass()  # its recomputations are numbered afresh (the last backward's may have run on)
         torch.autograd.Variable._execution_engine.queue_callback(lambda: self._finish_plain(backward))
         return backward
 
@@ -307,6 +343,15 @@ class BackwardRunner:
             return  # dropped meanwhile
         loss_scale = self.scaling.scale() if self.scaling is not None else 1.0
         try:
+            if self.capture.passthrough_task == backward.task:
+                raise ValueError(
+                    "loss.backward() went both through the model's own calls, which it trains privately, and through "
+                    "a model call whose input depends on trainable parameters outside the model (a GAN's generated "
+                    "samples, not detached): a discriminator step would clip the first and leave the second "
+                    "untrained, silently. Detach the generated samples for the discriminator step (D(fake.detach())); "
+                    "back-propagate the generator's loss in a backward of its own (the model is then a function of "
+                    "the generator's output, not trained: plainly, or inside engine.paused()). Nothing of this "
+                    "backward was accumulated")
             backward.finish_plain(self.config.loss_reduction, loss_scale)
         except Overflow:
             backward.commit()  # (nothing was added: the factors were not finite)

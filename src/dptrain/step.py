@@ -7,7 +7,6 @@ gradient left on a parameter frozen since.
 """
 from __future__ import annotations
 
-import collections
 import math
 import warnings
 import weakref
@@ -16,8 +15,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from . import distributed, sampling
 from .budget import PrivacyBudgetExceeded
 from .pipeline import StepSums, sum_dtype
+from .sampling import SamplesPerStep, SamplingMismatch  # noqa: F401  (runner.py builds SamplesPerStep)
 from .trainable import TrainableSet
 
 
@@ -94,7 +95,8 @@ class GivenGradients:
 
 def apply_private_gradient(step_params: list[nn.Parameter], sums: StepSums, sample_noise: Callable, std: float,
                            batch_size: int, parallel, given: GivenGradients) -> None:
-    """``p.grad = (sum_i C_i g_i + N(0, std^2)) / batch_size`` for every parameter of the step.
+    """``p.grad = (sum_i C_i g_i + noise) / batch_size`` for every parameter of the step; ``sample_noise(p, sum,
+    std)`` draws the parameter's noise (``N(0, std^2)``, or the correlated noise of ``dptrain.correlated``).
 
     The sum, the noise and the division are in float32 (or the parameter's dtype if wider,
     ``pipeline.sum_dtype``); a bf16/fp16 parameter's gradient is rounded once, at the end.
@@ -104,8 +106,8 @@ def apply_private_gradient(step_params: list[nn.Parameter], sums: StepSums, samp
     reduced first and the noise is added once (``distributed``).
     """
 
-    def add_noise(t: torch.Tensor) -> torch.Tensor:
-        return t.add_(sample_noise(t, std)) if std > 0 else t
+    def add_noise(p: nn.Parameter, t: torch.Tensor) -> torch.Tensor:
+        return t.add_(sample_noise(p, t, std)) if std > 0 else t
 
     def take_sum(p: nn.Parameter) -> torch.Tensor:
         summed = sums.pop(p)
@@ -120,7 +122,7 @@ def apply_private_gradient(step_params: list[nn.Parameter], sums: StepSums, samp
     given.clear()
     if parallel is None:
         for p in step_params:
-            set_grad(p, add_noise(take_sum(p)))
+            set_grad(p, add_noise(p, take_sum(p)))
     else:
         noisy = parallel.noisy_sum(step_params, [take_sum(p) for p in step_params], add_noise)
         for p, t in zip(step_params, noisy):
@@ -183,17 +185,19 @@ class PrivateStep:
     Between a backward and the step, ``PendingMarker`` makes ``zero_grad()`` visible (it discards the batches
     back-propagated before it) and carries the GradScaler's skip. At ``optimizer.step()`` (its pre-hook; with a
     closure, after the closure's backward, once per step): the budget check, then the step's clipped sums plus
-    the noise over the divisor into ``p.grad`` (``apply_private_gradient``), then the count in the accountant.
+    the noise over the divisor into ``p.grad`` (``apply_private_gradient``), then the count in the ledger (and
+    its accountant) and in the sampling check (``sampling.SamplesPerStep``: a warning when the batches are not
+    the Poisson samples the accounting assumes; with ``budget="strict"`` the later steps are refused).
 
     Long-lived, like the step count it keeps (``steps_taken`` spans detach and attach); ``attach`` binds an
     optimizer, the GradScaler protocol and the backward runner. ``prepare`` is the engine's part before a step
     (a failed backward dropped, the trainable set read again).
     """
 
-    def __init__(self, config, accountant, noise, budget, sums: StepSums, parallel,
+    def __init__(self, config, ledger, noise, budget, sums: StepSums, parallel,
                  trainable: Callable[[], TrainableSet]):
         self.config = config
-        self.accountant, self.noise, self.budget, self.sums, self.parallel = accountant, noise, budget, sums, parallel
+        self.ledger, self.noise, self.budget, self.sums, self.parallel = ledger, noise, budget, sums, parallel
         self.trainable = trainable
         self.steps_taken = 0
         self.optimizer: torch.optim.Optimizer | None = None
@@ -204,6 +208,8 @@ class PrivateStep:
         self._given = GivenGradients()
         self._marker = PendingMarker()
         self._marker_key, self._marker_on = None, None
+        self.sampling_finding: str | None = None  # why the batches are not the accounted Poisson samples
+        self._inner_step_due = False  # a ZeroRedundancyOptimizer's step is about to step its local optimizer
 
     def attach(self, optimizer: torch.optim.Optimizer, scaling, runner, prepare: Callable[[], None]) -> None:
         self.optimizer, self.scaling, self.runner, self._prepare = optimizer, scaling, runner, prepare
@@ -242,6 +248,7 @@ class PrivateStep:
         if self._marker.cleared():
             self.sums.clear()
             self._marker.forget()
+            self.runner.samples_per_step.discard_step()
 
     def after_backward(self, overflow: bool) -> None:
         """Show the marker: zero_grad() is seen, and with a GradScaler the scaler checks it (inf makes it skip).
@@ -262,7 +269,8 @@ class PrivateStep:
         if skipped:
             self.sums.clear()  # nothing of a skipped step is ever applied
         if first:
-            self.budget.check(self.steps_taken + 1)
+            self.budget.check()
+            self._refuse_on_sampling()
             self._count()
             warnings.warn(
                 "fp16 overflow: this step is skipped and still counts in the privacy accountant. Through "
@@ -275,9 +283,12 @@ class PrivateStep:
         gradient is formed after the closure's backward, once per step."""
         # (args: the optimizer itself, then step's own arguments)
         closure = kwargs["closure"] if "closure" in kwargs else args[1] if len(args) > 1 else None
+        self._inner_step_due = False
         if closure is None:
             self._step()
+            self._inner_step_due = True
             return None
+        self._inner_step_due = True
         evaluated = False
 
         def private_closure():
@@ -314,29 +325,55 @@ class PrivateStep:
             return
         if self._marker.cleared():  # zero_grad() after the last backward: its batches are discarded
             self.sums.clear()
+            self.runner.samples_per_step.discard_step()
         step_params = held_trainable(self.optimizer, trainable)  # refuses raw gradients it does not cover
         self._given.leave_frozen_untouched(self.optimizer, marker)
         if self.parallel is not None:
             self._given.refuse_foreign(step_params, trainable, marker)
         try:
-            self.budget.check(self.steps_taken + 1)
-        except PrivacyBudgetExceeded:  # nothing of this step is applied
+            self.budget.check()
+            self._refuse_on_sampling()
+        except (PrivacyBudgetExceeded, SamplingMismatch):  # nothing of this step is applied
             for p in step_params:
                 p.grad = None
             self._marker.forget()
             self.discard()
+            self.runner.samples_per_step.discard_step()
             raise
         self._marker.forget()
         c = self.config
-        apply_private_gradient(step_params, self.sums, self.noise.sample, c.noise_multiplier * c.max_grad_norm,
-                               c.batch_size, self.parallel, self._given)
+        apply_private_gradient(step_params, self.sums, self.noise.sampler(self.steps_taken),
+                               c.noise_multiplier * c.max_grad_norm, c.batch_size, self.parallel, self._given)
         self.discard()
         self._count()
 
+    def _refuse_on_sampling(self) -> None:
+        """``budget="strict"``: no step once the batches are found not to be the accounted Poisson samples."""
+        if self.sampling_finding is not None and self.config.budget == "strict":
+            raise SamplingMismatch(self.sampling_finding + ": nothing was applied (budget='strict' refuses every step "
+                                   "once the batches are found not to be the Poisson samples the accounting assumes)")
+
     def _count(self) -> None:
-        self.accountant.step(self.config.noise_multiplier, self.config.sample_rate)
+        self.ledger.record(self.config)
         self.steps_taken += 1
-        self.runner.samples_per_step.end_step()
+        total = None
+        if self.parallel is not None:
+            device = next(iter(self.trainable().users)).device
+
+            def total(values: list[float]) -> list[float]:  # the ranks' counts, summed (one collective)
+                return self.parallel.total(values, device)
+        finding = self.runner.samples_per_step.end_step(total)
+        if finding is None:
+            return
+        c = self.config
+        message = sampling.describe(finding, c.batch_size, c.sample_size, c.privacy_unit)
+        if not finding.understates_epsilon:  # the reported epsilon is an over-estimate: a warning in every mode
+            warnings.warn(message, stacklevel=5)
+        elif c.budget == "strict":
+            self.sampling_finding = message
+            warnings.warn(message + " (budget='strict': the next steps are refused)", stacklevel=5)
+        else:
+            warnings.warn(message + "; training goes on (budget='strict' refuses the next steps)", stacklevel=5)
 
     def refuse_foreign_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Any optimizer's step (torch's global step pre-hook, ``attached``): one other than the attached optimizer
@@ -345,6 +382,22 @@ class PrivateStep:
         if (optimizer is mine or mine is None or optimizer.param_groups is mine.param_groups
                 or getattr(optimizer, "optimizer", None) is mine):
             return
+        if optimizer is distributed.zero_inner(mine):
+            if self._inner_step_due:  # the ZeroRedundancyOptimizer's own step: the private gradient is in place
+                self._inner_step_due = False
+                return
+            raise RuntimeError(
+                f"the local optimizer ({type(optimizer).__name__}) of the ZeroRedundancyOptimizer this PrivacyEngine is "
+                "attached to was stepped on its own: the engine gives the private gradient at the "
+                "ZeroRedundancyOptimizer's step. Nothing was applied. Call step() on the ZeroRedundancyOptimizer"
+            )
+        if distributed.zero_inner(optimizer) is mine:
+            raise RuntimeError(
+                f"this PrivacyEngine is attached to the local optimizer ({type(mine).__name__}) of a "
+                "ZeroRedundancyOptimizer, which holds only this rank's shard of the parameters: the others' private "
+                "gradients would be lost. Nothing was applied. Attach the engine to the ZeroRedundancyOptimizer "
+                "itself (engine.detach(); engine.attach(zero_optimizer))"
+            )
         held = {p for group in optimizer.param_groups for p in group["params"]}
         trainable = self.trainable()
         private = [trainable.param_name(p) for p in trainable.users if p.requires_grad and p in held]
@@ -356,71 +409,3 @@ class PrivateStep:
                 "apply nothing, or gradients that are not private. Nothing was applied. Attach the engine to this "
                 "optimizer (engine.detach(); engine.attach(optimizer)), or build the optimizer before attach"
             )
-
-
-class SamplesPerStep:
-    """How many samples reach each step, against the expected batch size the accountant's q assumes.
-
-    Fed by the engine with each completed backward's number of samples (``add_backward``, a Python int:
-    no host-device synchronisation) and with each step (``end_step``). A micro-batch size given as
-    ``batch_size`` while several micro-batches are accumulated per step makes q too small by that factor
-    (epsilon understated): the mean number of samples per step then sits far above ``batch_size``.
-    Once at least ``MIN_STEPS`` steps are seen, and then every ``MIN_STEPS`` steps, the mean over the
-    last ``WINDOW`` steps is compared with the band ``[LOW, HIGH] x expected``, widened by ``Z`` standard
-    errors of that mean under honest Poisson sampling (a batch's size has variance ``b (1 - q)``); outside
-    it, one warning names both numbers and the likely cause. With ``Z = 6`` an honest run's false-warning
-    probability per check is below ``exp(-17)`` even for ``b = 1`` (Chernoff bound on a Poisson sum of
-    mean 10 exceeding twice its mean plus six of its standard deviations).
-
-    ``ranks``: processes among which a step's samples are split, each counting its own. ``max_batch_size``:
-    fixed-shape batches of K rows (the padding rows reach the backward too), so up to K rows per step are
-    honest.
-    """
-
-    MIN_STEPS = 10
-    WINDOW = 20
-    LOW, HIGH = 0.5, 2.0
-    Z = 6.0
-
-    def __init__(self, batch_size: int, sample_rate: float, *, max_batch_size: int | None = None, ranks: int = 1):
-        self.batch_size = batch_size
-        self.expected = batch_size / ranks
-        self.rows_per_batch = max(self.expected, max_batch_size or 0)  # the upper reference
-        self.std = math.sqrt(max(self.expected * (1.0 - sample_rate), 0.0))  # of one step's count
-        self._this_step = 0
-        self._recent: collections.deque[int] = collections.deque(maxlen=self.WINDOW)
-        self._steps = 0
-        self.warned = False
-
-    def add_backward(self, samples: int) -> None:
-        """A backward of ``samples`` samples completed (its clipped sums joined the step's)."""
-        self._this_step += samples
-
-    def end_step(self) -> None:
-        """The step was taken: its count joins the window, which is checked every ``MIN_STEPS`` steps."""
-        self._recent.append(self._this_step)
-        self._this_step = 0
-        self._steps += 1
-        if not self.warned and self._steps >= self.MIN_STEPS and self._steps % self.MIN_STEPS == 0:
-            self._check()
-
-    def _check(self) -> None:
-        k = len(self._recent)
-        mean = sum(self._recent) / k
-        margin = self.Z * self.std / math.sqrt(k)
-        if mean > self.HIGH * self.rows_per_batch + margin:
-            self.warned = True
-            warnings.warn(
-                f"the last {k} steps received {mean:.1f} samples per step on average, but batch_size="
-                f"{self.batch_size} was given: q = batch_size / sample_size is about {mean / self.expected:.1f}x "
-                "too small and epsilon is understated. Likely cause: the micro-batch size given as batch_size "
-                "while several micro-batches are accumulated per optimizer step; give the logical batch size "
-                "(the expected number of samples per optimizer.step())", stacklevel=3)
-        elif mean < self.LOW * self.expected - margin:
-            self.warned = True
-            warnings.warn(
-                f"the last {k} steps received {mean:.1f} samples per step on average, but batch_size="
-                f"{self.batch_size} was given: each step is divided by {self.batch_size} and q is about "
-                f"{self.expected / max(mean, 1e-9):.1f}x larger than the batches drawn. Likely cause: optimizer.step() "
-                "after every micro-batch of a logical batch, or a loader whose batches are smaller than "
-                "batch_size; give the expected number of samples per optimizer.step()", stacklevel=3)

@@ -18,6 +18,10 @@ It is built from four parts, each usable alone:
 - ``threshold_between``, a ``max_grad_norm`` that clips some samples and not others;
 - ``mismatches``, every parameter where the two differ beyond a tolerance (``max_relative_error`` for reports).
 
+And DP's own definition, which needs no oracle: ``neighbour_test`` (``assert_neighbours_bounded``) runs one private
+step of a user's own loss and forward on a batch and on the batch without one sample, and reports how far apart they
+are in units of ``max_grad_norm`` (at most 1 for a private step): ``dptrain.neighbours``.
+
 The oracle shares no code with the engine: per-sample gradients come from autograd on
 each sample alone, and the clipping functions and groups are written out again here.
 """
@@ -34,6 +38,7 @@ from torch import nn
 from . import checks
 from .data import batch_len
 from .layers.registry import layer_params
+from .neighbours import NeighbourReport, assert_neighbours_bounded, neighbour_test  # noqa: F401 (the public kit)
 
 
 def _take(batch, start: int, stop: int):
@@ -63,6 +68,14 @@ def trainable_named_parameters(model: nn.Module) -> dict[str, tuple[str, nn.Para
 
 def per_sample_gradients(model: nn.Module, losses_fn: Callable, batch) -> dict[str, torch.Tensor]:
     """{name: [B, *shape]} gradients of each sample's loss, from one autograd call per sample."""
+    from .attached import is_attached
+
+    if is_attached(model):
+        raise RuntimeError(
+            "the oracle differentiates the model one sample at a time with plain autograd, but a PrivacyEngine is "
+            "attached to it: its layers' parameters do not require gradients during their own calls (ghost "
+            "differentiation), so the oracle would see none. Run it on a copy taken before attach "
+            "(copy.deepcopy(model)), or after engine.detach()")
     named = trainable_named_parameters(model)
     params = [p for _, p in named.values()]
     rows: list[list[torch.Tensor]] = []

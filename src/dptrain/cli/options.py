@@ -52,6 +52,12 @@ probability = _number(float, checks.open_unit)
 sample_rate_type = _number(float, checks.rate)
 
 
+def bands_type(text: str):
+    """``--bands``: a positive integer b, or ``auto`` (dptrain.correlated.resolve.choose_bands)."""
+    return "auto" if text == "auto" else _number(int, lambda name, value: checks.positive_int(
+        name, value, "or auto"))(text)
+
+
 def max_batch_size_type(text: str):
     """``--max-batch-size``: a positive integer K, or ``auto`` (accounting.default_max_batch_size)."""
     return "auto" if text == "auto" else _number(int, lambda name, value: checks.positive_int(
@@ -82,6 +88,10 @@ TRAIN_DEFAULTS: dict[str, Any] = {
     "seed": 0,
     "secure_rng": False,
     "non_private": False,
+    "noise": "gaussian",
+    "bands": None,
+    "buffers": None,
+    "cyclic_groups": None,
 }
 # What a resumed run may change; everything else comes from the checkpoint, since changing
 # it mid-run would make the model, the data order or the privacy accounting inconsistent.
@@ -94,6 +104,7 @@ SMALL_MODEL_PARAMETERS = 1_000_000
 CLIPPING_FNS = ("abadi", "automatic", "global")
 DECISION_RULES = ("memory", "space", "time")
 OPTIMIZERS = {"adam": "Adam", "sgd": "SGD"}  # --optimizer -> the torch.optim class
+NOISES = ("gaussian", "bandmf", "blt")  # dptrain.correlated.resolve.NOISES (tests/test_startup.py checks)
 IMAGE_MODELS_HELP = ("cnn, mlp, torchvision:NAME or timm:NAME (random weights; a model with a fixed input "
                      "size is built for the dataset's)")
 PLAN_MODELS_HELP = "cnn, mlp, torchvision:NAME or timm:NAME (with --input-size), or hf:NAME (with --seq-len)"
@@ -141,6 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
                        "of varying size)")
     train.add_argument("--max-grad-norm", type=positive_float,
                        help=f"per-sample clipping threshold R (default {d['max_grad_norm']:g})")
+    train.add_argument("--noise", choices=NOISES,
+                       help="gaussian: DP-SGD's independent noise; bandmf: banded matrix factorization, noise "
+                       "correlated over --bands steps with cyclic Poisson sampling (amplified); blt: buffered linear "
+                       "Toeplitz noise, not amplified (docs/correlated-noise.md) (default gaussian)")
+    train.add_argument("--bands", type=bands_type, metavar="B|auto",
+                       help="--noise bandmf: bands b of the strategy; the data is split into b cyclic groups. auto: "
+                       "the b (1 = DP-SGD included) of least expected error at --epsilon")
+    train.add_argument("--buffers", type=positive_int, help="--noise blt: noise buffers of the strategy (default 4)")
+    train.add_argument("--cyclic-groups", type=positive_int,
+                       help="cyclic Poisson sampling over G groups, step t samples group t mod G (default: --bands "
+                       "with bandmf, 1 otherwise; with blt, G close to dataset size / batch size makes every example "
+                       "take part about once per epoch, the setting BLTs are made for)")
     train.add_argument("--lr", type=positive_float, help=f"learning rate (default {d['lr']:g})")
     train.add_argument("--optimizer", choices=tuple(OPTIMIZERS), help=f"(default {d['optimizer']})")
     train.add_argument("--clipping-mode", choices=CLIPPING_MODES, help=f"(default {d['clipping_mode']})")
@@ -186,6 +209,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cmd.add_argument("--fix", action="store_true",
                           help="plan the model as dptrain train trains it, after dptrain.fix (BatchNorm -> GroupNorm, "
                           "torch RNN/attention -> dptrain.nn); without it, the model as published")
+    plan_cmd.add_argument("--noise", choices=NOISES, default="gaussian",
+                          help="also report the memory of this noise's state (bandmf: bands - 1 model-sized buffers, "
+                          "blt: --buffers)")
+    plan_cmd.add_argument("--bands", type=positive_int, help="--noise bandmf: bands of the strategy")
+    plan_cmd.add_argument("--buffers", type=positive_int, help="--noise blt: buffers of the strategy (default 4)")
     plan_cmd.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
     eps = commands.add_parser(
@@ -244,6 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("--examples-per-canary", type=positive_int, metavar="K",
                        help="with --privacy-unit user: the examples of each canary user; the digits are dealt to "
                        "real users of K examples too (default 4)")
+    audit.add_argument("--noise", choices=("gaussian", "bandmf"),
+                       help="audit DP-SGD's noise or banded correlated noise with cyclic Poisson sampling (the "
+                       "auditor applies the strategy C to the released gradients; default gaussian)")
+    audit.add_argument("--bands", type=positive_int, help="--noise bandmf: bands of the strategy (default 2)")
     audit.add_argument("--seed", type=int, help="seed of the coins, batches and noise (default: fresh entropy)")
     audit.add_argument("--json", action="store_true", help="print JSON instead of text")
 

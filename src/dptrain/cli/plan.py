@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> int:
         "decision_rule": args.decision_rule,
         **plan_report(decisions, ghost_available),
         "problems": find_problems(model),
+        "noise_state": _noise_state(model, args),
     }
     # Name what each row trains: the root's own parameters (a ViT's cls_token, pos_embed) have no module name.
     covered, modules = layer_params(model), dict(model.named_modules())
@@ -58,6 +59,19 @@ def run(args: argparse.Namespace) -> int:
     else:
         _print_plan(report, input_text, notes)
     return 0
+
+
+def _noise_state(model, args) -> dict:
+    """What --noise keeps between steps: model-sized buffers (dptrain.correlated.plan_noise)."""
+    from ..correlated import plan_noise
+
+    if args.noise != "bandmf" and args.bands is not None:
+        raise CLIError("--bands is for --noise bandmf")
+    if args.noise != "blt" and args.buffers is not None:
+        raise CLIError("--buffers is for --noise blt")
+    if args.noise == "bandmf" and args.bands is None:
+        raise CLIError("--noise bandmf needs --bands B (the bands of the strategy)")
+    return plan_noise(model, args.noise, bands=args.bands, buffers=args.buffers).as_dict()
 
 
 def _plan_decisions(build, example, args):
@@ -146,6 +160,13 @@ def _short(value: int) -> str:
     return f"{mantissa}e{int(exponent)}"
 
 
+def _bytes(count: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} bytes"
+
+
 def _print_plan(report: dict, input_text: str, notes: list[str]) -> None:
     mode = report["clipping_mode"]
     print(f"{report['model']}, {input_text}, per sample; clipping mode {mode} "
@@ -179,6 +200,10 @@ def _print_plan(report: dict, input_text: str, notes: list[str]) -> None:
               "(B times that for a batch of B)")
     print("(per-sample and fast-grad-clip instantiate every layer; ghost and bk use the ghost norm wherever a "
           "layer has one; the mix modes take the cheaper per layer)")
+    noise = report.get("noise_state")
+    if noise and noise["buffers"]:
+        print(f"noise state ({noise['noise']}): {noise['buffers']} buffer(s) of {noise['numbers_per_buffer']:,} "
+              f"numbers (one model-sized tensor each, float32), {_bytes(noise['bytes'])} kept between steps")
     if report["problems"]:
         print(f"note: the engine refuses this model as built ({len(report['problems'])} problems, first: "
               f"{report['problems'][0]}). dptrain train applies dptrain.fixer.fix first (BatchNorm -> GroupNorm, "

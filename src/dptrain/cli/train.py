@@ -139,7 +139,7 @@ class TrainingRun:
         channels, height, _ = self.data.shape
         built = build_image_model(c["model"], channels, self.data.num_classes, height)
         self.model = built.model.to(self.device)
-        self.notes, self.fixed = built.notes, built.fixed
+        self.notes, self.fixed = list(built.notes), built.fixed
         self._check_forward()
         problems = find_problems(self.model) if self.private else []
         if problems:
@@ -166,8 +166,9 @@ class TrainingRun:
         elif self.max_batch_size == "auto":
             self.max_batch_size = accounting.default_max_batch_size(n, self.sample_rate, c["delta"],
                                                                     self.planned_steps)
+        self.noise_args = self._noise_args()
         self.loader = poisson_loader(self.data.train, batch_size=c["batch_size"], generator=generator,
-                                     max_batch_size=self.max_batch_size)
+                                     max_batch_size=self.max_batch_size, cyclic_groups=self.cyclic_groups)
         assert len(self.loader) == self.steps_per_epoch
         if self.private and self.max_batch_size is not None:
             try:
@@ -181,10 +182,12 @@ class TrainingRun:
         if self.private:
             from ..engine import PrivacyEngine
 
+            # correlated noise: its strategy is built for the planned steps, whatever sets the noise
+            length = {"steps": self.planned_steps} if c["noise"] != "gaussian" else {}
             if self.checkpoint is not None:
-                privacy = {"noise_multiplier": self.checkpoint["engine"]["noise_multiplier"]}
+                privacy = {"noise_multiplier": self.checkpoint["engine"]["noise_multiplier"], **length}
             elif c["noise_multiplier"] is not None:
-                privacy = {"noise_multiplier": c["noise_multiplier"]}
+                privacy = {"noise_multiplier": c["noise_multiplier"], **length}
             else:
                 # Calibrate for the steps the loader really runs (round(1/q) per epoch), so the
                 # final epsilon meets the target exactly rather than for an approximate step count.
@@ -194,7 +197,7 @@ class TrainingRun:
                 self.model, batch_size=c["batch_size"], sample_size=n, max_grad_norm=c["max_grad_norm"],
                 clipping_mode=c["clipping_mode"], clipping_fn=c["clipping_fn"], accountant=c["accountant"],
                 secure_rng=c["secure_rng"], seed=None if c["secure_rng"] else c["seed"],
-                max_batch_size=self.max_batch_size, **privacy,
+                max_batch_size=self.max_batch_size, **self.noise_args, **privacy,
             )
             self.engine.attach(self.optimizer, data_loader=self.loader)
 
@@ -202,6 +205,41 @@ class TrainingRun:
         self.previous_wall_time = 0.0
         if self.checkpoint is not None:
             self._restore(self.checkpoint)
+
+    def _noise_args(self) -> dict:
+        """--noise, --bands, --buffers, --cyclic-groups as the engine's arguments (checked by it); sets
+        ``self.cyclic_groups``, what the loader samples with."""
+        c = self.config
+        if c["noise"] == "gaussian" and any(c[k] is not None for k in ("bands", "buffers", "cyclic_groups")):
+            raise CLIError("--bands, --buffers and --cyclic-groups are for correlated noise (--noise bandmf or blt)")
+        if c["noise"] != "gaussian" and c["non_private"]:
+            raise CLIError(f"--noise {c['noise']} has no meaning with --non-private")
+        if c["noise"] == "bandmf" and c["bands"] is None:
+            raise CLIError("--noise bandmf needs --bands B (the bands of the strategy, and of the cyclic groups)")
+        if c["noise"] != "bandmf" and c["bands"] is not None:
+            raise CLIError("--bands is for --noise bandmf")
+        if c["noise"] != "blt" and c["buffers"] is not None:
+            raise CLIError("--buffers is for --noise blt")
+        if c["bands"] == "auto":  # chosen once, for the planned run; a resumed run keeps the number
+            if c["epsilon"] is None:
+                raise CLIError("--bands auto chooses the bands for a target: give --epsilon, not --noise-multiplier")
+            if c["cyclic_groups"] is not None:
+                raise CLIError("--bands auto chooses the cyclic groups too: leave --cyclic-groups out")
+            from ..correlated.resolve import choose_bands
+
+            c["bands"] = choose_bands(self.planned_steps, c["batch_size"], len(self.data.train), c["epsilon"],
+                                      c["delta"])
+            self.notes.append(f"--bands auto: {c['bands']} band(s) have the least expected error at epsilon "
+                              f"{c['epsilon']:g}" + (" (1 band: DP-SGD)" if c["bands"] == 1 else ""))
+        groups = c["cyclic_groups"] or (c["bands"] if c["noise"] == "bandmf" else 1)
+        self.cyclic_groups = groups if groups > 1 else None
+        if groups * c["batch_size"] > len(self.data.train):
+            raise CLIError(f"--batch-size {c['batch_size']} with {groups} cyclic groups needs batch size x groups <= "
+                           f"{len(self.data.train)} training examples (each group supplies a whole batch at its steps)")
+        if c["noise"] == "gaussian":
+            return {}
+        args = {"noise": c["noise"], "cyclic_groups": groups}
+        return {**args, "bands": c["bands"]} if c["noise"] == "bandmf" else {**args, "buffers": c["buffers"]}
 
     def _poisson_delta(self, steps: int) -> float:
         """The delta at which the accountant's epsilon holds at --delta for ``steps`` steps: all of it,
@@ -395,7 +433,8 @@ class TrainingRun:
         optimizer = ("DP-" if self.private else "") + OPTIMIZERS[c["optimizer"]]
         print(f"training: {optimizer}, lr {c['lr']:g}, {plural(c['epochs'], 'epoch')} x "
               f"{plural(self.steps_per_epoch, 'step')}, "
-              f"Poisson sampling with rate {q:.4g} (expected batch {c['batch_size']})"
+              + (f"cyclic Poisson sampling over {self.cyclic_groups} groups" if self.cyclic_groups else
+                 f"Poisson sampling with rate {q:.4g}") + f" (expected batch {c['batch_size']})"
               + (f", fixed-shape batches of {self.max_batch_size} rows" if self.max_batch_size else "")
               + (f", physical batches of at most {c['physical_batch_size']}" if c["physical_batch_size"] else ""))
         if self.checkpoint is not None:
@@ -412,6 +451,14 @@ class TrainingRun:
             target = f"noise multiplier {e.noise_multiplier:.4g}"
         print(f"privacy: {target} ({c['accountant']} accountant), max grad norm {c['max_grad_norm']:g}, "
               f"clipping {c['clipping_mode']}/{c['clipping_fn']}")
+        mechanism = e.config.mechanism
+        if mechanism is not None:
+            what = (f"{mechanism.strategy.bands} bands, amplified" if c["noise"] == "bandmf"
+                    else f"{mechanism.buffers} buffers, sensitivity {mechanism.sensitivity(self.planned_steps):.3g} "
+                    "x one step's, not amplified")
+            print(f"  correlated noise: {c['noise']} ({what}), optimized for {plural(self.planned_steps, 'step')}; "
+                  f"cyclic Poisson sampling over {e.cyclic_groups} group(s), rate {e.sample_rate:.4g} within a group; "
+                  f"{mechanism.buffers} model-sized noise buffer(s)")
         if self.max_batch_size:
             extra = self._truncation_delta(self.total_steps)
             print(f"  truncation to {self.max_batch_size} rows: {extra:.3g} of delta {c['delta']:g} over "
@@ -451,6 +498,11 @@ class TrainingRun:
             "noise_multiplier": self.engine.noise_multiplier if self.private else None,
             "steps": steps,
             "clipping_mode": c["clipping_mode"] if self.private else None,
+            "noise": c["noise"] if self.private else None,
+            "bands": c["bands"],
+            "buffers": None if self.engine is None or self.engine.config.mechanism is None
+            else self.engine.config.mechanism.buffers,
+            "cyclic_groups": self.cyclic_groups or 1,
             "wall_time_s": round(wall_time, 3),
             "private": self.private,
             "target_epsilon": c["epsilon"],

@@ -9,39 +9,48 @@ A ``Trainer`` script becomes private by changing the class and naming the privac
         target_epsilon=3.0,          # or noise_multiplier=...
         max_grad_norm=1.0,           # per-sample clipping threshold
     )
-    trainer.train()
-    print(trainer.privacy_engine.get_epsilon())
+    trainer.train()                  # or train(resume_from_checkpoint=...): epsilon continues
+    print(trainer.privacy_report())
 
 What changes inside the training loop:
 
-* ``training_step`` computes one loss per sample (``per_sample_loss``; by default from the
-  model's logits and ``labels``: per-sequence token losses for language models, the
-  classification / regression loss for classifiers) and hands them to
-  ``engine.backward``, which clips each sample's gradient exactly.
-* The ``optimizer.step()`` that ``Trainer`` calls applies the private gradient: the engine's
-  step pre-hook replaces ``p.grad`` by (sum of clipped per-sample gradients + noise) divided
-  by the logical batch size ``per_device_train_batch_size * gradient_accumulation_steps``.
-  Gradient accumulation therefore works as usual: micro-batches are accumulated until the step.
-* ``TrainingArguments.max_grad_norm`` (clipping of the *batch* gradient) has no role any more:
-  the ``max_grad_norm`` given to ``DPTrainer`` is the per-sample threshold. Trainer's logged
-  ``grad_norm`` would not be the private gradient's, so it is dropped from the logs; the spent
-  ``epsilon`` is logged instead.
+* **Sampling.** The training batches are Poisson samples, the sampling the accounting is proven for: each
+  step includes every example with probability ``q = B / len(train_dataset)``, ``B =
+  per_device_train_batch_size * gradient_accumulation_steps * world_size`` the expected logical batch. Shapes
+  stay fixed: a step's draw is cut to a uniformly random ``max_batch_size = K`` examples when larger
+  (``"auto"``: the smallest K whose truncation costs a tenth of delta over the planned steps; the accounting
+  adds it, ``accounting.truncation_delta``) and padded to K rows with a mask; every micro-batch of every
+  process has ``K / (gradient_accumulation_steps * world_size)`` rows. One epoch is ``round(1 / q)`` steps.
+  ``TrainingArguments.data_seed`` makes the batches reproducible; without it they come from OS entropy.
+  ``poisson_sampling=False`` keeps the Trainer's shuffled fixed-size batches as an explicit opt-in: it logs,
+  and ``privacy_report()`` records, that the reported epsilon is then not a proven bound.
+* **The step.** ``training_step`` computes one loss per sample (``per_sample_loss``; by default from the
+  model's logits and ``labels``) and hands them to ``engine.backward``, which clips each sample's gradient
+  exactly (padding rows count 0). The ``optimizer.step()`` that ``Trainer`` calls applies the private
+  gradient: (sum of clipped per-sample gradients + noise) / B. Gradient accumulation works as usual.
+  ``TrainingArguments.max_grad_norm`` (clipping of the *batch* gradient) has no role: the ``max_grad_norm``
+  given to ``DPTrainer`` is the per-sample threshold; the spent ``epsilon`` is logged instead of Trainer's
+  ``grad_norm``.
+* **Checkpoints.** Every Trainer checkpoint holds the engine's state (step count, accountant history, noise
+  state) and the sampler's, in ``dptrain_state.pt``; ``train(resume_from_checkpoint=...)`` restores both, so
+  epsilon and the batches continue exactly where the stopped run was, with fresh noise (the engine's
+  checkpoint semantics, ``PrivacyEngine.load_state_dict``). A checkpoint without that file is refused.
+* **Precision, memory, processes.** bf16 (autocast), fp16 with the Trainer's loss scaler (the engine takes
+  the scale out before clipping; in one process an overflow is run again at a smaller scale, under DDP the
+  step is skipped and counted), gradient (activation) checkpointing, and several processes with DDP
+  (``torchrun`` / ``accelerate launch``) work. The engine is then built on the wrapped model when training
+  starts; every process draws the same logical batch and takes its share, and the noise is added once.
+  FSDP2 (``fsdp_config={"fsdp_version": 2}``) goes through the engine's FSDP2 path but is untested through
+  the Trainer (Accelerate shards with FSDP on GPUs only; on a CPU it runs DDP).
 
-Privacy accounting assumes Poisson sampling (each example in each batch independently with
-probability ``batch_size / len(dataset)``). ``poisson_sampling=True`` makes the training
-loader draw such batches (variable size, possibly empty; then ``gradient_accumulation_steps``
-must be 1), from OS entropy unless ``TrainingArguments.data_seed`` is set. Trainer's default
-shuffled fixed-size batches are the common practice, but the reported epsilon is then the
-Poisson-sampling epsilon, not a proven bound for them.
-
-Not supported (refused at construction, with the reason): fp16 mixed precision with a loss
-scaler (use bf16 or float32), gradient checkpointing (it re-runs layers during the backward),
-several processes or GPUs (the noise would be drawn once per process), ``torch_compile``.
-Dropout is fine: its randomness is per sample.
+Refused at construction, with the reason: ``torch_compile`` (compiled models bypass the engine's hooks),
+DeepSpeed and FSDP1, ``nn.DataParallel`` (several GPUs in one process), ``auto_find_batch_size`` (it would
+change q during the run), and with Poisson sampling a ``train_sampling_strategy`` other than ``"random"``.
 """
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -53,6 +62,7 @@ from torch import nn
 try:
     from transformers import Trainer
     from transformers.models.auto import modeling_auto
+    from transformers.utils import logging as hf_logging
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError(
         "dptrain.integrations.hf_trainer needs Hugging Face transformers: pip install 'dptrain[transformers]'"
@@ -60,12 +70,18 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 
 from .. import checks
 from ..algorithms import DEFAULT_CLIPPING_MODE
-from ..data import batch_len, poisson_loader
+from ..data import masked_losses
 from ..engine import PrivacyEngine
 from ..losses import LOSS_REDUCTIONS, sequence_losses
+from .common import check_run_state, engine_on, engine_settings, inner_optimizer, run_state
+from .loaders import MASK_KEY, ShardedPoissonLoader, sharded_poisson_loader, steps_per_epoch
 
-__all__ = ["DPTrainer", "per_sample_losses"]
+__all__ = ["DPTrainer", "STATE_FILE", "per_sample_losses"]
 
+logger = hf_logging.get_logger(__name__)
+
+#: The file in each Trainer checkpoint that holds the engine's and the sampler's state.
+STATE_FILE = "dptrain_state.pt"
 
 
 def _names(mapping: Mapping) -> set[str]:
@@ -86,7 +102,9 @@ _CLASSIFIERS = _names(modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NA
 
 
 def _base_model(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    """The transformers model inside a DDP or PEFT wrapper (or the model itself)."""
+    if isinstance(model, nn.parallel.DistributedDataParallel):
+        model = model.module
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 
@@ -159,17 +177,18 @@ def per_sample_losses(model: nn.Module, inputs: Mapping[str, Any], outputs: Any,
 class DPTrainer(Trainer):
     """``transformers.Trainer`` with differentially private training by a :class:`dptrain.PrivacyEngine`.
 
-    Takes every ``Trainer`` argument, plus the privacy settings: exactly one of
-    ``noise_multiplier`` or ``target_epsilon`` (the noise is then calibrated to the planned
-    number of steps, from ``max_steps`` or ``num_train_epochs``), ``target_delta`` (default:
-    ``1 / (10 n)`` for a training set of n examples), ``max_grad_norm`` (the
-    per-sample clipping threshold), ``clipping_mode`` and any other ``PrivacyEngine`` keyword
-    in ``engine_kwargs``.
+    Takes every ``Trainer`` argument, plus the privacy settings: exactly one of ``noise_multiplier`` or
+    ``target_epsilon`` (the noise is then calibrated to the planned number of steps, from ``max_steps`` or
+    ``num_train_epochs``), ``target_delta`` (default ``1 / (10 n)`` for n training examples),
+    ``max_grad_norm`` (the per-sample clipping threshold), ``clipping_mode`` and any other ``PrivacyEngine``
+    keyword in ``engine_kwargs``.
 
-    ``per_sample_loss(model, inputs) -> [B]`` replaces the default loss (see
-    :func:`per_sample_losses`); ``token_loss_reduction`` chooses per-sequence ``"mean"`` or
-    ``"sum"`` for the default token losses. ``poisson_sampling=True`` draws Poisson-sampled
-    training batches (see the module documentation). The engine is ``trainer.privacy_engine``.
+    ``poisson_sampling`` (default True) and ``max_batch_size`` (the fixed rows K of a logical batch: an int,
+    a multiple of ``gradient_accumulation_steps * world_size``, or ``"auto"``) choose the sampling (see the
+    module documentation). ``per_sample_loss(model, inputs) -> [B]`` replaces the default loss (see
+    :func:`per_sample_losses`); ``token_loss_reduction`` chooses per-sequence ``"mean"`` or ``"sum"`` for
+    the default token losses. The engine is ``trainer.privacy_engine``; :meth:`privacy_report` says what
+    was spent and how the batches were drawn.
     """
 
     def __init__(
@@ -182,73 +201,75 @@ class DPTrainer(Trainer):
         clipping_mode: str = DEFAULT_CLIPPING_MODE,
         per_sample_loss: Callable[[nn.Module, Mapping[str, Any]], torch.Tensor] | None = None,
         token_loss_reduction: str = "mean",
-        poisson_sampling: bool = False,
+        poisson_sampling: bool = True,
+        max_batch_size: int | str = "auto",
         engine_kwargs: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
         checks.choice("token_loss_reduction", token_loss_reduction, LOSS_REDUCTIONS)
+        if not isinstance(poisson_sampling, bool):
+            raise ValueError(f"poisson_sampling must be True or False, got {poisson_sampling!r}")
+        if poisson_sampling and max_batch_size is None:
+            raise ValueError("max_batch_size must be an int or 'auto' (the Trainer's batches have fixed shapes: a "
+                             "micro-batch may not be empty), got None")
         self._check_arguments(poisson_sampling)
         self.per_sample_loss = per_sample_loss
         self.token_loss_reduction = token_loss_reduction
         self.poisson_sampling = poisson_sampling
 
         args_ = self.args
+        shares = args_.gradient_accumulation_steps * args_.world_size
         sample_size = len(self.train_dataset)
-        batch_size = args_.per_device_train_batch_size * args_.gradient_accumulation_steps
-        if batch_size > sample_size:
-            raise ValueError(
-                f"the logical batch size (per_device_train_batch_size * gradient_accumulation_steps = {batch_size}) "
-                f"exceeds the training set size {sample_size}"
-            )
-        steps = None
-        if target_epsilon is not None:
-            per_epoch = sample_size / batch_size
-            steps_per_epoch = round(per_epoch) if poisson_sampling else math.ceil(per_epoch)
-            steps = args_.max_steps if args_.max_steps > 0 else math.ceil(args_.num_train_epochs * steps_per_epoch)
-        self.privacy_engine = PrivacyEngine(
-            self.model, batch_size=batch_size, sample_size=sample_size, max_grad_norm=max_grad_norm,
+        batch_size = args_.per_device_train_batch_size * shares
+        if args_.max_steps > 0:
+            steps = args_.max_steps
+        else:  # the Trainer's epochs: round(1/q) Poisson steps, or its own count of shuffled batches
+            per_epoch = (steps_per_epoch(batch_size / sample_size) if poisson_sampling
+                         else math.ceil(sample_size / batch_size))
+            steps = math.ceil(args_.num_train_epochs * per_epoch)
+        self._engine_settings = engine_settings(
+            sample_size=sample_size, batch_size=batch_size, shares=shares, max_grad_norm=max_grad_norm,
             noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, target_delta=target_delta,
-            steps=steps, clipping_mode=clipping_mode, **dict(engine_kwargs or {}),
-        )
+            steps=steps, epochs=None, max_batch_size=max_batch_size if poisson_sampling else None,
+            engine_kwargs={"clipping_mode": clipping_mode, **dict(engine_kwargs or {})})
+        with warnings.catch_warnings():
+            if args_.world_size > 1:  # (the engine that trains is built on the DDP-wrapped model at the first step)
+                warnings.filterwarnings("ignore", message="torch.distributed runs .* neither DistributedDataParallel")
+            self.privacy_engine = PrivacyEngine(self.model, **self._engine_settings)
         self._attached_to: torch.optim.Optimizer | None = None
+        self._train_loader: ShardedPoissonLoader | None = None
+        self._resumed_state: dict | None = None
         if not poisson_sampling:
-            warnings.warn(
-                "DPTrainer draws Trainer's shuffled fixed-size batches, not the Poisson sampling that the privacy "
-                "accounting assumes: the reported epsilon does not hold for them. Pass poisson_sampling=True",
-                stacklevel=2,
-            )
+            message = ("DPTrainer draws the Trainer's shuffled fixed-size batches (poisson_sampling=False): the "
+                       "reported epsilon is the Poisson-sampling epsilon, which is not a proven bound for them")
+            logger.warning(message)
+            warnings.warn(message, stacklevel=2)
 
     def _check_arguments(self, poisson_sampling: bool) -> None:
         args = self.args
         problems = []
-        if args.fp16:
-            problems.append("fp16=True scales the loss with a GradScaler that never sees the private gradient: "
-                            "use bf16=True or float32")
-        if getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing:
-            problems.append("activation (gradient) checkpointing re-runs layers during the backward pass, which "
-                            "records them twice: turn it off")
-        if args.world_size > 1 or args.n_gpu > 1:
-            problems.append(f"{max(args.world_size, args.n_gpu)} processes/GPUs: distributed private training is not "
-                            "supported (each process would add its own noise); train on one device")
         if args.torch_compile:
             problems.append("torch_compile=True: compiled models bypass the per-layer hooks the engine relies on")
-        if poisson_sampling and args.gradient_accumulation_steps != 1:
-            problems.append("poisson_sampling=True draws one logical batch per step: set gradient_accumulation_steps=1")
+        if getattr(self, "is_deepspeed_enabled", False):
+            problems.append("DeepSpeed: its ZeRO stages own the gradient buffers the engine writes; use DDP or FSDP2")
+        if getattr(self, "is_fsdp_enabled", False) and getattr(self.accelerator.state.fsdp_plugin, "fsdp_version",
+                                                               1) != 2:
+            problems.append("FSDP1 hides the layers' weights in flat parameters: use fsdp_config={'fsdp_version': 2}")
+        if args.n_gpu > 1:
+            problems.append(f"{args.n_gpu} GPUs in one process (nn.DataParallel): launch one process per GPU with "
+                            "torchrun or accelerate launch")
+        if args.auto_find_batch_size:
+            problems.append("auto_find_batch_size=True changes the batch size, hence q, during the run: set "
+                            "per_device_train_batch_size")
+        strategy = getattr(args, "train_sampling_strategy", "random")
+        if poisson_sampling and strategy != "random":
+            problems.append(f"train_sampling_strategy={strategy!r} orders or groups the batches, which Poisson "
+                            "sampling does not: leave it at 'random' (or opt out with poisson_sampling=False)")
         if self.train_dataset is None or not hasattr(self.train_dataset, "__len__"):
             problems.append("a train_dataset with a length is needed: the sample rate is batch_size / len(dataset)")
         if problems:
             raise ValueError("DPTrainer cannot train privately with these settings:\n- " + "\n- ".join(problems))
-
-    # ------------------------------------------------------------------ optimizer
-    def create_optimizer(self, *args: Any, **kwargs: Any) -> torch.optim.Optimizer:
-        optimizer = super().create_optimizer(*args, **kwargs)
-        if self._attached_to is not optimizer:  # Trainer may call this again on a second train()
-            if self._attached_to is not None:
-                self.privacy_engine.detach()
-            self.privacy_engine.attach(optimizer)
-            self._attached_to = optimizer
-        return optimizer
 
     # ------------------------------------------------------------------ data
     def get_train_dataloader(self):
@@ -263,13 +284,82 @@ class DPTrainer(Trainer):
             dataset = self._remove_unused_columns(dataset, description="training")
         else:
             collator = self._get_collator_with_removed_columns(collator, description="training")
-        # Secret sampling randomness (OS entropy) unless data_seed asks for reproducible batches: a known
-        # seed such as Trainer's default seed=42 would make the batches predictable.
+        # Secret sampling randomness (OS entropy, agreed by all processes) unless data_seed asks for reproducible
+        # batches: a known seed such as Trainer's default seed=42 would make the batches predictable.
         generator = None if self.args.data_seed is None else torch.Generator().manual_seed(self.args.data_seed)
-        return poisson_loader(dataset, batch_size=self.privacy_engine.batch_size, collate_fn=collator,
-                              generator=generator, num_workers=self.args.dataloader_num_workers)
+        engine = self.privacy_engine
+        loader = sharded_poisson_loader(
+            dataset, engine.batch_size, max_batch_size=engine.max_batch_size,
+            micro_batches=self.args.gradient_accumulation_steps, num_replicas=self.args.world_size,
+            rank=self.args.process_index, generator=generator, collate_fn=collator,
+            num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
+            mask_key=MASK_KEY)
+        loader.poisson_sampler.resolve()  # the process group is up: agree on the seed now, with every process
+        self._train_loader = loader
+        return loader
+
+    # ------------------------------------------------------------------ checkpoints
+    def _save_checkpoint(self, model: nn.Module, trial: Any) -> None:
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        # (written first: a checkpoint the Trainer sees as complete always holds the privacy state)
+        folder = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        output_dir = os.path.join(self._get_output_dir(trial=trial), folder)
+        state = run_state(self.privacy_engine, self._sampler_state())
+        if self.args.should_save:
+            os.makedirs(output_dir, exist_ok=True)
+            torch.save(state, os.path.join(output_dir, STATE_FILE))
+        super()._save_checkpoint(model, trial)
+
+    def _sampler_state(self) -> dict | None:
+        if self._train_loader is None:
+            return None
+        sampler = self._train_loader.poisson_sampler
+        return sampler.state_in_epoch(self.state.global_step % sampler.steps)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, STATE_FILE)
+        if not os.path.isfile(path):
+            if self.state.global_step > 0:
+                raise FileNotFoundError(
+                    f"{checkpoint} holds no privacy state ({STATE_FILE}): it was not written by a DPTrainer, so "
+                    f"resuming its {self.state.global_step} steps would restart the privacy accounting at 0 and "
+                    "report too small an epsilon. Resume from a DPTrainer checkpoint, or start a new run")
+            return
+        state = check_run_state(torch.load(path, weights_only=False), path)
+        self._resumed_state = state
+        sampler_state = state.get("sampler")
+        if self._train_loader is not None:
+            if sampler_state is None:
+                raise ValueError(f"{path} holds no sampler state (it was saved with poisson_sampling=False): resume "
+                                 "with the same sampling")
+            sampler_state = dict(sampler_state)
+            if not self.args.ignore_data_skip:
+                sampler_state["position"] = 0  # the Trainer itself skips the batches of this epoch already trained
+            self._train_loader.load_state_dict(sampler_state)
+        elif sampler_state is not None:
+            raise ValueError(f"{path} was saved with Poisson sampling: resume with poisson_sampling=True")
 
     # ------------------------------------------------------------------ the private step
+    def _attach(self, model: nn.Module) -> None:
+        """At the first step of each ``train()``: the engine on the model as prepared (wrapped by DDP, sharded by
+        FSDP2), attached to the prepared optimizer, with the loader it checks and the Trainer's loss scaler."""
+        optimizer = inner_optimizer(self.optimizer)
+        if self._attached_to is optimizer:
+            return
+        if self._attached_to is not None:
+            self.privacy_engine.detach()
+            self._attached_to = None
+        engine = engine_on(model, self.privacy_engine, self._engine_settings)
+        if self._resumed_state is not None:
+            engine.load_state_dict(self._resumed_state["engine"])
+            self._resumed_state = None
+        engine.attach(optimizer, data_loader=self._train_loader, grad_scaler=self.accelerator.scaler)
+        self.privacy_engine, self._attached_to = engine, optimizer
+
     def compute_per_sample_losses(self, model: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
         """[B] losses of one batch; override, or pass ``per_sample_loss``, for other objectives."""
         if self.per_sample_loss is not None:
@@ -283,19 +373,37 @@ class DPTrainer(Trainer):
 
     def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
         model.train()
-        inputs = self._prepare_inputs(inputs)
+        self._attach(model)
+        inputs = dict(self._prepare_inputs(inputs))
+        mask = inputs.pop(MASK_KEY, None)
         accumulation = getattr(self, "current_gradient_accumulation_steps", self.args.gradient_accumulation_steps)
-        if batch_len(inputs) == 0:  # an empty Poisson batch: nothing to back-propagate, the step adds noise
-            return torch.zeros((), device=self.args.device)
         with self.compute_loss_context_manager():
             losses = self.compute_per_sample_losses(model, inputs)
         if losses.dim() != 1:
             raise ValueError(f"per-sample losses must have shape [B], got {tuple(losses.shape)}")
-        self.privacy_engine.backward(losses)
-        return losses.detach().mean() / accumulation  # Trainer sums these over the accumulation steps
+        scaler = self.accelerator.scaler
+        self.privacy_engine.backward(scaler.scale(losses) if scaler is not None else losses, mask=mask)
+        detached = losses.detach()
+        if mask is not None:
+            detached = masked_losses(detached, mask).sum() / mask.sum().clamp(min=1)
+        return detached.mean() / accumulation  # Trainer sums these over the accumulation steps
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if "loss" in logs or "train_loss" in logs:
             logs.pop("grad_norm", None)  # the norm of p.grad before the private step: not meaningful here
             logs["epsilon"] = self.privacy_engine.get_epsilon()
         super().log(logs, *args, **kwargs)
+
+    def privacy_report(self, delta: float | None = None) -> dict:
+        """The engine's report, and how the batches were drawn: ``epsilon_is_proven_bound`` is False for the
+        shuffled batches of ``poisson_sampling=False``."""
+        report = self.privacy_engine.privacy_report(delta)
+        if self.poisson_sampling:
+            report["sampling"] = f"Poisson, fixed shapes of {self.privacy_engine.max_batch_size} rows per step"
+            report["epsilon_is_proven_bound"] = True
+        else:
+            report["sampling"] = "shuffled fixed-size batches (poisson_sampling=False)"
+            report["epsilon_is_proven_bound"] = False
+            report["note"] = ("epsilon is the Poisson-sampling epsilon; it is not a proven bound for shuffled "
+                              "batches. Train with poisson_sampling=True for a guarantee")
+        return report

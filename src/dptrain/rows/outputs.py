@@ -1,0 +1,117 @@
+"""The model's outputs: the tensors in them, and tagging them for a plain ``loss.backward()``.
+
+A plain backward gives the engine no per-sample losses; where a model call has patterns whose rows must be read, its
+per-sample outputs pass through ``_TagRows``, whose backward first back-propagates the output gradient with per-sample
+tags on its rows (``runner.BackwardRunner.tag_outputs``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .inputs import _InputRowsNode
+
+
+def gradient_edge(x: torch.Tensor):
+    """What a backward from ``x`` starts at, without keeping ``x`` (and its memory) alive: its gradient edge where
+    torch has them (2.3 and later), else ``x`` itself."""
+    get = getattr(torch.autograd.graph, "get_gradient_edge", None)
+    return get(x) if get is not None and x.grad_fn is not None else x
+
+
+class _TagRows(torch.autograd.Function):
+    """Identity; its backward first back-propagates the output gradient with per-sample tags on its rows."""
+
+    @staticmethod
+    def forward(ctx, x, run, axis):
+        # the edge, not the output: saving the output would keep it (a language model's [B, T, V] logits) alive
+        # until the backward, past the point where the loss's backward frees it
+        ctx.run, ctx.axis, ctx.edge = run, axis, gradient_edge(x)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.run(ctx.edge, grad, ctx.axis)
+        return grad, None, None
+
+
+def tensors_in(obj, depth: int = 0, whole: tuple[type, ...] = ()):
+    """The tensors in a model's input or output (a tensor, tuple/list, dict, Hugging Face ModelOutput or
+    dataclass), in order; objects of the types ``whole`` are yielded as they are, not looked into."""
+    if isinstance(obj, torch.Tensor) or whole and isinstance(obj, whole):
+        yield obj
+    elif depth >= 4:
+        return
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from tensors_in(item, depth + 1, whole)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from tensors_in(item, depth + 1, whole)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from tensors_in(getattr(obj, f.name), depth + 1, whole)
+
+
+def carries_input_rows(t: torch.Tensor) -> bool:
+    """Whether ``t`` is computed from the model's input: its autograd graph reaches a tensor that carries the
+    input's rows (``_InputRowsNode``, made on verifying forwards)."""
+    seen, stack = set(), [t.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        if isinstance(node, _InputRowsNode._backward_cls):
+            return True
+        seen.add(node)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
+def tag_rows(output, batch: int | None, axis: int, run, from_input: bool = False, tagged: list | None = None):
+    """The model's output with every per-sample tensor (``batch`` rows along ``axis``) passed through
+    ``_TagRows``; containers are rebuilt (tuples) or updated (dicts, dataclasses).
+
+    ``from_input``: only tensors computed from the model's input are per-sample (``carries_input_rows``): a
+    table returned next to the features, whatever its number of rows, is not. Where no output can be followed
+    to the input (a compiled model's graph hides the copy), every output of ``batch`` rows is tagged. ``tagged``
+    (a list) gets the axis of each tensor tagged."""
+    if batch is None:
+        return None
+    if from_input:
+        outputs = [t for t in tensors_in(output) if t.requires_grad and t.is_floating_point()]
+        from_input = any(carries_input_rows(t) for t in outputs)
+
+    def wrap(obj, depth=0):
+        if isinstance(obj, torch.Tensor):
+            if not (obj.requires_grad and obj.is_floating_point()):
+                return obj
+            if from_input and not carries_input_rows(obj):
+                return obj
+            # a sequence-first model's output may lead with its batch after pooling; both axes the batch: unclear
+            found = [a for a in dict.fromkeys((axis, 0)) if obj.dim() > a and obj.shape[a] == batch]
+            if len(found) != 1:
+                return obj
+            if tagged is not None:
+                tagged.append(found[0])
+            return _TagRows.apply(obj, run, found[0])
+        if depth >= 4:
+            return obj
+        if isinstance(obj, tuple):
+            items = [wrap(x, depth + 1) for x in obj]
+            return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+        if isinstance(obj, list):
+            obj[:] = [wrap(x, depth + 1) for x in obj]
+            return obj
+        if isinstance(obj, dict):
+            for k in list(obj.keys()):
+                obj[k] = wrap(obj[k], depth + 1)
+            return obj
+        if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+            for f in dataclasses.fields(obj):
+                setattr(obj, f.name, wrap(getattr(obj, f.name), depth + 1))
+            return obj
+        return obj
+
+    return wrap(output)

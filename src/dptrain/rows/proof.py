@@ -1,0 +1,465 @@
+"""Proving from the autograd graph that rows stay apart, without a tag pass.
+
+A tag pass reads which sample each row belongs to from a gradient (``reading.py``); it costs a backward. Where every
+operation between the per-sample losses and a tensor is known to keep each row's gradient to one sample - row-wise
+activations and normalisations, reductions over other axes, matrix products with a constant, views that keep the
+batch where it can be followed - the rows of that tensor are one sample's each, in a layout that follows from the
+shapes alone. ``prove`` walks the graph from the losses (or the model's outputs) and propagates, edge by edge, where
+the batch sits (``Rows``): at each node, a rule of its type maps where the batch sits in its output to where it sits
+in each input. A node without a rule, an operation along the batch axis (a mean over the batch, an index that
+picks rows), or a tensor reached in two different layouts leaves the tensors below it unproven: those are read by
+tag passes as before. Nothing is proven by a rule that is not sure: a rule returns ``None`` (unproven) whenever the
+shapes do not show what it needs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where the batch sits in a tensor: along ``axis``, of ``outer * B * inner`` rows, row ``r`` of sample
+    ``(r // inner) % B`` (``inner``: a sample's rows in consecutive blocks; ``outer``: the batch repeated)."""
+
+    axis: int
+    inner: int = 1
+    outer: int = 1
+
+    def stride(self, shape) -> int:
+        """The step, in elements of the flattened tensor, from one sample to the next."""
+        return self.inner * math.prod(shape[self.axis + 1:])
+
+
+#: a tensor without a batch axis (broadcast over the batch): its gradient is a sum over samples
+FREE = "free"
+UNPROVEN = None
+
+
+def _shape(node, nr: int):
+    meta = node._input_metadata
+    return tuple(meta[nr].shape) if nr < len(meta) else None
+
+
+def _input_shapes(node) -> list:
+    return [None if nxt is None else _shape(nxt, nr) for nxt, nr in node.next_functions]
+
+
+def _fits(rows: Rows, shape, batch: int) -> bool:
+    return shape is not None and 0 <= rows.axis < len(shape) and shape[rows.axis] == rows.outer * batch * rows.inner
+
+
+# ------------------------------------------------------------------------------------------ rules
+# A rule gets (node, where the batch sits in each output that receives a gradient, the batch size) and returns
+# where it sits in each input (one entry per next_functions edge: a Rows, FREE, or UNPROVEN).
+
+def _on_rows(rule):
+    """A rule written for one output with the batch in it (``Rows``): an output without a batch (FREE) makes every
+    input FREE, one unproven (or several that disagree) leaves the node unproven."""
+
+    def wrapped(node, outs, batch):
+        out = _one(outs)
+        if out is UNPROVEN:
+            return UNPROVEN
+        if out is FREE:
+            return [FREE] * len(node.next_functions)
+        return rule(node, out, batch)
+
+    wrapped.__doc__ = rule.__doc__
+    return wrapped
+
+
+@_on_rows
+def _same(node, out, batch):
+    """Element-wise, inputs of the output's shape or broadcast to it (right-aligned)."""
+    oshape = _shape(node, 0)
+    result = []
+    for shape in _input_shapes(node):
+        if shape is None:
+            result.append(FREE)
+            continue
+        axis = out.axis - (len(oshape) - len(shape))
+        if axis < 0 or shape[axis] == 1 != oshape[out.axis]:
+            result.append(FREE)  # broadcast over the batch
+        elif shape[axis] == oshape[out.axis]:
+            result.append(Rows(axis, out.inner, out.outer))
+        else:
+            return UNPROVEN
+    return result
+
+
+def _one(outs):
+    """The single output's Rows (UNPROVEN for a node with several outputs that disagree)."""
+    values = list(outs.values())
+    if not values or any(v != values[0] for v in values):
+        return UNPROVEN
+    return values[0]
+
+
+def _along(dim_attr: str):
+    """An operation along one dimension (softmax, cumsum, a sort): rows along other axes stay apart."""
+
+    @_on_rows
+    def rule(node, out, batch):
+        oshape = _shape(node, 0)
+        dim = getattr(node, dim_attr) % max(1, len(oshape))
+        return UNPROVEN if dim == out.axis else _same(node, {0: out}, batch)
+
+    return rule
+
+
+@_on_rows
+def _reduction(node, out, batch):
+    """sum / mean / amax ... over some dimensions (``_saved_dim``, ``_saved_keepdim``)."""
+    shape = _input_shapes(node)[0]
+    if shape is None:
+        return UNPROVEN
+    dims = getattr(node, "_saved_dim", None)
+    if dims is None:
+        return UNPROVEN  # a full reduction: the batch axis too
+    dims = {d % len(shape) for d in (dims if isinstance(dims, (tuple, list)) else (dims,))} if shape else set()
+    keep = getattr(node, "_saved_keepdim", False)
+    kept = [d for d in range(len(shape)) if d not in dims]
+    axis = out.axis if keep else (kept[out.axis] if out.axis < len(kept) else None)
+    if axis is None or axis in dims:
+        return UNPROVEN
+    return [Rows(axis, out.inner, out.outer)] + [FREE] * (len(node.next_functions) - 1)
+
+
+@_on_rows
+def _view(node, out, batch):
+    """A view or reshape: the batch's rows are followed through the flattened order where they stay in one axis."""
+    oshape, ishape = _shape(node, 0), _input_shapes(node)[0]
+    if oshape is None or ishape is None:
+        return UNPROVEN
+    found = _regroup(out, oshape, ishape, batch)
+    return UNPROVEN if found is None else [found]
+
+
+def _regroup(rows: Rows, oshape, ishape, batch: int) -> Rows | None:
+    """Where the batch of a tensor of shape ``oshape`` (``rows``) sits in the same elements shaped ``ishape``."""
+    stride = rows.stride(oshape)
+    span = stride * batch  # the batch digit covers [stride, stride * batch) of the flattened index
+    inner_size = 1
+    for axis in range(len(ishape) - 1, -1, -1):
+        size = ishape[axis]
+        if stride % inner_size == 0 and stride >= inner_size and span <= inner_size * size:
+            inner = stride // inner_size
+            if size % (inner * batch) == 0:
+                return Rows(axis, inner, size // (inner * batch))
+            return None
+        inner_size *= size
+    return None
+
+
+@_on_rows
+def _transpose(node, out, batch):
+    n = len(_shape(node, 0))
+    if hasattr(node, "_saved_dims"):  # permute: output dim i is input dim dims[i]
+        dims = [d % n for d in node._saved_dims]
+        return [Rows(dims[out.axis], out.inner, out.outer)]
+    if hasattr(node, "_saved_dim0"):
+        d0, d1 = node._saved_dim0 % n, node._saved_dim1 % n
+        axis = d1 if out.axis == d0 else d0 if out.axis == d1 else out.axis
+        return [Rows(axis, out.inner, out.outer)]
+    # .t(): two dims
+    return [Rows(1 - out.axis, out.inner, out.outer)] if n == 2 else UNPROVEN
+
+
+@_on_rows
+def _slice(node, out, batch):
+    """A slice or narrow along another axis than the batch's (the batch's own rows are picked otherwise)."""
+    n = len(_shape(node, 0))
+    dim = node._saved_dim % n
+    return UNPROVEN if dim == out.axis else [Rows(out.axis, out.inner, out.outer)]
+
+
+@_on_rows
+def _select(node, out, batch):
+    ishape = _input_shapes(node)[0]
+    dim = node._saved_dim % len(ishape)
+    axis = out.axis if out.axis < dim else out.axis + 1
+    return UNPROVEN if axis == dim else [Rows(axis, out.inner, out.outer)]
+
+
+@_on_rows
+def _nll(node, out, batch):
+    """nll_loss / cross-entropy with reduction='none': the class dimension (1) is gone in the output."""
+    if getattr(node, "_saved_reduction", 0) != 0:
+        return UNPROVEN
+    axis = out.axis if out.axis == 0 else out.axis + 1
+    return [Rows(axis, out.inner, out.outer)] + [FREE] * (len(node.next_functions) - 1)
+
+
+def _pointwise_loss(node, outs, batch):
+    """mse / l1 / binary cross-entropy ... with reduction='none': element-wise."""
+    if getattr(node, "_saved_reduction", 0) != 0:
+        return UNPROVEN
+    return _same(node, outs, batch)
+
+
+@_on_rows
+def _matmul(node, out, batch):
+    """mm / addmm / bmm: rows of the left factor stay apart when the right one holds no batch; a batched product
+    keeps the batch along its batch dimension."""
+    name = node.name()
+    shapes = _input_shapes(node)
+    oshape = _shape(node, 0)
+    if name.startswith("Bmm"):
+        if out.axis != 0:
+            return UNPROVEN
+        return [Rows(0, out.inner, out.outer) if s is not None else FREE for s in shapes]
+    # mm (self, mat2) or addmm (bias, mat1, mat2): the rows are the left factor's
+    if out.axis != 0:
+        return UNPROVEN
+    result = []
+    for k, s in enumerate(shapes):
+        if s is None:
+            result.append(FREE)
+        elif name.startswith("Addmm") and k == 0:  # the bias, broadcast over the rows
+            result.append(FREE if len(s) < 2 or s[0] == 1 != oshape[0] else (
+                Rows(0, out.inner, out.outer) if s[0] == oshape[0] else UNPROVEN))
+        elif k == len(shapes) - 2 or (not name.startswith("Addmm") and k == 0):
+            result.append(Rows(0, out.inner, out.outer))
+        else:
+            result.append(FREE)  # the right factor: the same for every row
+    return result if UNPROVEN not in result else UNPROVEN
+
+
+def _leading_only(spatial: int):
+    """Convolutions, pooling, per-sample normalisations: the batch must be in the first dimension."""
+
+    @_on_rows
+    def rule(node, out, batch):
+        if out.axis != 0:
+            return UNPROVEN
+        return [Rows(0, out.inner, out.outer) if k == 0 else FREE for k in range(len(node.next_functions))]
+
+    return rule
+
+
+@_on_rows
+def _layer_norm(node, out, batch):
+    oshape = _shape(node, 0)
+    normalized = len(getattr(node, "_saved_normalized_shape", ()))
+    if out.axis >= len(oshape) - normalized:
+        return UNPROVEN
+    return [Rows(out.axis, out.inner, out.outer)] + [FREE] * (len(node.next_functions) - 1)
+
+
+@_on_rows
+def _cat(node, out, batch):
+    oshape = _shape(node, 0)
+    dim = node._saved_dim % len(oshape)
+    if dim == out.axis:
+        return UNPROVEN
+    return [Rows(out.axis, out.inner, out.outer) if s is not None else FREE for s in _input_shapes(node)]
+
+
+def _split(node, outs, batch):
+    """split / chunk / unbind along another axis: every piece keeps the batch where the whole has it."""
+    known = [v for v in outs.values()]
+    if not known or any(v != known[0] for v in known):
+        return UNPROVEN
+    out = known[0]
+    if out is FREE:
+        return [FREE]
+    ishape = _input_shapes(node)[0]
+    dim = node._saved_dim % len(ishape)
+    if node.name().startswith("Unbind"):
+        axis = out.axis if out.axis < dim else out.axis + 1
+        return UNPROVEN if axis == dim else [Rows(axis, out.inner, out.outer)]
+    return UNPROVEN if dim == out.axis else [Rows(out.axis, out.inner, out.outer)]
+
+
+def _shifted(leading: int):
+    """An engine Function whose backward passes output k's gradient to input ``leading + k`` (after anchors)."""
+
+    def rule(node, outs, batch):
+        return [outs.get(k - leading, FREE) for k in range(len(node.next_functions))]
+
+    return rule
+
+
+def _stops(node, outs, batch):
+    """An engine Function whose backward passes nothing on (``capture._Origin``)."""
+    return [FREE] * len(node.next_functions)
+
+
+_ELEMENTWISE = {
+    "Add", "Sub", "Mul", "Div", "Neg", "Exp", "Exp2", "Expm1", "Log", "Log1p", "Log2", "Log10", "Pow", "Sqrt", "Rsqrt",
+    "Abs", "Sign", "Tanh", "Sigmoid", "Relu", "Threshold", "Gelu", "Silu", "Mish", "Elu", "Selu", "Celu", "LeakyRelu",
+    "Hardtanh", "Hardswish", "Hardsigmoid", "Softplus", "Softshrink", "Hardshrink", "Clamp", "ClampMin", "ClampMax",
+    "Reciprocal", "Sin", "Cos", "Tan", "Atan", "Asin", "Acos", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Erf",
+    "Erfc", "Erfinv", "Where", "MaskedFill", "Maximum", "Minimum", "Fmax", "Fmin", "Atan2", "Lerp", "Addcmul",
+    "Addcdiv", "Clone", "ToCopy", "Alias", "NativeDropout", "Rsub", "Xlogy", "Square", "Trunc", "Frac", "Floor",
+    "Ceil", "Round", "Logit", "Prelu", "Glu", "SpecialXlog1py", "Polar", "Hypot", "Copysign", "Remainder", "Fmod",
+    "Lgamma", "Digamma", "LogSigmoid", "SoftplusBackward", "Deg2rad", "Rad2deg", "Sinc", "Nan_to_num", "NanToNum",
+    "Expand", "Conj", "Real", "Imag", "View_as_real", "Sgn", "MulScalar", "Hypot", "Float",
+    "BinaryCrossEntropyWithLogits_", "Copy", "Contiguous",
+}
+_POINTWISE_LOSSES = {"MseLoss", "L1Loss", "SmoothL1Loss", "HuberLoss", "BinaryCrossEntropy",
+                     "BinaryCrossEntropyWithLogits", "SoftMarginLoss", "KlDiv", "PoissonNllLoss"}
+_VIEWS = {"View", "ReshapeAlias", "UnsafeView", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Unflatten",
+          "ViewAs", "_Reshape_alias", "AsView"}
+_REDUCTIONS = {"Sum", "Mean", "Amax", "Amin", "Max", "Min", "Logsumexp", "Norm", "LinalgVectorNorm", "Prod", "Std",
+               "Var", "StdMean", "VarMean", "Nansum", "Nanmean", "Median", "Nanmedian", "Mode", "Kthvalue"}
+
+RULES: dict[str, Callable] = {}
+for _name in _ELEMENTWISE:
+    RULES[_name] = _same
+for _name in _POINTWISE_LOSSES:
+    RULES[_name] = _pointwise_loss
+for _name in _VIEWS:
+    RULES[_name] = _view
+for _name in _REDUCTIONS:
+    RULES[_name] = _reduction
+for _name in ("Softmax", "LogSoftmax", "SafeSoftmax", "Cumsum", "Cumprod", "Logcumsumexp", "Cummax", "Cummin",
+              "Sort", "Topk", "Gather"):
+    RULES[_name] = _along("_saved_dim")
+RULES.update({
+    "NllLoss": _nll, "NllLoss2D": _nll, "NllLoss2d": _nll,
+    "Transpose": _transpose, "Permute": _transpose, "T": _transpose,
+    "Slice": _slice, "Narrow": _slice, "Select": _select,
+    "Mm": _matmul, "Addmm": _matmul, "Bmm": _matmul,
+    "NativeLayerNorm": _layer_norm, "NativeGroupNorm": _leading_only(0),
+    "Convolution": _leading_only(0), "MaxPool2DWithIndices": _leading_only(2), "MaxPool1DWithIndices": _leading_only(1),
+    "MaxPool3DWithIndices": _leading_only(3), "AvgPool2D": _leading_only(2), "AvgPool1D": _leading_only(1),
+    "AvgPool3D": _leading_only(3), "AdaptiveAvgPool2D": _leading_only(2), "AdaptiveAvgPool1D": _leading_only(1),
+    "AdaptiveAvgPool3D": _leading_only(3), "AdaptiveMaxPool2D": _leading_only(2), "UpsampleNearest2D": _leading_only(2),
+    "UpsampleBilinear2D": _leading_only(2), "ConstantPadNd": _leading_only(0), "ReflectionPad2D": _leading_only(2),
+    "Cat": _cat, "Split": _split, "SplitWithSizes": _split, "Unbind": _split, "Chunk": _split,
+})
+
+
+def rule_of(node) -> Callable | None:
+    """The rule of a node's type: its name without the ``Backward<n>`` suffix."""
+    name = node.name()
+    base = name[: name.find("Backward")] if "Backward" in name else name
+    return RULES.get(base)
+
+
+# the engine's own Functions (capture, rows.outputs, rows.inputs), by name
+RULES.update({"_OutputLeaves": _shifted(1), "_TagRows": _shifted(0), "_InputRowsNode": _shifted(1),
+              "_GradientPenalty": _shifted(0), "_Origin": _stops})
+
+
+# ------------------------------------------------------------------------------------------ the walk
+@dataclass
+class Proof:
+    """What a walk proved: where the batch sits at each edge it reached (``Rows`` or ``FREE``), the edges left
+    unproven, the edges it stopped at, and the first node type it had no rule for."""
+
+    edges: dict[tuple, object]
+    unproven: set
+    stops: set  # the edges the walk stopped at (``prove``'s ``stop``)
+    stopped_at: str | None = None  # the first node type without a rule
+
+
+def prove(roots: list[tuple[object, int, Rows]], batch: int, stop: Callable[[object, int], bool] | None = None,
+          limit: int = 200_000) -> Proof:
+    """Propagate where the batch sits from ``roots`` ((node, output index, Rows) of the losses or the model's outputs)
+    through the graph below them. ``stop(node, index)``: an edge not to walk below (the model's outputs, for a walk
+    of the loss alone); the edges it stops at are in ``Proof.stops``. Edges below an unproven one are unproven too."""
+    stop = stop or (lambda node, nr: False)
+    if batch <= 0:
+        return Proof({}, set(), set(), "an empty batch")
+    # the nodes below the roots and how many gradients each receives (its consumers), for a walk in order
+    consumers: dict[object, int] = {}
+    stops: set = set()
+    stack = [node for node, _, _ in roots if node is not None]
+    seen = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if len(seen) > limit:
+            return Proof({}, {(n, 0) for n in seen}, set(), "a graph too large to walk")
+        for nxt, nr in node.next_functions:
+            if nxt is None:
+                continue
+            if stop(nxt, nr):
+                stops.add((nxt, nr))
+                continue
+            consumers[nxt] = consumers.get(nxt, 0) + 1
+            stack.append(nxt)
+    edges: dict[tuple, object] = {}
+    unproven: set = set()
+    incoming: dict[object, dict[int, object]] = {}
+    for node, nr, rows in roots:
+        if node is not None:
+            incoming.setdefault(node, {})[nr] = rows
+            edges[(node, nr)] = rows  # (a root is an edge too: a model output a layer returned)
+    ready = list(dict.fromkeys(node for node, _, _ in roots if node is not None and consumers.get(node, 0) == 0))
+    stopped = None
+    done = set()
+    while ready:
+        node = ready.pop()
+        if node in done:
+            continue
+        done.add(node)
+        outs = incoming.get(node, {})
+        if any(v is UNPROVEN for v in outs.values()):
+            result = UNPROVEN
+        else:
+            rule = rule_of(node)
+            result = rule(node, outs, batch) if rule is not None else UNPROVEN
+            if rule is None and stopped is None and node.next_functions:
+                stopped = node.name()
+        for k, (nxt, nr) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            value = UNPROVEN if result is UNPROVEN or k >= len(result) else result[k]
+            if value is not UNPROVEN and value is not FREE and not _fits(value, _shape(nxt, nr), batch):
+                value = UNPROVEN
+            edge = (nxt, nr)
+            previous = edges.get(edge, "unset")
+            if previous != "unset" and previous != value:
+                value = UNPROVEN  # reached in two layouts: the gradients of the two paths add up
+            edges[edge] = value
+            if value is UNPROVEN:
+                unproven.add(edge)
+            if edge in stops:
+                continue
+            incoming.setdefault(nxt, {})[nr] = value
+            consumers[nxt] -= 1
+            if consumers[nxt] == 0:
+                ready.append(nxt)
+    return Proof(edges, unproven, stops, stopped)
+
+
+# ------------------------------------------------------------------------------------------ layer calls
+def call_layout(proof: Proof, by_id: dict, call, batch: int, two_axes: bool):
+    """The layout (``layout.Layout``) of a layer call's rows that ``proof`` shows, or None where it does not."""
+    from .layout import IDENTITY, Layout
+
+    if call.edge is None:
+        return None
+    found = by_id.get(call.edge)
+    if found is None:
+        return None
+    (node, nr), rows = found
+    if not isinstance(rows, Rows):
+        return None
+    if call.edge_shape is not None:  # the gradient is read at the base of a reshape of the output
+        rows = _regroup(rows, call.edge_shape, call.edge_view, batch)
+        if rows is None:
+            return None
+    if call.edge_swapped:  # the rule sees the output with its first two dimensions swapped
+        rows = Rows(1 - rows.axis if rows.axis < 2 else rows.axis, rows.inner, rows.outer)
+    if rows.axis == 0 and rows.outer == 1 and rows.inner == 1:
+        return IDENTITY
+    if rows.axis == 0 and rows.outer == 1:
+        return Layout(1, "blocks")
+    if rows.axis == 0 and rows.inner == 1:
+        return Layout(1, "interleaved")
+    if rows.axis == 1 and rows.outer == 1 and rows.inner == 1 and two_axes:
+        return Layout(2, "transposed")
+    return None
+
+
+def edges_by_id(proof: Proof) -> dict:
+    """The proof's edges keyed by (id(node), index), as a call remembers its own (without holding the node)."""
+    return {(id(node), nr): ((node, nr), value) for (node, nr), value in proof.edges.items()}

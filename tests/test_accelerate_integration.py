@@ -1,0 +1,189 @@
+"""dptrain with Hugging Face Accelerate (dptrain.integrations.accelerate.make_private), in one process.
+
+One logical step (two micro-batches through ``accelerator.accumulate``, the prepared optimizer's step) leaves in
+p.grad the float64 oracle's clipped sum over the specified Poisson batch divided by the expected batch size;
+bf16 and fp16 (with the scaler) within what the precision explains; save_state / load_state continue epsilon,
+the step count and the batches with fresh noise. Two processes: tests/test_frameworks_distributed.py.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+import warnings
+
+import pytest
+import torch
+
+from framework_helpers import (
+    assert_within,
+    build_classifier,
+    classifier_columns,
+    classifier_losses,
+    grad_norm_difference,
+    logical_batches,
+    oracle_step,
+    precision_bounds,
+    take,
+)
+from helpers import assert_matches
+
+pytest.importorskip("accelerate")
+from accelerate import Accelerator  # noqa: E402
+from accelerate.state import AcceleratorState  # noqa: E402
+from accelerate.utils import send_to_device  # noqa: E402
+
+from dptrain.data import FixedShapeBatch  # noqa: E402
+from dptrain.integrations.accelerate import make_private  # noqa: E402
+
+N = 16
+build_model, columns, losses_fn = build_classifier, classifier_columns, classifier_losses
+
+
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """Accelerate keeps one AcceleratorState per process: each test builds its own Accelerator."""
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _setup(model, data, *, accumulation=2, batch_size=8, fp16_on_cpu=False, mixed_precision="no", **privacy):
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation, mixed_precision=mixed_precision)
+    if fp16_on_cpu:
+        # Accelerate turns fp16 off on a CPU (its scaler needs a GPU); these are what it sets on a GPU, so its fp16
+        # path (autocast to float16 in the prepared forward, the GradScaler in the prepared optimizer) runs here.
+        accelerator.native_amp = True
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40)
+    optimizer = torch.optim.SGD(model.parameters(), lr=privacy.pop("lr", 0.0))
+    prepared, optimizer = accelerator.prepare(model, optimizer)
+    privacy.setdefault("noise_multiplier", 0.0)
+    privacy.setdefault("steps", 4)
+    private = make_private(accelerator, prepared, optimizer, torch.utils.data.TensorDataset(*data),
+                           batch_size=batch_size, generator=torch.Generator().manual_seed(7), **privacy)
+    return accelerator, prepared, optimizer, private
+
+
+def _train(accelerator, model, optimizer, private, steps, seen=None, grads=None):
+    """The documented loop, until ``steps`` private steps; ``grads``: p.grad of the first step, after it."""
+    while private.engine.steps_taken < steps:
+        for batch in private.loader:
+            batch = send_to_device(batch, accelerator.device)
+            (x, y), mask = batch if isinstance(batch, FixedShapeBatch) else (batch, None)
+            if seen is not None:
+                seen.append(x.clone())
+            with accelerator.accumulate(model):
+                private.backward(losses_fn(model, x, y), mask)
+                optimizer.step()
+                if grads is not None and not grads and private.engine.steps_taken == 1:
+                    grads.update({n: p.grad.clone() for n, p in model.named_parameters()})
+                optimizer.zero_grad()
+            if private.engine.steps_taken == steps and accelerator.sync_gradients:
+                return
+
+
+@pytest.mark.parametrize("mode, max_batch_size", [("bk-mixopt", "auto"), ("ghost", "auto"), ("bk-mixopt", None)])
+def test_one_step_is_the_oracle_on_the_specified_batch(mode, max_batch_size):
+    model, data = build_model(), columns()
+    indices = logical_batches(N, 8, None, 7, 1)[0]
+    expected = oracle_step(model, losses_fn, data, indices, 0.05, 8)  # (before the engine hooks the model)
+    accelerator, prepared, optimizer, private = _setup(model, data, max_grad_norm=0.05, clipping_mode=mode,
+                                                       max_batch_size=max_batch_size)
+    assert (private.engine.max_batch_size is None) == (max_batch_size is None)  # None: batches of varying size
+    assert sorted(logical_batches(N, 8, private.engine.max_batch_size, 7, 1)[0]) == sorted(indices)
+    grads = {}
+    _train(accelerator, prepared, optimizer, private, 1, grads=grads)
+    assert private.engine.steps_taken == 1 and 0 < len(indices) < N
+    assert_matches(grads, expected, what=f"accelerate step, {mode}")
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_is_within_what_the_precision_explains(precision):
+    model64, data = build_model(), columns()
+    indices = logical_batches(N, 8, None, 7, 1)[0]
+    batch = take(data, indices)
+    from dptrain.testing import threshold_between
+
+    R = threshold_between(model64, losses_fn, batch)
+    bounds = precision_bounds(model64, losses_fn, batch, R, torch.bfloat16 if precision == "bf16" else torch.float16)
+    expected = oracle_step(model64, losses_fn, data, indices, R, 8)
+    model = build_model(torch.float32)
+    accelerator, prepared, optimizer, private = _setup(
+        model, columns(dtype=torch.float32), max_grad_norm=R, mixed_precision=precision,
+        fp16_on_cpu=precision == "fp16")
+    assert sorted(logical_batches(N, 8, private.engine.max_batch_size, 7, 1)[0]) == sorted(indices)
+    grads = {}
+    _train(accelerator, prepared, optimizer, private, 1, grads=grads)
+    if precision == "fp16":
+        assert accelerator.scaler.get_scale() < 2.0**40 and not optimizer.step_was_skipped  # retried, not skipped
+    assert_within({n: g * 8 for n, g in grads.items()}, {n: g * 8 for n, g in expected.items()}, bounds,
+                  what=precision)
+
+
+def test_one_sample_moves_the_step_by_at_most_the_clipping_norm():
+    R, sums = 1e-3, []
+    for n in (8, 7):  # q = 1: every example in the step
+        x, y = columns(8)
+        keep = [i for i in range(8) if n == 8 or i != 3]
+        accelerator, prepared, optimizer, private = _setup(build_model(), (x[keep], y[keep]), accumulation=1,
+                                                           batch_size=n, max_grad_norm=R)
+        grads = {}
+        _train(accelerator, prepared, optimizer, private, 1, grads=grads)
+        sums.append({k: g * n for k, g in grads.items()})
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert grad_norm_difference(*sums) == pytest.approx(R, rel=1e-9)
+
+
+def test_save_and_load_state_continue_epsilon_steps_and_batches_with_fresh_noise(tmp_path):
+    def run(resume=None, save=None):
+        model = build_model()
+        accelerator, prepared, optimizer, private = _setup(model, columns(), noise_multiplier=1.0, lr=0.1,
+                                                           steps=6, engine_kwargs={"seed": 0})
+        if resume is not None:
+            accelerator.load_state(resume)
+        seen = []
+        _train(accelerator, prepared, optimizer, private, 3 if save else 6, seen)
+        if save:
+            accelerator.save_state(save)
+            _train(accelerator, prepared, optimizer, private, 6, seen)
+        AcceleratorState._reset_state(reset_partial_state=True)
+        return private, model, seen
+
+    full, full_model, full_seen = run(save=str(tmp_path / "step3"))
+    resumed, resumed_model, resumed_seen = run(resume=str(tmp_path / "step3"))
+    assert resumed.engine.steps_taken == full.engine.steps_taken == 6
+    assert resumed.engine.get_epsilon() == full.engine.get_epsilon()
+    assert len(resumed_seen) == len(full_seen) - 6 and all(
+        torch.equal(a, b) for a, b in zip(full_seen[6:], resumed_seen))  # the same batches: 4 steps per epoch
+    assert any(not torch.equal(p, q) for p, q in zip(full_model.parameters(), resumed_model.parameters()))
+
+
+def test_a_step_off_the_logical_batches_is_refused():
+    accelerator, prepared, optimizer, private = _setup(build_model(), columns())
+    (x, y), mask = next(iter(private.loader))
+    with pytest.raises(RuntimeError, match="accelerator.accumulate"):  # no accumulate: every micro-batch would step
+        private.backward(losses_fn(prepared, x, y), mask)
+
+
+def test_settings_that_cannot_be_private_are_refused():
+    accelerator = Accelerator(cpu=True)
+    model = build_model()
+    raw = torch.optim.SGD(model.parameters(), lr=0.1)
+    prepared, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    data = torch.utils.data.TensorDataset(*columns())
+    with pytest.raises(ValueError, match="optimizer was not prepared"):
+        make_private(accelerator, prepared, raw, data, batch_size=8, noise_multiplier=1.0, steps=4)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compiled = Accelerator(cpu=True, dynamo_backend="inductor")
+    model = build_model()
+    with pytest.raises(ValueError, match="dynamo_backend"):
+        make_private(compiled, model, compiled.prepare_optimizer(torch.optim.SGD(model.parameters(), lr=0.1)), data,
+                     batch_size=8, noise_multiplier=1.0, steps=4)
+
+
+def test_missing_accelerate_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "accelerate", None)
+    monkeypatch.delitem(sys.modules, "dptrain.integrations.accelerate")
+    with pytest.raises(ImportError, match=r"pip install 'dptrain\[accelerate\]'"):
+        importlib.import_module("dptrain.integrations.accelerate")

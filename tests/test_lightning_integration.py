@@ -1,0 +1,189 @@
+"""dptrain with PyTorch Lightning (dptrain.integrations.lightning.DPCallback), in one process.
+
+A ``training_step`` that returns per-sample losses, the callback, and the loader it builds: one logical step
+(``accumulate_grad_batches=2``, Lightning's own optimizer step) leaves in p.grad the float64 oracle's clipped sum
+over the specified Poisson batch divided by the expected batch size; bf16 and fp16 (with a scaler) within what
+the precision explains; a checkpoint resumes epsilon, the step count and the batches with fresh noise; the
+progress bar shows epsilon. Two processes (DDP): tests/test_frameworks_distributed.py.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from framework_helpers import (
+    assert_within,
+    build_classifier,
+    classifier_columns,
+    grad_norm_difference,
+    logical_batches,
+    oracle_step,
+    precision_bounds,
+    take,
+)
+from framework_helpers import classifier_losses as losses_fn
+from helpers import assert_matches
+
+pytest.importorskip("lightning")
+import lightning.pytorch as L  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
+
+from dptrain.integrations.lightning import DPCallback  # noqa: E402
+
+N = 16
+
+
+class Lit(L.LightningModule):
+    """The classifier of tests/framework_helpers.py, trained on per-sample losses."""
+
+    def __init__(self, data, batch_size=8, dtype=torch.float64, lr=0.0, seen=None, grads=None):
+        super().__init__()
+        self.net = build_classifier(dtype)
+        self.data, self.batch_size, self.lr, self.seen, self.grads = data, batch_size, lr, seen, grads
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        (x, y), mask = batch
+        if self.seen is not None:
+            self.seen.append(x.clone())
+        return F.cross_entropy(self(x), y, reduction="none")
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.grads is not None and not self.grads and self.trainer.global_step == 1:
+            self.grads.update({n: p.grad.clone() for n, p in self.net.named_parameters()})
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        return DPCallback.of(self.trainer).train_loader(torch.utils.data.TensorDataset(*self.data), self.batch_size,
+                                                        generator=torch.Generator().manual_seed(7))
+
+
+def _fit(module, dp, *, steps=1, accumulate=2, ckpt_path=None, **trainer_kwargs):
+    callbacks = [dp, *trainer_kwargs.pop("callbacks", [])]
+    trainer_kwargs = {"logger": False, "enable_progress_bar": False, "enable_model_summary": False,
+                      "enable_checkpointing": any(isinstance(c, ModelCheckpoint) for c in callbacks), **trainer_kwargs}
+    trainer = L.Trainer(max_steps=steps, accumulate_grad_batches=accumulate, accelerator="cpu", devices=1,
+                        callbacks=callbacks, **trainer_kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(module, ckpt_path=ckpt_path)
+    return trainer
+
+
+def _reference_model():
+    return build_classifier()
+
+
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_one_step_is_the_oracle_on_the_specified_batch(mode):
+    data = classifier_columns()
+    indices = logical_batches(N, 8, None, 7, 1)[0]
+    expected = oracle_step(_reference_model(), losses_fn, data, indices, 0.05, 8)
+    grads = {}
+    dp = DPCallback(noise_multiplier=0.0, max_grad_norm=0.05, steps=4, clipping_mode=mode)
+    _fit(Lit(data, grads=grads), dp)
+    assert dp.engine.steps_taken == 1 and 0 < len(indices) < N
+    assert sorted(logical_batches(N, 8, dp.engine.max_batch_size, 7, 1)[0]) == sorted(indices)
+    assert_matches(grads, expected, what=f"lightning step, {mode}")
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_is_within_what_the_precision_explains(precision):
+    data = classifier_columns()
+    indices = logical_batches(N, 8, None, 7, 1)[0]
+    batch = take(data, indices)
+    from dptrain.testing import threshold_between
+
+    R = threshold_between(_reference_model(), losses_fn, batch)
+    bounds = precision_bounds(_reference_model(), losses_fn, batch, R,
+                              torch.bfloat16 if precision == "bf16-mixed" else torch.float16)
+    expected = oracle_step(_reference_model(), losses_fn, data, indices, R, 8)
+    grads = {}
+    dp = DPCallback(noise_multiplier=0.0, max_grad_norm=R, steps=4)
+    # Lightning runs fp16 on a CPU when given the plugin itself (precision="16-mixed" alone falls back to bf16)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**40))
+    extra = {"plugins": [plugin]} if precision == "16-mixed" else {"precision": precision}
+    trainer = _fit(Lit(classifier_columns(dtype=torch.float32), dtype=torch.float32, grads=grads), dp, **extra)
+    if precision == "16-mixed":
+        assert trainer.strategy.precision_plugin.scaler.get_scale() < 2.0**40  # the engine found a scale ...
+    assert dp.engine.steps_taken == 1  # ... without skipping the step
+    assert_within({n: g * 8 for n, g in grads.items()}, {n: g * 8 for n, g in expected.items()}, bounds,
+                  what=precision)
+
+
+def test_one_sample_moves_the_step_by_at_most_the_clipping_norm():
+    R, sums = 1e-3, []
+    for n in (8, 7):  # q = 1: every example in the step
+        x, y = classifier_columns(8)
+        keep = [i for i in range(8) if n == 8 or i != 3]
+        grads = {}
+        _fit(Lit((x[keep], y[keep]), batch_size=n, grads=grads), DPCallback(noise_multiplier=0.0, max_grad_norm=R,
+                                                                            steps=1), accumulate=1)
+        sums.append({k: g * n for k, g in grads.items()})
+    assert grad_norm_difference(*sums) == pytest.approx(R, rel=1e-9)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """6 steps of expected batch 4 (4 steps per epoch), a checkpoint every 2, and the progress bar on."""
+    folder = tmp_path_factory.mktemp("lightning")
+    seen = []
+    dp = DPCallback(noise_multiplier=1.0, steps=6, engine_kwargs={"seed": 0})
+    module = Lit(classifier_columns(), batch_size=4, lr=0.1, seen=seen)
+    trainer = _fit(module, dp, steps=6, enable_progress_bar=True, callbacks=[
+        ModelCheckpoint(dirpath=folder, every_n_train_steps=2, save_top_k=-1)])
+    return dp, module, seen, folder, trainer
+
+
+def test_the_progress_bar_shows_epsilon(uninterrupted):
+    dp, _, _, _, trainer = uninterrupted
+    assert trainer.progress_bar_metrics["epsilon"] == pytest.approx(dp.engine.get_epsilon())
+
+
+@pytest.mark.parametrize("step", [2, 4])  # in the middle of the first epoch, at its end
+def test_resuming_continues_epsilon_steps_and_batches_with_fresh_noise(uninterrupted, step):
+    dp, module, seen, folder, _ = uninterrupted
+    path = next(os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(f"step={step}.ckpt"))
+    resumed_seen = []
+    resumed_dp = DPCallback(noise_multiplier=1.0, steps=6)
+    resumed = Lit(classifier_columns(), batch_size=4, lr=0.1, seen=resumed_seen)
+    _fit(resumed, resumed_dp, steps=6, ckpt_path=path)
+    assert resumed_dp.engine.steps_taken == dp.engine.steps_taken == 6
+    assert resumed_dp.engine.get_epsilon() == dp.engine.get_epsilon()
+    assert len(resumed_seen) == len(seen) - 2 * step  # two micro-batches per step
+    assert all(torch.equal(a, b) for a, b in zip(seen[2 * step:], resumed_seen))
+    assert any(not torch.equal(p, q) for p, q in zip(module.parameters(), resumed.parameters()))  # fresh noise
+
+
+class PlainLoader(Lit):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*self.data), batch_size=4, shuffle=True)
+
+
+def test_settings_that_cannot_be_private_are_refused():
+    with pytest.raises(ValueError, match="gradient_clip_val=1.0 clips the batch gradient"):
+        _fit(Lit(classifier_columns()), DPCallback(noise_multiplier=1.0, steps=4), gradient_clip_val=1.0)
+    with pytest.raises(ValueError, match="trains on the loader it builds"):
+        _fit(PlainLoader(classifier_columns()), DPCallback(noise_multiplier=1.0, steps=4))
+    with pytest.raises(ValueError, match="max_batch_size='auto' needs the planned length"):
+        _fit(Lit(classifier_columns()), DPCallback(noise_multiplier=1.0), steps=-1, max_epochs=-1,
+             max_time="00:00:01:00")
+
+
+def test_missing_lightning_names_the_extra(monkeypatch):
+    for name in [m for m in sys.modules if m == "lightning" or m.startswith("lightning.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.delitem(sys.modules, "dptrain.integrations.lightning")
+    with pytest.raises(ImportError, match=r"pip install 'dptrain\[lightning\]'"):
+        importlib.import_module("dptrain.integrations.lightning")

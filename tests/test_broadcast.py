@@ -44,12 +44,19 @@ class Positions(nn.Module):
         "where": lambda pos, h: torch.where(h > 0, pos, h),
         "added in place to the features": lambda pos, h: h.__iadd__(pos),  # BERT's `embeddings += position_embeddings`
         "copied into the features": lambda pos, h: (h * 1).copy_(pos) + h,
+        # written in place, then used (as DeBERTa scales its projected table, Longformer its global queries): exact
+        "changed in place": lambda pos, h: h + pos.mul_(2),
+        "split into heads, divided in place": lambda pos, h: h + _heads_divided(pos),
+        "one column set in place": lambda pos, h: h + _column_set(pos),
+        "changed in place twice, used between": lambda pos, h: (h + pos.mul_(2)) * torch.sigmoid(pos.add_(1.0)),
         # used as a whole: the same values as without the engine, refused where it gets a gradient
         "first row": lambda pos, h: h + pos[0],
         "summed over its batch axis": lambda pos, h: h + pos.sum(0),
         "viewed as [T, d]": lambda pos, h: h + pos.view(pos.shape[1], pos.shape[2]),
         "dropout on the table alone": lambda pos, h: h + F.dropout(pos, 0.5, training=True),
-        "changed in place": lambda pos, h: h + pos.mul_(2),
+        # written in place through a view taken as a whole, then used: its gradient would go around the engine
+        "first row changed in place, then added": lambda pos, h: h + _first_row_doubled(pos),
+        "viewed as [T, d], changed in place, then added": lambda pos, h: h + _viewed_and_doubled(pos),
     }
 
     def __init__(self, use: str, norm: bool = False):
@@ -68,8 +75,32 @@ class Positions(nn.Module):
         return self.head(torch.tanh(self.USES[self.use](pos, self.wte(x))).mean(1))
 
 
+def _heads_divided(pos):
+    """DeBERTa's `transpose_for_scores` then `/=`: a view naming the table's batch axis, a permutation, a write."""
+    heads = pos.view(pos.size()[:-1] + (2, -1)).permute(0, 2, 1, 3)
+    heads /= 3.0
+    return heads.permute(0, 2, 1, 3).reshape(pos.shape)
+
+
+def _column_set(pos):
+    pos[..., 0] = 0.5
+    return pos
+
+
+def _first_row_doubled(pos):
+    pos[0] *= 2  # pos[0] is the table as a whole ([T, d]), not its rows: the write goes around them
+    return pos
+
+
+def _viewed_and_doubled(pos):
+    whole = pos.view(pos.shape[1], pos.shape[2])  # the table as a whole, an ordinary tensor
+    whole *= 2
+    return whole
+
+
 EXACT = ["added", "moved, then added", "permuted twice, then added", "multiplied", "where",
-         "added in place to the features", "copied into the features"]
+         "added in place to the features", "copied into the features", "changed in place",
+         "split into heads, divided in place", "one column set in place", "changed in place twice, used between"]
 AS_A_WHOLE = ["first row", "summed over its batch axis", "viewed as [T, d]", "dropout on the table alone"]
 SIZES = {"B=T": (4, 4), "B!=T": (3, 5)}
 
@@ -106,13 +137,30 @@ def test_one_sample_through_a_broadcast_table_moves_the_model_by_at_most_R(float
     assert moved <= R * (1 + 1e-9)
 
 
-def test_a_broadcast_table_changed_in_place_is_refused(float64):
-    model = Positions("changed in place").double()
+@pytest.mark.parametrize("path", ["engine", "plain"])
+@pytest.mark.parametrize("use, when, why", [
+    # the table used after the write: refused in the forward, its rows no longer hold its values
+    ("first row changed in place, then added", "forward", "through a view of it that the engine does not follow"),
+    # an ordinary view of it used after the write: refused when the gradient reaches the write (capture's guard)
+    ("viewed as [T, d], changed in place, then added", "backward", "the loss depends on a view of it taken before"),
+])
+def test_a_broadcast_table_written_through_a_view_of_it_as_a_whole_is_refused(float64, path, use, when, why):
+    """``pos[0] *= 2`` writes the table through a view that is not its rows (the table as a whole), which the engine
+    does not follow: refused, naming the layer, before any gradient is given."""
+    model = Positions(use).double()
+    x, y = _data(4, 4, seed=1)
     engine = _engine(model, "bk-mixopt", loss_reduction="sum")
     engine.attach(torch.optim.SGD(model.parameters(), lr=1.0))
-    x, y = _data(4, 4, seed=1)
-    with pytest.raises(ValueError, match=r"wpe \(Embedding\), a view of another tensor, was modified in place"):
-        _backward(engine, model, x, y, "engine")
+    match = rf"wpe \(Embedding\), a table broadcast over the batch, was modified in place.*{why}"
+    if when == "forward":
+        with pytest.raises(ValueError, match=match):
+            model(x)
+    else:
+        model(x)  # (the forward runs as without the engine)
+    with pytest.raises(ValueError, match=match):
+        _backward(engine, model, x, y, path)
+    engine.detach()
+    assert all(p.grad is None for p in model.parameters())
 
 
 @pytest.mark.parametrize("size", list(SIZES))

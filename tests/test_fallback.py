@@ -718,13 +718,43 @@ class HidesATensor(nn.Module):
         return x * self.weight, Holder(torch.tanh(x) * self.weight)
 
 
-def test_output_hidden_in_an_object_that_depends_on_the_parameters_is_refused():
-    """Its graph does not reach the parameter (switched off during the layer's call): it would be dropped."""
+def test_output_hidden_in_an_object_that_the_loss_does_not_use_is_exact():
+    """A tensor in an object torch's pytree does not flatten (a cache of keys and values) is not differentiated by
+    the fallback; the loss does not use it: the step is exact."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 4), HidesATensor(4))
-    with pytest.raises(ValueError, match=r"1 \(HidesATensor\): its output \[1\] is a Holder holding tensors that "
-                                         r"depend on its trainable parameters.*register a rule"):
-        _one_step(nn.Sequential(model, Pick(0), nn.Linear(4, 3)), *_batch())
+    model = nn.Sequential(nn.Linear(4, 4), HidesATensor(4), Pick(0), nn.Linear(4, 3))
+    dptrain.testing.assert_rule_exact(model, _batch()[0], allow_fallback=True)
+
+
+class UsesHidden(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(4, 4), HidesATensor(4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        out, holder = self.inner(x)
+        return self.head(out + holder.tensor)
+
+
+@pytest.mark.parametrize("path", ["engine.backward", "loss.backward"])
+def test_output_hidden_in_an_object_that_the_loss_uses_is_refused(path):
+    """Its graph does not reach the parameter (switched off during the layer's call): its gradient would be dropped.
+    Refused when the gradient reaches it, naming the module; no gradient is given."""
+    torch.manual_seed(0)
+    model = UsesHidden()
+    x, y = _batch()
+    engine = dptrain.PrivacyEngine(model, batch_size=4, sample_size=100, noise_multiplier=0.0, max_grad_norm=1.0)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        for _ in range(2):  # (the second call takes what the first one read from its cache)
+            losses = F.cross_entropy(model(x), y, reduction="none")
+            with pytest.raises(ValueError, match=r"inner.1 \(HidesATensor\): the loss depends on its output \[1\], a "
+                                                 r"Holder holding tensors that depend on its trainable parameters"):
+                engine.backward(losses) if path == "engine.backward" else losses.mean().backward()
+    finally:
+        engine.detach()
+    assert all(p.grad is None for p in model.parameters())
 
 
 class Pick(nn.Module):

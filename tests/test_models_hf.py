@@ -198,6 +198,8 @@ CASES = {
     "roberta-cls": roberta_cls_case,
     "t5": t5_case,
     "t5-relative-bias": lambda: t5_case(relative_bias=True),
+    # the decoder's cache of keys and values left on (the default): it depends on the table, the loss does not use it
+    "t5-relative-bias-cache": lambda: t5_case(relative_bias=True, use_cache=True),
     "vit": vit_case,
     "deit-distilled": deit_case,
 }
@@ -216,7 +218,7 @@ def _engine(case: Case, **kwargs):
 # of sum_i C_i L_i (the two-pass modes) rounds the C_i-scaled gradients there, where the oracle
 # rounds unscaled ones and scales after, so the two differ at float32 precision. Those modes are
 # checked exactly against the same second backward driven by the oracle's own clipping factors.
-FLOAT32_INSIDE = {"t5", "t5-relative-bias"}
+FLOAT32_INSIDE = {"t5", "t5-relative-bias", "t5-relative-bias-cache"}
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -289,6 +291,23 @@ def test_t5_called_with_its_cache_on_is_exact_through_the_fallback(mode):
     case, R, ref = with_oracle(lambda: t5_case(relative_bias=True, use_cache=True))
     assert_matches(_engine(case, mode=mode, max_grad_norm=R), ref, rtol=1e-10 if mode != "ghost" else 1e-5,
                    what=f"T5 with use_cache, {mode}")
+
+
+def test_t5_decoder_cache_the_loss_uses_is_refused_naming_use_cache():
+    """With the table trainable the decoder stack is replayed; its cache of keys and values (use_cache, the default)
+    holds tensors that depend on the table, which the fallback does not differentiate. Exact while the loss does not
+    use the cache (the test above); a loss that does is refused, naming the decoder and use_cache=False."""
+    case = t5_case(relative_bias=True, use_cache=True)
+    ids, mask, labels = case.batch
+
+    def losses(model, ids, mask, labels):
+        out = model(input_ids=ids, attention_mask=mask, labels=labels.clamp(min=0))
+        keys = out.past_key_values.self_attention_cache.layers[0].keys
+        return out.logits.square().mean((1, 2)) + keys.square().mean((1, 2, 3))
+
+    with pytest.raises(ValueError, match=r"^decoder \(T5Stack\): the loss depends on its output \['cache'\].*"
+                                         r"use_cache=False"):
+        engine_clipped_sum(Case(case.model, losses, case.batch), quiet=True, mode="bk-mixopt", max_grad_norm=1.0)
 
 
 # --------------------------------------------------------------------------- token losses

@@ -15,7 +15,7 @@ from torch import nn
 
 import dptrain
 from helpers import (
-    spread_init,
+    spread_init, reweighted_reference, default_dtype,
     MODES, RTOL, SINGLE_BACKWARD_MODES, Case, assert_matches, classify, engine_clipped_sum, with_oracle,
 )
 
@@ -257,3 +257,56 @@ def test_beit_attention_dropout_is_refused():
                                   attn_drop_rate=0.1, use_rel_pos_bias=True)
     with pytest.raises(ValueError, match="attention dropout"):
         dptrain.validate(model)
+
+
+# --------------------------------------------------------------------------- EfficientViT's linear attention
+class _Float64Attention(timm.models.efficientvit_mit.LiteMLA):
+    """EfficientViT's LiteMLA with its attention kept in the model's dtype (timm's casts q, k, v to float32)."""
+
+    def _attn(self, q, k, v):
+        kv = k.transpose(-1, -2) @ v
+        out = q @ kv
+        return out[..., :-1] / (out[..., -1:] + self.eps)
+
+
+class _ContextNet(nn.Module):
+    """A conv stem, EfficientViT's context module (LiteMLA: a 1x1 conv with its norm for q, k, v; the multi-scale
+    aggregation, a depthwise 5x5 conv padded to the same size then a 1x1 conv grouped by 3 x heads; the projection
+    with its norm; BatchNorm swapped for GroupNorm by dptrain.fix) and a linear head."""
+
+    def __init__(self, attention):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, padding=1)
+        self.context = attention(8, 8, dim=4, scales=(5,))
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.context(torch.relu(self.stem(x))).mean((2, 3)))
+
+
+def _context_case(attention):
+    torch.manual_seed(5)
+    return _case(dptrain.fix(_ContextNet(attention)), 5, size=6)
+
+
+@pytest.mark.parametrize("mode,path", [(m, "engine") for m in MODES] + [(m, "mean") for m in SINGLE_BACKWARD_MODES])
+def test_efficientvit_context_module_is_exact_in_float64(mode, path):
+    """Every layer of the context module, ghost norms included, at float64 tolerance in every mode and path."""
+    case, R, ref = with_oracle(lambda: _context_case(_Float64Attention))
+    assert_matches(_engine(case, mode=mode, max_grad_norm=R, path=path), ref, what=f"{mode} {path}")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_efficientvit_float32_attention_rounds_only_the_second_backward(mode):
+    """timm's LiteMLA computes its attention in float32 inside a float64 model (issue 33's "ghost inexactness"). The
+    single-backward modes (ghost norms included: bk, bk-mix-ghost) are exact to float64; the two-pass modes (ghost,
+    fast-grad-clip, mix-ghost) back-propagate sum_i C_i L_i a second time, whose C_i-scaled gradients round in
+    float32 there, where the oracle rounds unscaled ones and scales after: they are exact to float64 against that
+    same re-weighted backward driven by the oracle's clipping factors, and to float32 precision against the oracle."""
+    case, R, ref = with_oracle(lambda: _context_case(timm.models.efficientvit_mit.LiteMLA))
+    got = _engine(case, mode=mode, max_grad_norm=R)
+    if dptrain.RECIPES[mode].two_pass:
+        assert_matches(got, ref, rtol=1e-5, what=f"{mode}: float32 inside the model")
+        with default_dtype(torch.float64):
+            ref = reweighted_reference(case, R)
+    assert_matches(got, ref, what=f"{mode} engine.backward")

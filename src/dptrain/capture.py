@@ -421,7 +421,7 @@ class Capture:
             module = state.module
             self._hooked[id(module)] = module
             self._pre_hook_fns[id(module)] = EngineHook(self._make_pre_hook(module))
-            pre = self._keep(module.register_forward_pre_hook(self._pre_hook_fns[id(module)]))
+            pre = self._keep(module.register_forward_pre_hook(self._pre_hook_fns[id(module)], with_kwargs=True))
             post = self._keep(module.register_forward_hook(
                 EngineHook(self._make_post_hook(module)), always_call=True, with_kwargs=True, prepend=True))
             self._pre_ids[id(module)], self._post_ids[id(module)] = pre.id, post.id
@@ -549,8 +549,10 @@ class Capture:
         """A covered layer's output that is a view of part of another tensor, modified in place afterwards: its
         gradient would never reach the engine (the in-place op rewrites the view's history)."""
         views, self._view_outputs = self._view_outputs, []
-        for tensor, version, state in views:
-            if tensor._version != version:
+        for tensor, version, state, broadcast in views:
+            if tensor._version != version and broadcast:
+                _guard_written_base(tensor, state)  # (writes into the table itself: broadcast.py)
+            elif tensor._version != version:
                 raise ValueError(
                     f"the output of {state.path} ({type(state.module).__name__}), a view of another tensor, was "
                     "modified in place after the layer returned it (e.g. `h /= 2` or `h += x`): its gradient cannot "
@@ -678,12 +680,14 @@ class Capture:
             )
 
     def _make_pre_hook(self, module: nn.Module):
-        def pre_hook(module, inputs):
+        def pre_hook(module, inputs, kwargs=None):
             state = self._state_of.get(id(module))
             # A replay by the per-sample fallback runs children as they are: nothing to switch or record.
             if state is None or not torch.is_grad_enabled() or in_replay() or self.paused or self.dry:
                 return None
             self._check_hook_order(module, state)
+            if state.rule.before_call is not None:  # (the fallback keeps a cache passed in as it is before the call)
+                state.rule.before_call(module, inputs, kwargs or {})
             params = self._current_params(state) if self.params_by_name else state.params.values()
             switched = [p for p in params if p.requires_grad]
             for p in switched:
@@ -876,7 +880,7 @@ class Capture:
             return tensor
         if broadcast:  # the model gets the layer's own [1, ...] output; the engine hooks its rows over the batch
             call.broadcast = True
-            returned = broadcast_rows(tensor, shared_use_marker(call, self))
+            returned = broadcast_rows(tensor, shared_use_marker(call, self), f"{state.path} ({type(module).__name__})")
         else:
             returned = tensor
         call.edge_swapped = output_swapped
@@ -999,8 +1003,10 @@ class Capture:
             # see a gradient any more. The base's node does, in place or not: its gradient, reshaped, is this one.
             node, index, shape = base.grad_fn, base.output_nr, tensor.shape
         elif base is not None and self._open_forward is not None and not in_backward():
-            # any other view: an in-place op on it would hide its gradient (checked when the model call returns)
-            self._view_outputs.append((tensor, tensor._version, state))  # (held until the model call returns)
+            # any other view: an in-place op on it would hide its gradient (checked when the model call returns;
+            # ``broadcast``: the rows of a table, which the table's own writes leave readable, broadcast.py)
+            broadcast = call is not None and call.broadcast
+            self._view_outputs.append((tensor, tensor._version, state, broadcast))  # (held until the call returns)
         if node is None:
             tensor.register_hook(read)
             return
@@ -1026,6 +1032,29 @@ class Capture:
             return None
 
         node.register_prehook(pre_hook)
+
+
+def _guard_written_base(rows: torch.Tensor, state: LayerState) -> None:
+    """A table's rows over the batch (a view of the layer's output) whose memory was written in place in the forward.
+
+    Writes into the table itself leave later uses of it on copies of the rows that lead to the engine's hook
+    (``broadcast._write_table``). A use of another view of the output after a write leads instead through the
+    write's node on the output's base (``CopySlices``), around the hook: its gradient would escape clipping. Each such
+    node refuses the gradient that reaches it."""
+    where = f"{state.path} ({type(state.module).__name__})"
+
+    def refuse(grad_outputs):
+        raise ValueError(
+            f"the output of {where}, a table broadcast over the batch, was modified in place in the forward (e.g. "
+            "`t /= 2`), and the loss depends on a view of it taken before the write or through another name: its "
+            "gradient would not reach the engine, which reads each sample's part of it. Modify the table "
+            "out of place (`t = t / 2`), or write it only through the name the layer returned"
+        )
+
+    node = rows._base.grad_fn
+    while node is not None and type(node).__name__ == "CopySlices":
+        node.register_prehook(refuse)
+        node = node.next_functions[0][0]
 
 
 def _of_own_parameter(tensor: torch.Tensor, state: LayerState) -> bool:

@@ -31,7 +31,10 @@ module. The check above then perturbs one row of the call.
 """
 from __future__ import annotations
 
+import contextvars
+import copy
 import dataclasses
+import enum
 import functools
 import inspect
 import itertools
@@ -49,7 +52,7 @@ from torch.utils import _pytree as pytree
 from ..checks import first_line
 from .numerics import autocast_state, close, scale_samples, swap01, weighted_sum
 from .protocol import LayerDims, LayerRule, OutputLeaves
-from .registry import container_params
+from .registry import container_params, reads_child_params
 
 _state = threading.local()
 
@@ -85,7 +88,8 @@ def replay(module: nn.Module, args: tuple, kwargs: dict, params: dict[str, torch
 
     Every other parameter of the subtree enters detached (the replay differentiates only
     ``params``); buffers enter as copies, so a forward that updates them in place (running
-    statistics) leaves the module as it was.
+    statistics) leaves the module as it was. It runs in an empty ``contextvars`` context, so that
+    state a library keeps per model call in context variables does not record it.
 
     Each tensor *slot* (a module object and the attribute name it keeps the tensor under) is
     swapped once, whatever the number of names it answers to: a submodule registered under two
@@ -109,8 +113,11 @@ def replay(module: nn.Module, args: tuple, kwargs: dict, params: dict[str, torch
         for leaf, b in owner._buffers.items():
             if b is not None:
                 swapped[dotted + leaf] = b.clone()
+    # In an empty context: what a library keeps per model call in context variables (Hugging Face's collector of
+    # hidden states, which its layers' hooks append to) does not see the replay's calls of the children.
     with replaying():
-        return torch.func.functional_call(_Bypass(module), swapped, (args, kwargs), tie_weights=False)
+        return contextvars.Context().run(torch.func.functional_call, _Bypass(module), swapped, (args, kwargs),
+                                         tie_weights=False)
 
 
 def autograd_vjp(fn, primals: dict[str, torch.Tensor]):
@@ -158,9 +165,18 @@ class FallbackCall:
     axes: list[int] | None = None
     #: one row broadcast over the batch (``expand_batch``): each sample's rows are that row
     broadcast: bool = False
+    #: positions of the leaves that are objects the call may change (``FallbackRule.before_call``), copied per replay
+    objects: list[int] = field(default_factory=list)
+    #: positions of the tensor leaves that required grad in the call (activations, not tables or masks)
+    differentiable: frozenset[int] = frozenset()
 
     def arguments(self, replaced: dict[int, torch.Tensor] | None = None) -> tuple[tuple, dict]:
+        """The call's arguments for a replay: ``replaced`` put in, and each object the call may change (a cache of
+        keys and values the module adds its own to, kept as it was before the call) copied, its tensors detached,
+        so that a replay changes neither the user's object nor the one kept for the next replay."""
         leaves = list(self.leaves)
+        for k in self.objects:
+            leaves[k] = _snapshot(leaves[k])
         for k, t in (replaced or {}).items():
             leaves[k] = t
         return pytree.tree_unflatten(leaves, self.spec)
@@ -222,6 +238,22 @@ def min_dtype(*dtypes: torch.dtype) -> torch.dtype:
     """The least precise of the dtypes given (integer ones count as float32)."""
     floats = [d if d.is_floating_point else torch.float32 for d in dtypes]
     return max(floats, key=lambda d: torch.finfo(d).eps)
+
+
+class SideChannel:
+    """Where a library keeps tensors computed inside a module's call other than in its output (Hugging Face's collector
+    of hidden states and attentions, which hooks on its layers fill): ``snapshot()`` before a call of a module the
+    fallback replays, ``escaped(state)`` after it, the (tensor, setter) pairs the call added (``setter`` puts another
+    tensor in its place). ``layers/hf.py`` registers one in ``SIDE_CHANNELS``."""
+
+    def snapshot(self):
+        raise NotImplementedError
+
+    def escaped(self, state) -> list:
+        raise NotImplementedError
+
+
+SIDE_CHANNELS: list[SideChannel] = []
 
 
 class SampleMixingError(RuntimeError):
@@ -304,6 +336,11 @@ class _BatchAxes:
         if (self.swapped or output.is_meta or batch is None or batch <= 1 or output.dim() < 2
                 or batch not in tuple(output.shape[1:]) or not output.is_floating_point()):
             return False
+        if output.shape[0] == 1:
+            # [1, T, ...] with T = B: a table broadcast over the batch (BART's positions looked up on [T] ids), which
+            # the capture expands, rather than one token of a module run sequence-first: positions computed
+            # independently verify as "samples" as well as samples do, and only the rows' reading could tell
+            return False
         call = self._keep_call(module, args, kwargs, output.device)
         key = (call.signature, (0,))
         known = self._axes_found.get(key, _UNKNOWN)
@@ -318,7 +355,7 @@ class _BatchAxes:
         self._set_rows(module, args, kwargs, call, output.shape[0])
         if call.batched:
             try:
-                self._check_independence(module, call, output)
+                self._check_independence(module, call, output, every_row=True)
             except SampleMixingError as e:
                 err = e if output.shape[0] == batch else None
             else:
@@ -359,20 +396,24 @@ class _BatchAxes:
             tried = 0
             for outs in out_options:
                 expected = [whole[k].movedim(o, 0) for k, o in zip(per_sample, outs)]
-                # each argument alone: the axes along which one sample's change moves that sample only
+                # each argument alone: the axes along which one sample's change moves that sample only; where it
+                # moves nothing (the sample's data makes it so: a mask over tokens all alike), the axes, or shared
                 options = {}
                 for k, axes in candidates.items():
-                    passing = [a for a in axes
-                               if self._moves_one_sample(module, call, {k: a}, per_sample, outs, expected) is True]
-                    if passing:
-                        options[k] = passing
+                    moves = {a: self._moves_one_sample(module, call, {k: a}, per_sample, outs, expected) for a in axes}
+                    if any(m is True for m in moves.values()):
+                        options[k] = [a for a, m in moves.items() if m is True]
+                    elif any(m is None for m in moves.values()):
+                        options[k] = [a for a, m in moves.items() if m is None] + [None]
                 if not options:
                     continue
                 for combo in itertools.product(*options.values()):
                     if tried >= _MAX_ASSIGNMENTS:
                         break
+                    axes = {k: a for k, a in zip(options, combo) if a is not None}
+                    if not axes:
+                        continue
                     tried += 1
-                    axes = dict(zip(options, combo))
                     if (self._moves_one_sample(module, call, axes, per_sample, outs, expected) is True
                             and self._samples_reproduce(module, call, axes, per_sample, outs, expected)):
                         verified.append((axes, outs))
@@ -507,14 +548,21 @@ class FallbackRule(_BatchAxes, LayerRule):
         self._backward_checked: set[tuple] = set()  # ... whose per-sample gradients were checked
         #: ... with rows folded into the batch, by their samples: whether the replay takes arguments by sample
         self._folded_checked: dict[tuple, bool] = {}
-        #: container outputs: which leaves depend on the trainable parameters, per call signature and trainable set
-        self._depends: dict[tuple, tuple[int, ...]] = {}
+        #: container outputs: which leaves depend on the trainable parameters (and which tensors hidden in objects),
+        #: per call signature and trainable set
+        self._depends: dict[tuple, tuple[tuple[int, ...], tuple]] = {}
         #: call signatures that vmap cannot replay: one replay per sample (``_per_sample_one_by_one``)
         self._one_by_one: set[tuple] = set()
         self._warned_one_by_one = False
         #: calls whose batch is not the leading axis of every argument and output: per call signature and output
         #: leaves, the verified assignment of batch axes (``_AxisAssignment``), or None for the batch-first reading
         self._axes_found: dict[tuple, _AxisAssignment | None] = {}
+        #: the objects among the arguments of the call running now, as they were before it (``before_call``)
+        self._before: dict[int, tuple[Any, Any]] = {}
+        #: per call signature, the arguments as long as the batch that every sample shares (``_shared_arguments``)
+        self._shared_found: dict[tuple, tuple[int, ...]] = {}
+        #: the side channels' state before the call running now (``before_call``)
+        self._channels: list = []
 
     # ------------------------------------------------------------------ forward: keep the call
     def capture_call(self, module, args, kwargs, output):
@@ -526,8 +574,24 @@ class FallbackRule(_BatchAxes, LayerRule):
         self._refuse_output_hooks(module, output)
         call = self._keep_call(module, args, kwargs, output.device)
         self._set_rows(module, args, kwargs, call, output.shape[0])
+        shared = self._shared_found.get(call.signature)
+        if shared:
+            self._share(call, shared)
         if call.signature not in self._forward_checked and call.batch > 1 and not output.is_meta:  # meta: plan
-            self._check_independence(module, call, output)
+            try:
+                self._check_independence(module, call, output)
+            except SampleMixingError:
+                # an argument as long as the batch may be shared by every sample (timm EVA's rotary table [N, d]
+                # with N = B, a mask [T, T] with T = B): those whose first row, changed alone, moves the others
+                shared = self._shared_arguments(module, call, output)
+                if not shared:
+                    raise
+                base = call.signature
+                self._share(call, shared)
+                self._check_independence(module, call, output)
+                if len(self._shared_found) >= 256:
+                    self._shared_found.clear()
+                self._shared_found[base] = shared
             self._forward_checked.add(call.signature)
         return call
 
@@ -574,14 +638,56 @@ class FallbackRule(_BatchAxes, LayerRule):
         self._set_rows(module, args, kwargs, call, rows or 0)
         # (one sample in the model call: its rows may interact, nothing can mix)
         if call.signature not in self._forward_checked and call.batch > 1 and per_sample and not meta and batch != 1:
+            # the leading rows may be tokens or windows rather than the samples: every row is checked apart
+            ambiguous = rows != batch or any(batch in tuple(leaves[k].shape[1:]) for k in depends)
             try:
-                self._check_independence(module, call, output)
+                self._check_independence(module, call, output, every_row=ambiguous)
             except SampleMixingError as err:  # the batch may sit at another axis (a module run sequence-first)
+                leading = call.signature
                 call.signature, call.outputs = base_signature, None
-                found = self._axes_after_refusal(module, call, leaves, tuple(depends), paths, batch, err)
-                return found.apply(call, batch), found.picked
+                if rows != batch and batch is not None and batch > 1 and not self.swapped:
+                    # rows that are not the samples (tokens, windows): the batch at another axis, where one verifies;
+                    # else the rows are left to the row reader, as far as perturbing row 0 alone allows
+                    found = self._search_axes(module, call, leaves, tuple(depends), paths, batch)
+                    if found is not None:
+                        self._keep_axes((base_signature, tuple(depends)), found)
+                        return found.apply(call, batch), found.picked
+                    call.signature, call.outputs = leading, picked
+                    self._check_independence(module, call, output)
+                else:
+                    found = self._axes_after_refusal(module, call, leaves, tuple(depends), paths, batch, err)
+                    return found.apply(call, batch), found.picked
             self._forward_checked.add(call.signature)
         return call, picked
+
+    @staticmethod
+    def _share(call: FallbackCall, shared: tuple[int, ...]) -> None:
+        call.batched = [k for k in call.batched if k not in shared]
+        call.signature = (*call.signature, ("shared", shared))
+
+    def _shared_arguments(self, module, call: FallbackCall, output) -> tuple[int, ...]:
+        """The batched arguments whose first row, changed alone, moves other rows of the output: shared by every
+        sample, though as long as the batch. Only tables, masks and ids: empty where an argument that required grad
+        (an activation, the batch's own) moves other rows, where no argument's first row moves the output's first
+        row alone (the call mixes its samples: the refusal stands), or where the replay fails."""
+        if len(call.batched) < 2:
+            return ()
+        shared, own = [], False
+        device, enabled, dtype = call.autocast
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            try:
+                again = self._replay(module, *call.arguments())
+                for k in call.batched:
+                    moved = self._replay(module, *call.arguments({k: _perturb_first(call.leaves[k])}))
+                    if not (isinstance(moved, torch.Tensor) and _rows_kept(moved, again)):
+                        if k in call.differentiable:
+                            return ()
+                        shared.append(k)
+                    elif not _close(moved[:1], again[:1]):
+                        own = True  # its first row moves the output's first row, and that row alone
+            except (RuntimeError, ValueError, TypeError):
+                return ()
+        return tuple(shared) if own else ()
 
     def _refuse_output_hooks(self, module, output: torch.Tensor) -> None:
         if output._backward_hooks:
@@ -592,22 +698,61 @@ class FallbackRule(_BatchAxes, LayerRule):
                 "outside the module's forward, or register a rule for it with dptrain.register_layer"
             )
 
-    @staticmethod
-    def _keep_call(module, args, kwargs, device: torch.device) -> FallbackCall:
-        """The call's arguments, the tensors detached (``batched`` and ``batch`` are set by ``_set_rows``)."""
+    def before_call(self, module, args, kwargs) -> None:
+        """The objects among the call's arguments that hold tensors, as they are before it runs (copies, their tensors
+        detached): a call may change them (a cache of keys and values it adds its own to), and its replays must
+        see them as the call did (``_keep_call``). And the side channels' state (``SIDE_CHANNELS``)."""
+        held = [leaf for leaf in pytree.tree_leaves((tuple(args), dict(kwargs))) if _may_change(leaf)]
+        self._before = {id(leaf): (leaf, _snapshot(leaf)) for leaf in held}
+        self._channels = [(channel, channel.snapshot()) for channel in SIDE_CHANNELS]
+
+    def _guard_escaped(self, module) -> None:
+        """Tensors the call put where a side channel keeps them (Hugging Face's collector of hidden states) rather
+        than in its output: their gradient would reach the module's parameters around the replay, which
+        differentiates the output only. Replaced there by copies that refuse a gradient (``_UnusedOutput``)."""
+        channels, self._channels = self._channels, []
+        escaped = [(t, setter) for channel, state in channels for t, setter in channel.escaped(state)
+                   if isinstance(t, torch.Tensor) and t.requires_grad
+                   and type(t.grad_fn).__name__ != "_UnusedOutputBackward"]
+        if not escaped:
+            return
+        message = (
+            f"{self._name(module)}: the loss depends on a tensor computed inside its call that left it other than "
+            "through its output (hidden states or attentions that Hugging Face collects for output_hidden_states or "
+            "output_attentions, a weighted sum of the layers' hidden states), which the per-sample fallback, "
+            "differentiating the module's output only, would miss. Compute the loss without them "
+            "(output_hidden_states=False, use_weighted_layer_sum=False), register a rule for "
+            f"{type(module).__name__} with dptrain.register_layer, or freeze its parameters"
+        )
+        for (_, setter), copy in zip(escaped, _UnusedOutput.apply(message, *(t for t, _ in escaped))):
+            setter(copy)
+
+    def _keep_call(self, module, args, kwargs, device: torch.device) -> FallbackCall:
+        """The call's arguments, the tensors detached (``batched`` and ``batch`` are set by ``_set_rows``); an object
+        the call may change, as it was before the call (``before_call``; a copy of it as it is now for a call whose
+        start the capture did not see)."""
+        if self._channels:
+            self._guard_escaped(module)
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        kept, versions = [], []
+        kept, versions, objects, differentiable = [], [], [], []
         for k, leaf in enumerate(leaves):
             if isinstance(leaf, torch.Tensor):
                 versions.append((k, leaf._version))
+                if leaf.requires_grad:
+                    differentiable.append(k)
                 leaf = leaf.detach()
+            elif _may_change(leaf):
+                objects.append(k)
+                before = self._before.get(id(leaf))
+                leaf = before[1] if before is not None and before[0] is leaf else _snapshot(leaf)
             kept.append(leaf)
         autocast = autocast_state(device.type)
         signature = (
             module.training, autocast,
             tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else type(t) for t in kept),
         )
-        return FallbackCall(kept, spec, [], 0, versions, autocast, signature)
+        return FallbackCall(kept, spec, [], 0, versions, autocast, signature, objects=objects,
+                            differentiable=frozenset(differentiable))
 
     @staticmethod
     def _set_rows(module, args, kwargs, call: FallbackCall, batch: int) -> None:
@@ -625,15 +770,28 @@ class FallbackRule(_BatchAxes, LayerRule):
         replay with those parameters requiring grad (and nothing else) says which leaves require grad. Read once per
         call signature, trainable set and output structure (its leaves' kinds and shapes, which grad they need).
 
-        A parameter the engine cannot follow is refused: a tensor that depends on one inside an object the output
-        holds but torch's pytree does not flatten (a class of its own), or a leaf that is not floating point."""
+        A tensor that depends on them inside an object the output holds but torch's pytree does not flatten (a
+        class of its own: a cache of keys and values) is not differentiated: the loss must not use it. At every call
+        it is replaced in that object by a copy that refuses any gradient (``_guard_hidden``); where it cannot be
+        replaced (inside a tuple of such an object), or where a leaf that depends on them is not floating point, the
+        call is refused."""
         names = tuple(n for n in self.param_names if module.get_parameter(n).requires_grad)
         structure = tuple((tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor) else type(t)
                           for t in leaves)
         key = (call.signature, names, structure)
         known = self._depends.get(key)
-        if known is not None:
-            return known
+        if known is None:
+            known = self._read_depending(module, call, leaves, floats)
+            self._depends[key] = known
+        depends, hidden = known
+        for k in hidden:
+            self._guard_hidden(module, leaves[k], paths[k])
+        return depends
+
+    def _read_depending(self, module, call: FallbackCall, leaves: list, floats: list[int]):
+        """(the float leaves that depend on the trainable parameters, and the other leaves that hold tensors that
+        do), from one replay."""
+        names = tuple(n for n in self.param_names if module.get_parameter(n).requires_grad)
         primals = {n: module.get_parameter(n).detach().requires_grad_(True) for n in names}
         device, enabled, dtype = call.autocast
         with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
@@ -644,23 +802,52 @@ class FallbackRule(_BatchAxes, LayerRule):
         replayed = pytree.tree_leaves(out)
         if len(replayed) != len(leaves):
             raise self._not_reproduced(module)
+        hidden = []
         for k, leaf in enumerate(replayed):
-            hidden = k not in floats and any(t.requires_grad for t in _tensors_within(leaf))
-            if hidden:
-                what = (f"a {leaf.dtype} tensor that depends" if isinstance(leaf, torch.Tensor)
-                        else f"a {type(leaf).__name__} holding tensors that depend")
-                cache = ("Cache" in type(leaf).__name__ and " (a cache of keys and values, which training does not "
-                         "need: call the model with use_cache=False, or set model.config.use_cache = False)" or "")
-                raise ValueError(
-                    f"{self._name(module)}: its output {paths[k] or '(the whole output)'} is {what} on its "
-                    "trainable parameters, which the per-sample fallback cannot differentiate: it takes "
-                    "floating-point tensors in tuples, lists, dicts, Hugging Face ModelOutputs and other containers "
-                    f"registered with torch.utils._pytree{cache}. Return such tensors, register a rule for "
-                    f"{type(module).__name__} with dptrain.register_layer, or freeze its parameters"
-                )
-        known = tuple(k for k in floats if replayed[k].requires_grad)
-        self._depends[key] = known
-        return known
+            if k not in floats and any(t.requires_grad for t in _tensors_within(leaf)):
+                if isinstance(leaf, torch.Tensor):  # (an integer tensor that depends on them)
+                    raise self._hidden_refusal(module, leaf, k, None)
+                hidden.append(k)
+        return tuple(k for k in floats if replayed[k].requires_grad), tuple(hidden)
+
+    def _guard_hidden(self, module, leaf, path: str) -> None:
+        """Replace the tensors inside ``leaf`` (an object of the call's output that holds some that depend on the
+        parameters) that require grad by copies whose gradient is refused (``_UnusedOutput``): the module used them
+        inside its call, where their gradient is part of the replay's; a loss that used them after the call would
+        reach the parameters around the fallback. (Those of an object passed in and held on, a cache that several
+        layers fill, are guarded alike: a loss on a cache is refused.)"""
+        slots = [(t, setter) for t, setter in _tensor_slots(leaf)
+                 if t.requires_grad and type(t.grad_fn).__name__ != "_UnusedOutputBackward"]
+        if not slots:
+            return
+        if any(setter is None for _, setter in slots):
+            raise self._hidden_refusal(module, leaf, None, path)
+        message = self._hidden_refusal(module, leaf, None, path, used=True)
+        copies = _UnusedOutput.apply(str(message), *(t for t, _ in slots))
+        for (_, setter), copy in zip(slots, copies):
+            setter(copy)
+
+    def _hidden_refusal(self, module, leaf, k, path, used: bool = False) -> ValueError:
+        what = (f"a {leaf.dtype} tensor that depends" if isinstance(leaf, torch.Tensor)
+                else f"a {type(leaf).__name__} holding tensors that depend")
+        cache = ("Cache" in type(leaf).__name__ and " (a cache of keys and values, which training does not "
+                 "need: call the model with use_cache=False, or set model.config.use_cache = False)" or "")
+        where = path if path is not None else "" if k is None else None
+        if used:
+            return ValueError(
+                f"{self._name(module)}: the loss depends on its output {where or '(the whole output)'}, {what} on its "
+                "trainable parameters, which the per-sample fallback does not differentiate (it takes "
+                "floating-point tensors in tuples, lists, dicts, Hugging Face ModelOutputs and other containers "
+                f"registered with torch.utils._pytree){cache}. Compute the loss without it, register a rule for "
+                f"{type(module).__name__} with dptrain.register_layer, or freeze its parameters"
+            )
+        return ValueError(
+            f"{self._name(module)}: its output {where or '(the whole output)'} is {what} on its "
+            "trainable parameters, which the per-sample fallback cannot differentiate: it takes "
+            "floating-point tensors in tuples, lists, dicts, Hugging Face ModelOutputs and other containers "
+            f"registered with torch.utils._pytree{cache}. Return such tensors, register a rule for "
+            f"{type(module).__name__} with dptrain.register_layer, or freeze its parameters"
+        )
 
     def capture(self, module, inputs, output):  # everything goes through capture_call
         raise NotImplementedError("FallbackRule keeps whole calls: use capture_call")
@@ -668,12 +855,10 @@ class FallbackRule(_BatchAxes, LayerRule):
     def expand_batch(self, module, activation, output, batch):
         """A call with batch size 1 whose output broadcasts over the batch: every input is shared.
 
-        A call with no tensor argument at all (a table computed from parameters alone, Swin's relative position
-        bias) is not expanded: how the model broadcasts it is unknown (over the batch, or over the batch times
-        its windows), so it stays as it is and its one row, shared by every sample, is refused by the rows'
-        reading, naming the module."""
-        if not any(isinstance(leaf, torch.Tensor) for leaf in activation.leaves):
-            return None
+        A call with no tensor argument at all (a table computed from parameters alone: BEiT's relative position
+        bias) is expanded too: how the model broadcasts it is checked where it meets the batch (``broadcast.py``),
+        and where it meets something else (Swin's bias, added to B x windows rows) its one row, shared by every
+        sample, is refused by the rows' reading, naming the module."""
         activation.batched = []
         activation.batch = batch
         activation.broadcast = True
@@ -1078,8 +1263,14 @@ class FallbackRule(_BatchAxes, LayerRule):
             )
 
     # ------------------------------------------------------------------ checks, once per signature
-    def _check_independence(self, module, call, output):
-        """Forward check: the replay reproduces the output, and perturbing sample 0 moves no other sample."""
+    def _check_independence(self, module, call, output, every_row: bool = False):
+        """Forward check: the replay reproduces the output, and perturbing sample 0 moves no other sample.
+
+        ``every_row``: where the leading rows may not be the samples (the batch also sits at another axis, or the rows
+        are not as many as the samples), also no row moves another: row 0 alone may be apart by the data (a token
+        every sample masks, XLNet's left padding) while the others mix. Perturbing, for each bit of a row's number,
+        the rows with that bit set, then those without it, moves each row apart from each other at least once:
+        2 log2(rows) more replays, once per call signature."""
         device, enabled, dtype = call.autocast
         picked = call.outputs
         with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
@@ -1107,13 +1298,42 @@ class FallbackRule(_BatchAxes, LayerRule):
             except (RuntimeError, ValueError, TypeError) as err:
                 raise self._cannot_replay(module, err, " with one sample changed") from err
             # the same computation on the same shapes: other samples' rows move by no more than a rounding
-            if not all(_rows_kept(m, a) for m, a in zip(moved, again)):
+            kept = all(_rows_kept(m, a) for m, a in zip(moved, again))
+            if kept and every_row:
+                kept = self._rows_apart(module, call, again)
+            if not kept:
                 raise SampleMixingError(
                     f"{self._name(module)} mixes the samples of a batch: changing one sample's input changed the "
                     "outputs of the others (batch statistics, as BatchNorm in training mode computes), so per-sample "
                     "gradients do not exist. Use a per-sample normalisation (nn.GroupNorm, nn.LayerNorm), call "
                     ".eval() on it, or freeze its parameters"
                 )
+
+    def _rows_apart(self, module, call, again: list[torch.Tensor]) -> bool:
+        """Whether perturbing the rows of each bit set (and then of its complement) moves no other row of the
+        per-sample outputs (``_check_independence``'s ``every_row``); under its no_grad and autocast."""
+        rows = call.batch
+        picked = call.outputs
+        number = torch.arange(rows)
+        for bit in range(max(1, (rows - 1).bit_length())):
+            has_bit = (number >> bit) & 1 == 1
+            for changed in (has_bit, ~has_bit):
+                if not changed.any() or changed.all():
+                    continue
+                perturbed = {k: _perturb_rows(call.leaves[k], changed) for k in call.batched}
+                try:
+                    moved = self._replay(module, *call.arguments(perturbed))
+                    moved = [moved] if picked is None else list(picked.pick(moved))
+                except (RuntimeError, ValueError, TypeError) as err:
+                    raise self._cannot_replay(module, err, " with some rows changed") from err
+                for m, a in zip(moved, again):
+                    if m.shape != a.shape:
+                        return False
+                    rest = a[~changed.to(a.device)]
+                    same = 4 * torch.finfo(min_dtype(a.dtype, torch.float32)).eps
+                    if rest.numel() and not _close(m[~changed.to(m.device)], rest, rest.abs().max(), same):
+                        return False
+        return True
 
     def _check_gradient_sum(self, module, call, g, primals, per_sample):
         """Backward check: the per-sample gradients sum to the whole batch's gradient."""
@@ -1215,6 +1435,66 @@ def _tensors_within(obj, depth: int = 0):
             yield from _tensors_within(item, depth + 1)
 
 
+def _may_change(obj) -> bool:
+    """Whether an argument is an object a call could change (a cache of keys and values it adds its own to): not a
+    tensor, a plain value, a module, a type or a function."""
+    return not (obj is None or isinstance(obj, (torch.Tensor, int, float, bool, str, bytes, complex, torch.dtype,
+                                                torch.device, torch.Size, slice, type, nn.Module, enum.Enum))
+                or callable(obj))
+
+
+def _snapshot(obj):
+    """A deep copy of ``obj`` whose tensors are its own, detached (no copy of their data); ``obj`` itself where it
+    cannot be copied."""
+    try:
+        return copy.deepcopy(obj, memo={id(t): t.detach() for t in _tensors_within(obj)})
+    except Exception:  # an object that cannot be copied: the replay takes it as it is
+        return obj
+
+
+def _tensor_slots(obj, depth: int = 0):
+    """(tensor, setter) for each tensor ``_tensors_within(obj)`` yields, in its order; the setter puts another tensor in
+    its place (``None`` inside a tuple or set, which cannot be changed in place, or for ``obj`` itself)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj, None
+        return
+    if depth >= 4 or isinstance(obj, (str, bytes, type, nn.Module)):
+        return
+    if isinstance(obj, dict):
+        items = [(v, functools.partial(obj.__setitem__, key)) for key, v in obj.items()]
+    elif isinstance(obj, list):
+        items = [(v, functools.partial(obj.__setitem__, j)) for j, v in enumerate(obj)]
+    elif isinstance(obj, (tuple, set, frozenset)):
+        items = [(v, None) for v in obj]
+    else:
+        attrs = getattr(obj, "__dict__", {})
+        items = [(v, functools.partial(attrs.__setitem__, name)) for name, v in attrs.items()]
+        items += [(getattr(obj, n, None), functools.partial(setattr, obj, n))
+                  for n in getattr(type(obj), "__slots__", ()) if isinstance(n, str)]
+    for item, setter in items:
+        if isinstance(item, torch.Tensor):
+            yield item, setter
+        else:
+            yield from _tensor_slots(item, depth + 1)
+
+
+class _UnusedOutput(torch.autograd.Function):
+    """Copies of tensors that a module's output holds where the per-sample fallback does not differentiate them (a
+    cache of keys and values): their gradient is refused, with ``message``, if the loss depends on them."""
+
+    @staticmethod
+    def forward(ctx, message: str, *tensors):
+        ctx.message = message
+        ctx.set_materialize_grads(False)
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        if any(g is not None for g in grads):
+            raise ValueError(ctx.message)
+        return (None, *grads)
+
+
 def _rows_kept(moved: torch.Tensor, again: torch.Tensor) -> bool:
     """Whether rows 1.. of a replay with sample 0 changed are those of the replay as it was, to a few roundings
     (the same computation on the same shapes)."""
@@ -1225,6 +1505,18 @@ def _rows_kept(moved: torch.Tensor, again: torch.Tensor) -> bool:
         return True
     same = 4 * torch.finfo(min_dtype(again.dtype, torch.float32)).eps
     return _close(moved[1:], rest, rest.abs().max(), same)
+
+
+def _perturb_rows(t: torch.Tensor, changed: torch.Tensor) -> torch.Tensor:
+    """``t`` with the rows where ``changed`` is set changed: shifted by noise of the data's scale (floats), or set to the
+    next row's values (ids)."""
+    changed = changed.to(t.device)
+    if t.is_floating_point() or t.is_complex():
+        gen = torch.Generator(device=t.device).manual_seed(12345)  # never the user's random stream
+        noise = torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype)
+        mask = changed.reshape(-1, *([1] * (t.dim() - 1))).to(t.dtype)
+        return t + noise * mask * (t.abs().max() + 1)
+    return torch.where(changed.reshape(-1, *([1] * (t.dim() - 1))), t.roll(-1, 0), t)
 
 
 def _perturb_first(t: torch.Tensor) -> torch.Tensor:
@@ -1248,15 +1540,17 @@ def _describe(x) -> str:
 def fallback_refusal(module: nn.Module) -> str | None:
     """Why the fallback does not take ``module`` (``None``: it does).
 
-    torch's recurrent layers and ``nn.MultiheadAttention`` run sequence-first by default and return states
-    without the batch first (``h_n``), which the fallback cannot take; ``dptrain.fix`` swaps them for versions
-    built from layers with exact rules. A parameter container (``nn.ParameterDict``, as PEFT's embedding adapters
-    use) is never called.
+    torch's recurrent layers, and ``nn.MultiheadAttention`` without ``batch_first=True``, run sequence-first and
+    return states without the batch first (``h_n``) or outputs in two layouts (the attention ``[L, B, E]``, its
+    weights ``[B, L, S]``), which the fallback cannot take; ``dptrain.fix`` swaps them for versions built from layers
+    with exact rules. (``nn.MultiheadAttention(batch_first=True)`` it takes: ``_multihead_attention_reads``.) A
+    parameter container (``nn.ParameterDict``, as PEFT's embedding adapters use) is never called.
     """
-    if isinstance(module, (nn.RNNBase, nn.MultiheadAttention)):
+    if isinstance(module, nn.RNNBase) or (isinstance(module, nn.MultiheadAttention) and not module.batch_first):
+        also = " (or build it with batch_first=True)" if isinstance(module, nn.MultiheadAttention) else ""
         return (
-            f"the per-sample fallback does not take it (sequence-first by default, states without the batch first); "
-            f"dptrain.fix(model) swaps {type(module).__name__} for a version with exact rules (dptrain.nn)"
+            f"the per-sample fallback does not take it (sequence-first, outputs without the batch first); "
+            f"dptrain.fix(model) swaps {type(module).__name__} for a version with exact rules (dptrain.nn){also}"
         )
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return "it normalises with statistics of the whole batch in training, which mixes samples"
@@ -1288,3 +1582,14 @@ def fallback_warning(names: list[str]) -> str | None:
         "B times their size); register a rule with dptrain.register_layer for speed, or pass "
         "allow_fallback=False to refuse such layers"
     )
+
+
+def _multihead_attention_reads(module: nn.MultiheadAttention) -> tuple[str, ...]:
+    """``nn.MultiheadAttention`` runs ``F.multi_head_attention_forward`` on its own projections and on its
+    ``out_proj``'s weight and bias, never calling ``out_proj``: it claims them, and the fallback replays the attention
+    (an attention-pooling head's: SigLIP's). Only with ``batch_first=True`` (``fallback_refusal``); ``dptrain.fix``
+    swaps it for ``dptrain.nn.DPMultiheadAttention``, whose layers have rules (ghost norms), either way."""
+    return tuple(f"out_proj.{name}" for name, _ in module.out_proj.named_parameters())
+
+
+reads_child_params(lambda m: isinstance(m, nn.MultiheadAttention), _multihead_attention_reads)

@@ -5,13 +5,16 @@ the optional ``transformers`` extra are covered when present and nothing is paid
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+import sys
 
 import torch
 from torch import nn
 
 from .embedding import EmbeddingRule
+from .fallback import SIDE_CHANNELS, SideChannel
 from .linear import LinearRule
 from .norms import AffineNormRule
 from .numerics import factor_weighted_sum
@@ -271,6 +274,12 @@ def _deberta_v2_relative_params(module) -> tuple[str, ...]:
     return tuple(f"{child}.{name}" for child in children for name, _ in module.get_submodule(child).named_parameters())
 
 
+# DeBERTa (v1) with relative attention: its encoder reads its ``rel_embeddings`` weight itself and hands the table to
+# every layer, whose attention projects it ([1, 2k, d], broadcast over the batch: those projections keep their rules);
+# the encoder claims the table, and its replay gives the table's per-sample gradients.
+reads_child_params("transformers.models.deberta.modeling_deberta.DebertaEncoder",
+                   lambda module: _parameters_under("rel_embeddings")(module)
+                   if getattr(module, "relative_attention", False) else ())
 # DeBERTa-v2 (and DeBERTa-v3, the same classes) with relative attention: the encoder replays itself per sample with
 # respect to its relative table, that table's LayerNorm and the projections the table goes through (module 4 + 5:
 # one more forward of the whole encoder per step, vectorised over the batch, and a per-sample gradient of those
@@ -381,3 +390,36 @@ def _every_descendant_parameter(module) -> tuple[str, ...]:
 
 # The mixer's replay per sample gives every one of its parameters' per-sample gradients, wherever the scan reads them.
 reads_child_params(_state_space_mixer, _every_descendant_parameter)
+
+
+class _OutputCollector(SideChannel):
+    """transformers' collector of hidden states and attentions (``output_hidden_states=True``,
+    ``output_attentions=True``, and heads that sum the layers' hidden states): hooks on the layers append their
+    outputs to lists held in a context variable for the model call. Those a module the fallback replays appended
+    during its call left it other than through its output (``FallbackRule._guard_escaped``)."""
+
+    @staticmethod
+    def _collector():
+        capturing = sys.modules.get("transformers.utils.output_capturing")
+        active = getattr(capturing, "_active_collector", None)
+        return active.get() if active is not None else None
+
+    def snapshot(self):
+        collector = self._collector()
+        if not isinstance(collector, dict):
+            return None
+        return collector, {key: len(value) for key, value in collector.items() if isinstance(value, list)}
+
+    def escaped(self, state) -> list:
+        if state is None:
+            return []
+        collector, sizes = state
+        out = []
+        for key, size in sizes.items():
+            entries = collector.get(key)
+            if isinstance(entries, list):
+                out += [(entries[j], functools.partial(entries.__setitem__, j)) for j in range(size, len(entries))]
+        return out
+
+
+SIDE_CHANNELS.append(_OutputCollector())

@@ -100,6 +100,11 @@ class LayerRule:
     def validate(self, module: nn.Module) -> None:
         """Raise ``ValueError`` if this module's configuration cannot be made private exactly."""
 
+    #: None, or a function ``(module, args, kwargs)`` the capture calls before each recorded call of the module runs
+    #: (the per-sample fallback keeps the objects among the arguments that the call may change, a cache of keys and
+    #: values, as they are before it)
+    before_call = None
+
     def capture(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> Any:
         """Keep what the backward needs from the forward call (usually the input tensor)."""
         return inputs[0].detach()

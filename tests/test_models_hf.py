@@ -106,12 +106,12 @@ def _seq2seq_losses(model, ids, mask, labels):
     return sequence_losses(logits, labels, reduction="sum")
 
 
-def t5_case(relative_bias: bool = False, use_cache: bool | None = None) -> Case:
+def t5_case(relative_bias: bool = False, use_cache: bool | None = None, decoder_layers: int = 1) -> Case:
     """T5 (RMS layer norms, gated FFN, tied shared embedding / LM head); relative position bias frozen, or trainable
     (``relative_bias``: the stacks claim their tables and the fallback replays them, one sample at a time)."""
     torch.manual_seed(3)
     g = torch.Generator().manual_seed(3)
-    cfg = T.T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=1, num_heads=2,
+    cfg = T.T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=decoder_layers, num_heads=2,
                      dropout_rate=0.0, feed_forward_proj="gated-gelu", tie_word_embeddings=True,
                      decoder_start_token_id=0, pad_token_id=0,
                      use_cache=not relative_bias if use_cache is None else use_cache)
@@ -285,8 +285,8 @@ def test_t5_trainable_relative_attention_bias_goes_through_the_stacks():
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost", "per-sample"])
 def test_t5_called_with_its_cache_on_is_exact_through_the_fallback(mode):
     """With the table trainable the decoder stack is replayed; its cache of keys and values (use_cache, the default)
-    holds tensors that do not depend on the table the stack claims (the bias is added to the scores), so the replay
-    differentiates what it must and the call is exact. (It was refused while the forward's watch also watched the
+    is handed on guarded and the loss does not use it (as in training), so the replay differentiates what it must and
+    the call is exact. (It was refused while the forward's watch also watched the
     engine's replays: the replay's embedding lookups were then carried as the input's rows.)"""
     case, R, ref = with_oracle(lambda: t5_case(relative_bias=True, use_cache=True))
     assert_matches(_engine(case, mode=mode, max_grad_norm=R), ref, rtol=1e-10 if mode != "ghost" else 1e-5,
@@ -294,15 +294,15 @@ def test_t5_called_with_its_cache_on_is_exact_through_the_fallback(mode):
 
 
 def test_t5_decoder_cache_the_loss_uses_is_refused_naming_use_cache():
-    """With the table trainable the decoder stack is replayed; its cache of keys and values (use_cache, the default)
-    holds tensors that depend on the table, which the fallback does not differentiate. Exact while the loss does not
-    use the cache (the test above); a loss that does is refused, naming the decoder and use_cache=False."""
-    case = t5_case(relative_bias=True, use_cache=True)
+    """With the table trainable the decoder stack is replayed; the cache of keys and values of its second block holds
+    tensors that depend on the table (through the first block's attention), which the fallback does not
+    differentiate. A loss that uses them is refused, naming the decoder and use_cache=False."""
+    case = t5_case(relative_bias=True, use_cache=True, decoder_layers=2)
     ids, mask, labels = case.batch
 
     def losses(model, ids, mask, labels):
         out = model(input_ids=ids, attention_mask=mask, labels=labels.clamp(min=0))
-        keys = out.past_key_values.self_attention_cache.layers[0].keys
+        keys = out.past_key_values.self_attention_cache.layers[-1].keys
         return out.logits.square().mean((1, 2)) + keys.square().mean((1, 2, 3))
 
     with pytest.raises(ValueError, match=r"^decoder \(T5Stack\): the loss depends on its output \['cache'\].*"

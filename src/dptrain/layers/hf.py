@@ -366,7 +366,7 @@ for _family, _prefix in (("blenderbot", "Blenderbot"), ("blenderbot_small", "Ble
         reads_child_params(f"transformers.models.{_family}.modeling_{_family}.{_prefix}{_part}",
                            _parameters_under("embed_positions"))
 # (XLNet's relative attention, run sequence-first inside a batch-first model, is the fallback's own: it finds the batch
-# axis of each argument and output, layers/fallback.py)
+# axis of each argument and output, layers/fallback/batch_axes.py)
 # Short convolutions and delta attention run causal_conv1d_fn on conv.weight / conv1d.weight (and bias) themselves.
 reads_child_params("transformers.models.lfm3.modeling_lfm3.Lfm3ShortConv", _parameters_under("conv"))
 reads_child_params("transformers.models.kimi_linear.modeling_kimi_linear.KimiLinearDeltaAttention",

@@ -1,0 +1,76 @@
+"""The one-sample-at-a-time replay: per-sample gradients of a batch-first call that ``vmap`` cannot run (data-
+dependent control flow, ``.item()``, a custom ``autograd.Function`` without ``setup_context``), each sample's rows
+replayed alone and differentiated by plain autograd, checked as the ``vmap`` is."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ...checks import first_line
+from .independence import SampleMixingError, _close
+from .replay_context import autograd_vjp
+
+
+class _OneSampleAtATime:
+    """``FallbackRule``'s replay of one sample at a time (mixed into it)."""
+
+    def _per_sample_one_by_one(self, module, call, g, primals, vmap_error: BaseException | None = None):
+        """Per-sample gradients of a batch-first call that vmap cannot run: each sample's rows replayed alone (a
+        batch of one), differentiated by plain autograd, B replays in a loop. As exact as the vmap (the same
+        replay, sample by sample) and as checked: once per call signature, each sample's replay must reproduce its
+        rows of the call's output, and the per-sample gradients must sum to the whole call's gradient. Slower (B
+        forwards and backwards of the module instead of one vectorised), never larger: one sample's gradient graph
+        at a time."""
+        device, enabled, dtype = call.autocast
+        check = call.signature not in self._backward_checked
+        grads: dict[str, list[torch.Tensor]] = {n: [] for n in primals}
+        outs = []
+        try:
+            with torch.autocast(device, dtype=dtype, enabled=enabled):
+                for i in range(call.batch):
+                    args, kwargs = call.arguments({k: call.leaves[k][i:i + 1] for k in call.batched})
+                    out, pullback = autograd_vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
+                    for n, t in pullback(self._cotangent(call, out, g[i:i + 1]))[0].items():
+                        grads[n].append(t)
+                    if check:
+                        outs.append(self._joined(call, out))
+        except SampleMixingError:
+            raise
+        except (RuntimeError, ValueError, TypeError) as err:
+            how = " one sample at a time" + (f" (vmap: {first_line(vmap_error)}), nor in a loop"
+                                             if vmap_error is not None else "")
+            raise self._cannot_replay(module, err, how) from err
+        stacked = {n: torch.stack(ts) if ts else primals[n].new_zeros(0, *primals[n].shape)
+                   for n, ts in grads.items()}
+        if check:
+            self._check_split_outputs(module, call, torch.cat(outs) if outs else None)
+            self._check_gradient_sum(module, call, g, primals, stacked)
+            self._backward_checked.add(call.signature)
+        if vmap_error is not None and not self._warned_one_by_one:
+            self._warned_one_by_one = True
+            warnings.warn(
+                f"{self._name(module)}: vmap cannot run this module ({first_line(vmap_error)}), so the per-sample "
+                f"fallback replays it one sample at a time: {call.batch} forwards and backwards of the module per call "
+                "instead of one vectorised (the memory plan() shows is unchanged). Register a rule for "
+                f"{type(module).__name__} with dptrain.register_layer for speed, or freeze its parameters",
+                stacklevel=2)
+        if len(self._one_by_one) >= 256:
+            self._one_by_one.clear()
+        self._one_by_one.add(call.signature)
+        return stacked
+
+    def _check_split_outputs(self, module, call, outs):
+        """Each sample replayed alone reproduces its rows of the call's output: the module computes a sample's rows
+        the same in a batch of one as in the batch (no branch on the batch's size or content, no randomness)."""
+        if outs is None:
+            return
+        whole = self._whole_output(module, call)
+        if not _close(outs, whole):
+            raise SampleMixingError(
+                f"{self._name(module)}: replaying each sample alone (vmap cannot run this module, so the per-sample "
+                "fallback replays one sample at a time) does not reproduce that sample's output in the batch: the "
+                "module computes a sample differently by the batch it is in (a branch on the batch's size or "
+                "values, random operations), so the per-sample fallback cannot split it. Register a rule for "
+                f"{type(module).__name__} with dptrain.register_layer, or freeze its parameters"
+            )

@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from .algorithms import Recipe
-from .capture import Call, Capture, LayerState, outside_model_call
+from .calls import Call, LayerState, outside_model_call
+from .capture import Capture
 from .layers.protocol import LayerDims
 from .pipeline import (
     Overflow, ParamWork, ReadyLayer, StepSums, add_clipped_gradient, add_second_pass_gradients,

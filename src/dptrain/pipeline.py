@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from .algorithms import Grad, GradVia, Norm, NormVia, Recipe
-from .capture import Call, LayerState
+from .calls import Call, LayerState
 from .clipping import clipping_factors
 from .layers.numerics import accumulation_dtype, float32_at_least, shared_sq_norm
 from .layers.protocol import LayerDims

@@ -16,7 +16,7 @@ import torch
 
 from . import distributed
 from .backward import Backward, BackwardSetup, Phase, needs_tags
-from .capture import Call, graph_task, in_backward
+from .calls import Call, graph_task, in_backward
 from .config import EngineConfig
 from .pipeline import Overflow
 from .planning import LayerDecision

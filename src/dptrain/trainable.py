@@ -13,7 +13,7 @@ from typing import Mapping
 
 from torch import nn
 
-from .capture import LayerState
+from .calls import LayerState
 from .clipping import build_groups, group_threshold
 from .layers import resolve_rule
 from .layers.registry import layer_params
@@ -119,7 +119,7 @@ class TrainableKey:
 
 def registrations() -> int:
     """Changes whenever a module or parameter is registered anywhere while an engine is attached: a key for
-    caches of what a model holds (``TrainableKey``, ``capture.StateWrites``)."""
+    caches of what a model holds (``TrainableKey``, ``state_writes.StateWrites``)."""
     return _Registrations.version
 
 

@@ -1,0 +1,114 @@
+"""Fixed-shape batches: every batch exactly K rows, the real ones first, then zero rows, and a mask.
+
+``poisson_loader(..., max_batch_size=K)`` collates with ``_FixedShapeCollate`` into a :class:`FixedShapeBatch`;
+:func:`masked_losses` zeroes the losses of the padding rows.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from .batches import _batch_size, _EmptyBatchCollate, _map_batch
+
+
+class FixedShapeBatch(NamedTuple):
+    """A fixed-shape batch from ``poisson_loader(..., max_batch_size=K)``.
+
+    ``data``: the collated batch (same structure as without ``max_batch_size``), every
+    tensor with exactly K rows along dim 0 (per-sample lists: K entries). The first
+    ``n`` rows are the real examples (``n = int(mask.sum())``, at most K), the rest are
+    padding: zeros (``""`` / ``0`` in per-sample lists). ``mask``: ``torch.bool`` of shape
+    ``[K]``, True for real rows.
+
+    Unpack it as ``for (x, y), mask in loader`` (or ``batch.data`` / ``batch.mask``) and
+    give the engine the mask, ``engine.backward(losses, mask=mask)``: a padded row's loss
+    then counts as 0, its per-sample gradient 0 and its clipped contribution exactly 0,
+    while its unmasked loss still shows the engine where its rows are, so each layer's
+    layout is read once and cached. (``engine.backward(masked_losses(losses, mask))`` is
+    exact too, but a padded row without a gradient hides its layout: it is read at every
+    step.) Padded rows are never counted as samples: the engine divides the noisy sum
+    by the *expected* batch size, ``q * len(dataset)``, not by a number of rows. (For a
+    plain ``loss.backward()`` with ``loss_reduction="mean"``, take the mean over all K
+    rows, ``masked_losses(losses, mask).mean()``, not over the real ones.)
+    """
+
+    data: Any
+    mask: torch.Tensor
+
+
+def masked_losses(losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``losses`` with the rows of padding (``mask`` False) set to exactly 0.
+
+    ``losses``: per-sample losses ``[K]`` or ``[K, ...]``; ``mask``: the batch's boolean
+    ``[K]`` mask (:class:`FixedShapeBatch`). Unlike ``losses * mask``, a non-finite loss
+    on a padded row (zero inputs can give one) becomes 0 too.
+    """
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
+        raise ValueError(
+            "mask must be the boolean [K] mask of a FixedShapeBatch (True for real rows), got "
+            + (f"a {mask.dtype} tensor of shape {list(mask.shape)}" if isinstance(mask, torch.Tensor)
+               else type(mask).__name__)
+        )
+    if not isinstance(losses, torch.Tensor) or losses.dim() == 0 or losses.shape[0] != mask.shape[0]:
+        shape = list(losses.shape) if isinstance(losses, torch.Tensor) else type(losses).__name__
+        raise ValueError(
+            f"losses must be per-sample losses with one row per row of the batch ({mask.shape[0]}), got {shape}; "
+            "use reduction='none'"
+        )
+    keep = mask.to(losses.device).view(-1, *([1] * (losses.dim() - 1)))
+    return torch.where(keep, losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
+
+
+def _zero_value(value: Any) -> Any:
+    """The padding entry of a per-sample list: an empty string, a zero number, None."""
+    if value is None:
+        return None
+    try:
+        return type(value)()
+    except TypeError:
+        return 0
+
+
+def _zero_row(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return torch.zeros_like(leaf[:1])
+    return [_zero_value(leaf[0])]
+
+
+def _append_rows(leaf: Any, pad: Any, count: int) -> Any:
+    if count == 0:
+        return leaf
+    if isinstance(leaf, torch.Tensor):
+        if leaf.shape[1:] != pad.shape[1:] or leaf.dtype != pad.dtype:
+            raise ValueError(
+                f"fixed-shape batches need every example to collate to the same shapes: a batch tensor of "
+                f"{leaf.dtype} with trailing shape {list(leaf.shape[1:])} differs from dataset[0]'s "
+                f"({pad.dtype}, {list(pad.shape[1:])}); pad or crop the examples to one shape in the dataset"
+            )
+        return torch.cat([leaf, pad.to(leaf.device).expand(count, *pad.shape[1:])])
+    return type(leaf)(list(leaf) + list(pad) * count)
+
+
+class _FixedShapeCollate(_EmptyBatchCollate):
+    """Collate to a :class:`FixedShapeBatch` of exactly ``max_batch_size`` rows: the real
+    rows first, then zero rows (made from the collated ``dataset[0]``)."""
+
+    def __init__(self, collate_fn: Callable[[list], Any], example_item: Any, max_batch_size: int):
+        super().__init__(collate_fn, example_item)
+        self.max_batch_size = max_batch_size
+        self.zero_row = _map_batch(collate_fn([example_item]), _zero_row)
+
+    def __call__(self, items: list) -> FixedShapeBatch:
+        real, rows = len(items), self.max_batch_size
+        if real > rows:
+            raise RuntimeError(f"a batch of {real} examples reached a loader of max_batch_size={rows}")
+        batch = super().__call__(items)
+        collated = _batch_size(batch)
+        if collated != real:
+            raise ValueError(
+                f"collate_fn made {collated} rows of {real} examples: fixed-shape batches need one row per example"
+            )
+        data = _map_batch(batch, lambda leaf, pad: _append_rows(leaf, pad, rows - real), self.zero_row)
+        return FixedShapeBatch(data, torch.arange(rows) < real)

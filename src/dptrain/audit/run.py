@@ -1,74 +1,22 @@
-"""A one-run privacy audit of the engine: white-box gradient canaries and a lower bound on epsilon.
-
-The accountant's epsilon is a theorem about an ideal mechanism; the audit checks that the
-implementation is that mechanism. It trains once with the real engine, in its real
-clipping mode, with its real noise and Poisson batches, and plants ``m`` *gradient
-canaries* in the training set, each independently with probability 1/2. From the noisy
-gradients the run releases, it guesses which canaries were in, and turns the number of
-right guesses into a lower bound on epsilon with the theorem of Steinke, Nasr & Jagielski,
-"Privacy Auditing with One (1) Training Run" (NeurIPS 2023). An honest implementation
-always gives ``epsilon_lower_bound <= epsilon`` (at the stated confidence); a bound above
-the accountant's epsilon proves that the run leaks more than it promises.
-
-How the canaries go through the engine's path (see docs/audit.md):
-
-* The audited model is wrapped in :class:`CanaryModel`, which adds a *probe*, a
-  one-dimensional ``nn.Embedding(m + 1, 1)``. A batch element is ``(input, label,
-  canary_id)`` with ``canary_id = -1`` for real samples, which read the probe's constant
-  padding row. Canary ``i`` reads row ``i`` and its loss is ``64 R`` times that row (its
-  classification loss is masked out), so its per-sample gradient is ``64 R`` on
-  ``probe.weight[i, 0]`` and zero elsewhere, and real samples give the probe a zero
-  gradient: canary directions are orthogonal to every real gradient and to each other.
-* Canaries are ordinary samples to the engine: clipped (to exactly ``R``), summed,
-  noised and sampled like the real ones.
-* The sampling rate is fixed before the coins are flipped, ``q = batch_size / (n + m)``,
-  so that it is the same for every pair of neighbouring datasets the theorem compares.
-
-The auditor observes the noisy gradient of the probe after every step, and scores each
-canary by the log-likelihood ratio of "included" against "excluded" under the
-Poisson-subsampled Gaussian, summed over the steps. It does not use which steps sampled
-a canary: the accountant's epsilon includes the amplification by subsampling.
-
-With ``privacy_unit="user"`` the canaries are *users*: canary user ``i`` has ``k`` examples
-(``examples_per_canary``), all reading probe row ``i``, included or excluded together with
-probability 1/2. Its summed gradient, ``k * 64 R`` on that coordinate, is clipped as one unit
-by ``engine.backward(losses, users=...)`` and adds exactly ``R``; the real examples belong to
-real users (``users``, default: consecutive groups of ``k``), the loader samples users, and
-the bound is compared with the user-level epsilon (q = the user sampling rate).
-"""
+"""The audit run: its defaults, the checks of its data and options, the private training with canaries
+(:func:`run_audit`) and what it found (:class:`AuditResult`)."""
 from __future__ import annotations
 
 import copy
-import json
-import math
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
-import scipy.stats
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from . import checks
-from .algorithms import DEFAULT_CLIPPING_MODE
-
-__all__ = [
-    "AUDIT_DEFAULTS",
-    "AuditResult",
-    "CanaryModel",
-    "GuessingBound",
-    "canary_losses",
-    "epsilon_lower_bound",
-    "format_report",
-    "one_run_p_value",
-    "run_audit",
-    "subsampled_gaussian_scores",
-]
+from .. import checks
+from ..algorithms import DEFAULT_CLIPPING_MODE
+from .bounds import banded_scores, epsilon_lower_bound, subsampled_gaussian_scores
+from .canaries import CANARY_NORM_OVER_R, CanaryModel, canary_losses
 
 # Defaults of `dptrain audit` and run_audit: the digits CNN at epsilon = 2. Simulated at
 # epsilon = 2 (benchmarks/audit_sweep.py, 20 seeds): 10 steps at q = 0.5 give a mean bound
@@ -95,234 +43,9 @@ AUDIT_DEFAULTS: dict[str, Any] = {
 
 # What a canary is, and what the audited epsilon protects (PrivacyEngine's privacy_unit).
 _PRIVACY_UNITS = ("example", "user")
-# A canary's gradient norm, in units of R: far above R, so that a canary that escaped
-# clipping would stand out 64-fold, and a power of two, so that the clipping factor 1/64
-# and the clipped contribution R are exact in float32.
-CANARY_NORM_OVER_R = 64.0
 # A clipping threshold, in units of R, that no gradient of an audit reaches (run_audit's clipping_off);
 # a power of two, so that the noise multiplier of that run times the threshold is exactly sigma R.
 _UNCLIPPED_NORM_OVER_R = 2.0**20
-# Numbers of guesses the bound tries (then split between "in" and "out" guesses).
-_GUESS_COUNTS = 8
-_SMALLEST_GUESS_COUNT = 10
-
-
-# ====================================================================== the statistics
-
-
-def one_run_p_value(canaries: int, guesses: int, correct: int, epsilon: float, delta: float) -> float:
-    """Probability of at least ``correct`` right guesses out of ``guesses`` under (epsilon, delta)-DP.
-
-    Theorem 3.1 of Steinke, Nasr & Jagielski (2023): if each of ``canaries`` canaries is
-    included independently with probability 1/2 and the training run is (epsilon, delta)-DP,
-    the number ``W`` of right guesses among ``guesses`` guesses satisfies, for every ``v``,
-
-        P[W >= v] <= f(v) + 2 m delta * max_{1 <= i <= v} (f(v - i) - f(v)) / i,
-
-    where ``f(v) = P[Binomial(guesses, e^eps / (1 + e^eps)) >= v]``; the second term is
-    the price of delta (with delta = 0 the binomial alone dominates).
-    """
-    if not 0 <= correct <= guesses <= canaries:
-        raise ValueError(f"need 0 <= correct <= guesses <= canaries, got {correct}, {guesses}, {canaries}")
-    if not (epsilon >= 0 and 0 <= delta <= 1):
-        raise ValueError(f"need epsilon >= 0 and delta in [0, 1], got {epsilon}, {delta}")
-    right = 1.0 / (1.0 + math.exp(-epsilon)) if epsilon < 700 else 1.0  # randomized response's accuracy
-    tail = float(scipy.stats.binom.sf(correct - 1, guesses, right))  # f(v)
-    if delta == 0 or correct == 0:
-        return min(1.0, tail)
-    # f(v - i) - f(v) = P[v - i <= W < v], for i = 1..v: cumulative sums of the pmf from v-1 down.
-    below = scipy.stats.binom.pmf(np.arange(correct - 1, -1, -1), guesses, right)
-    slope = float(np.max(np.cumsum(below) / np.arange(1, correct + 1)))
-    return min(1.0, tail + 2 * canaries * delta * slope)
-
-
-def _largest_rejected_epsilon(canaries: int, guesses: int, correct: int, delta: float, level: float) -> float:
-    """The largest epsilon whose p-value is below ``level`` (0 if none is): bisection, rounded down."""
-    if one_run_p_value(canaries, guesses, correct, 0.0, delta) >= level:
-        return 0.0
-    rejected, kept = 0.0, 1.0
-    # Terminates: past epsilon ~ 37, e^eps / (1 + e^eps) rounds to 1 and the p-value is 1.
-    while one_run_p_value(canaries, guesses, correct, kept, delta) < level:
-        rejected, kept = kept, 2 * kept
-    while kept - rejected > 1e-4:
-        middle = (rejected + kept) / 2
-        if one_run_p_value(canaries, guesses, correct, middle, delta) < level:
-            rejected = middle
-        else:
-            kept = middle
-    return rejected
-
-
-@dataclass
-class GuessingBound:
-    """The lower bound on epsilon and the guesses that gave it."""
-
-    epsilon: float          # the lower bound (0 when no epsilon > 0 is rejected)
-    guesses_in: int         # canaries guessed "included": the highest scores
-    guesses_out: int        # canaries guessed "excluded": the lowest scores
-    correct: int            # right guesses among them
-    tried: int              # (guesses_in, guesses_out) pairs searched; each is tested at (1 - confidence) / tried
-
-
-def _guess_splits(canaries: int) -> list[tuple[int, int]]:
-    """(guesses "in", guesses "out") pairs to try: a few geometric totals, split evenly.
-
-    Few candidates on purpose: each one is tested at (1 - confidence) / len(candidates),
-    and at so small a level the delta term of the theorem (2 m delta times a binomial
-    probability) soon dominates. Measured on simulated runs of the default audit, 8
-    totals from m/100 to m beat 16 or 32 candidates (with all-"in" splits) by 0.05-0.25 in
-    the bound; abstaining on all but the most extreme 1-100 % of the scores is where the
-    best guesses are.
-    """
-    smallest = min(canaries, max(_SMALLEST_GUESS_COUNT, canaries // 100))
-    totals = sorted({int(round(k)) for k in np.geomspace(smallest, canaries, _GUESS_COUNTS)})
-    return [(k - k // 2, k // 2) for k in totals]
-
-
-def epsilon_lower_bound(
-    scores: Sequence[float] | np.ndarray,
-    included: Sequence[bool] | np.ndarray,
-    *,
-    delta: float,
-    confidence: float = 0.95,
-    splits: Sequence[tuple[int, int]] | None = None,
-) -> GuessingBound:
-    """A lower bound on epsilon, valid with probability ``confidence``, from canary scores.
-
-    Canaries are guessed "included" for the ``k+`` highest ``scores`` and "excluded" for
-    the ``k-`` lowest; the rest abstain. Each pair ``(k+, k-)`` of ``splits`` (default:
-    8 geometric totals from m/100 to m, half "in" and half "out") is tested at level
-    ``(1 - confidence) / len(splits)`` (a union bound over the search), and the largest
-    epsilon rejected by any of them is returned. ``included`` are the canaries' true
-    coins, each drawn independently with probability 1/2 and independent of the order of
-    the canaries (ties in scores are broken by that order).
-    """
-    scores = np.asarray(scores, dtype=np.float64)
-    included = np.asarray(included, dtype=bool)
-    if scores.ndim != 1 or scores.shape != included.shape:
-        raise ValueError(f"scores and included must be 1-d and of the same length, got shapes "
-                         f"{scores.shape} and {included.shape}")
-    if not np.isfinite(scores).all():
-        raise ValueError("scores must be finite")
-    confidence = checks.open_unit("confidence", confidence)
-    if not 0 <= delta < 1:
-        raise ValueError(f"delta must be in [0, 1), got {delta}")
-    m = len(scores)
-    splits = list(_guess_splits(m) if splits is None else splits)
-    for k_in, k_out in splits:
-        if k_in < 0 or k_out < 0 or k_in + k_out > m or k_in + k_out == 0:
-            raise ValueError(f"a split (guesses in, guesses out) = ({k_in}, {k_out}) needs 0 < k_in + k_out <= {m}")
-    best = GuessingBound(0.0, 0, 0, 0, len(splits))
-    if m == 0:
-        return best
-    order = np.argsort(-scores, kind="stable")
-    right_in = np.concatenate([[0], np.cumsum(included[order])])           # right among the top k
-    right_out = np.concatenate([[0], np.cumsum(~included[order[::-1]])])   # right among the bottom k
-    level = (1 - confidence) / len(splits)
-    for k_in, k_out in splits:
-        correct = int(right_in[k_in] + right_out[k_out])
-        eps = _largest_rejected_epsilon(m, k_in + k_out, correct, delta, level)
-        if eps > best.epsilon:
-            best = GuessingBound(eps, k_in, k_out, correct, len(splits))
-    return best
-
-
-def subsampled_gaussian_scores(
-    observations: np.ndarray, *, contribution: float, noise_std: float, sample_rate: float
-) -> np.ndarray:
-    """Per-canary log-likelihood ratio of "included" vs "excluded", summed over steps.
-
-    ``observations[t, i]`` is the noisy gradient sum on canary ``i``'s coordinate after
-    step ``t``: ``N(0, s^2)`` if the canary is out, and ``mu + N(0, s^2)`` with probability
-    ``q`` (else ``N(0, s^2)``) if it is in, with ``mu = contribution``, ``s = noise_std``,
-    ``q = sample_rate``. The score is ``sum_t log((1 - q) + q exp((2 x mu - mu^2) / (2 s^2)))``:
-    the Neyman-Pearson statistic for one canary, which does not know when it was sampled.
-    """
-    x = np.asarray(observations, dtype=np.float64)
-    if not (contribution > 0 and noise_std > 0 and 0 < sample_rate <= 1):
-        raise ValueError(f"need contribution > 0, noise_std > 0 and sample_rate in (0, 1], got {contribution}, "
-                         f"{noise_std}, {sample_rate}")
-    shift = np.log(sample_rate) + (2 * x * contribution - contribution**2) / (2 * noise_std**2)
-    if sample_rate == 1:
-        return shift.sum(0)
-    return np.logaddexp(math.log1p(-sample_rate), shift).sum(0)
-
-
-def banded_scores(observations: np.ndarray, coefficients, groups: np.ndarray, *, contribution: float,
-                  noise_std: float, sample_rate: float) -> np.ndarray:
-    """Per-canary log-likelihood ratios for banded correlated noise with cyclic Poisson sampling.
-
-    ``observations[t, i]`` is ``x[t, i] + noise_std (C^{-1} z)[t, i]`` for the b-banded Toeplitz ``C`` of
-    ``coefficients`` (unit norm). The auditor applies ``C`` (post-processing): ``C y = C x + noise_std z``, white.
-    Canary ``i`` can only be sampled at the steps ``s`` of its group, ``s mod b = groups[i]``, each time with
-    probability ``q``, adding ``contribution * c`` to rows ``s .. s + b - 1`` of ``C x``: those blocks are disjoint
-    for one canary, so its participations are independent observations. The projection of block ``s`` on ``c``
-    (its rows before the end of the run) is ``N(0, s^2)`` or, if sampled, ``N(mu_s, s^2)`` with
-    ``mu_s = contribution * ||c_kept||``: the subsampled Gaussian's ratio, summed over the canary's steps.
-    """
-    y = np.asarray(observations, dtype=np.float64)
-    c = np.asarray(coefficients, dtype=np.float64)
-    steps, bands = y.shape[0], len(c)
-    column = np.zeros(steps)
-    column[: min(bands, steps)] = c[:steps]
-    whitened = np.zeros_like(y)
-    for lag in range(min(bands, steps)):  # C y: lower-triangular Toeplitz, c_lag on the lag-th subdiagonal
-        whitened[lag:] += column[lag] * y[: steps - lag]
-    scores = np.zeros(y.shape[1])
-    for start in range(steps):
-        kept = c[: min(bands, steps - start)]
-        norm = float(np.linalg.norm(kept))
-        projection = kept @ whitened[start: start + len(kept)] / norm
-        terms = subsampled_gaussian_scores(projection[None, :], contribution=contribution * norm,
-                                           noise_std=noise_std, sample_rate=sample_rate)
-        scores += np.where(groups == start % bands, terms, 0.0)
-    return scores
-
-
-# ====================================================================== canaries in the engine's path
-
-
-class CanaryModel(nn.Module):
-    """The audited model and a one-dimensional embedding, the *probe*, that only canaries train.
-
-    ``forward(x, canary_id)`` returns ``(model(x), probe_output)``. ``canary_id`` is ``i`` for
-    canary ``i``, whose probe output is ``probe.weight[i, 0]``, and -1 for a real sample,
-    which reads the padding row ``canaries`` (constant zero, never trained). The probe
-    output enters only the canaries' losses (:func:`canary_losses`), so canary ``i``'s
-    per-sample gradient is a multiple of the unit vector on ``probe.weight[i, 0]``.
-    (An embedding rather than a linear layer on one-hot vectors: a batch costs ``B``
-    numbers, not ``B x canaries``.)
-    """
-
-    def __init__(self, model: nn.Module, canaries: int):
-        super().__init__()
-        canaries = checks.positive_int("canaries", canaries)
-        self.model = model
-        self.canaries = canaries
-        self.probe = nn.Embedding(canaries + 1, 1, padding_idx=canaries)
-        nn.init.zeros_(self.probe.weight)
-
-    def forward(self, x: torch.Tensor, canary_id: torch.Tensor):
-        probe_ids = torch.where(canary_id >= 0, canary_id, self.canaries)
-        return self.model(x), self.probe(probe_ids)[:, 0]
-
-    def probe_gradient(self) -> torch.Tensor:
-        """The probe's gradient on the canaries' coordinates, ``[canaries]`` (zeros if none yet)."""
-        grad = self.probe.weight.grad
-        return grad[: self.canaries, 0] if grad is not None else self.probe.weight.new_zeros(self.canaries)
-
-
-def canary_losses(logits, probe_output, labels, canary_id, canary_norm: float):
-    """Per-sample losses: cross-entropy for real samples, ``canary_norm * probe_output`` for canaries.
-
-    ``torch.where`` masks each branch's gradient, so a canary gives the real parameters a
-    zero gradient, and its gradient on the probe is ``canary_norm`` on its own coordinate.
-    """
-    real = F.cross_entropy(logits, labels, reduction="none")
-    return torch.where(canary_id >= 0, canary_norm * probe_output, real)
-
-
-# ====================================================================== the audit run
 
 
 @dataclass
@@ -502,10 +225,10 @@ def run_audit(
                                                               else bands)
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
-    from . import accounting
-    from .data import poisson_loader
-    from .engine import PrivacyEngine
-    from .models import build_image_model
+    from .. import accounting
+    from ..data import poisson_loader
+    from ..engine import PrivacyEngine
+    from ..models import build_image_model
 
     if data is None:
         images, labels = _digits()
@@ -551,7 +274,7 @@ def run_audit(
     optimizer = torch.optim.Adam(audited.parameters(), lr=lr)
     mechanism, correlated = None, {}
     if noise == "bandmf":
-        from .correlated import CorrelatedMechanism, banded_strategy
+        from ..correlated import CorrelatedMechanism, banded_strategy
 
         mechanism = CorrelatedMechanism("bandmf", banded_strategy(steps, bands), bands, steps)
         sigma = mechanism.calibrate(epsilon, delta, batch_size * bands / pool, steps, accountant)
@@ -651,97 +374,3 @@ def run_audit(
         clipped_unit="example" if clip_per_example else privacy_unit,
         train_users=population if privacy_unit == "user" else None,
     )
-
-
-def format_report(result: AuditResult) -> str:
-    """The text output of ``dptrain audit``: the two numbers and what they mean."""
-    r = result
-    warnings_ = _broken_promise_warnings(r)
-    samples = "images" if r.data == "digits" else "samples"
-    if r.privacy_unit == "user":
-        real = f"{r.train_size} {samples} of {r.train_users} users"
-        planted = (f"{r.canaries} canary users of {r.examples_per_canary} "
-                   f"example{'s' if r.examples_per_canary != 1 else ''} each")
-        who = "one user (all of their examples together)"
-    else:
-        real, planted, who = f"{r.train_size} {samples}", f"{r.canaries} gradient canaries", "one training example"
-    lines = list(warnings_)
-    lines += [
-        f"audit: {r.model} on {r.data} ({real}) + {planted} "
-        f"({r.included_canaries} included at random), {r.steps} steps at sample rate {r.sample_rate:.4g}"
-        f"{' per user' if r.privacy_unit == 'user' else ''}"
-        f"{f' within {r.bands} cyclic groups, banded correlated noise (bandmf)' if r.noise == 'bandmf' else ''}, "
-        f"clipping {r.clipping_mode}, max grad norm {r.max_grad_norm:g}",
-        f"claimed:  epsilon = {r.epsilon:.3f} at delta = {r.delta:g}{' per user' if r.privacy_unit == 'user' else ''} "
-        f"({r.accountant} accountant, noise multiplier {r.noise_multiplier:.4g})",
-        f"measured: epsilon >= {r.epsilon_lower_bound:.3f} with {r.confidence:.0%} confidence "
-        f"({r.correct_guesses} of {r.guesses_in + r.guesses_out} guesses right: {r.guesses_in} 'in', "
-        f"{r.guesses_out} 'out', {r.canaries - r.guesses_in - r.guesses_out} abstentions)",
-        f"The claimed epsilon is what the accountant promises for this run: no attack may learn more about any "
-        f"{who} than it allows.",
-        "The measured epsilon is what an attack on this very run proves, from the noisy gradients: above the "
-        "claim it would show that the implementation breaks its promise; below it, the gap is the looseness of "
-        "a one-run audit, not spare privacy.",
-    ]
-    if r.consistent:
-        lines.append(f"verdict: consistent (lower bound {r.epsilon_lower_bound:.3f} <= epsilon {r.epsilon:.3f})")
-    else:
-        lines.append(f"verdict: PROMISE BROKEN (lower bound {r.epsilon_lower_bound:.3f} > epsilon "
-                     f"{r.epsilon:.3f}, at {r.confidence:.0%} confidence)")
-    lines += warnings_
-    return "\n".join(lines)
-
-
-def _broken_promise_warnings(result: AuditResult) -> list[str]:
-    """One warning per deliberate break of the promise that the result records (none for an honest run)."""
-    found = []
-    if result.noise_scale != 1:
-        found.append(_broken_promise_warning(result.noise_scale))
-    if result.clipped_unit != result.privacy_unit:
-        found.append(f"WARNING: clip_per_example: this run clips each example instead of each user, so a user of "
-                     f"{result.examples_per_canary} examples moves the update by up to {result.examples_per_canary} "
-                     "x the clipping norm; it DELIBERATELY BREAKS ITS PRIVACY PROMISE and exists only to show that "
-                     "the audit catches a broken promise. Never train a real model this way.")
-    return found
-
-
-def _broken_promise_warning(noise_scale: float) -> str:
-    return (f"WARNING: --noise-scale {noise_scale:g}: this run draws {noise_scale:g} x the noise its accountant "
-            "charges for, so it DELIBERATELY BREAKS ITS PRIVACY PROMISE; it exists only to show that the audit "
-            "catches a broken promise. Never train a real model this way.")
-
-
-def run_command(options: dict, *, json_output: bool = False) -> int:
-    """`dptrain audit`: run :func:`run_audit` with ``options`` and print its report (or JSON)."""
-    from tqdm import tqdm
-
-    noise_scale = options.get("noise_scale", AUDIT_DEFAULTS["noise_scale"])
-    if noise_scale != 1:
-        print(_broken_promise_warning(noise_scale), file=sys.stderr)
-    threads = torch.get_num_threads()
-    # The digits CNN is many tiny operations per step: one thread is faster (as in dptrain train).
-    torch.set_num_threads(1)
-    bars = []  # opened at the first step, so that a configuration error shows no bar
-
-    def progress(step: int, steps: int) -> None:
-        if not bars:
-            bars.append(tqdm(total=steps, desc="audit", unit="step", file=sys.stderr, leave=False,
-                             dynamic_ncols=True))
-        bars[0].update(1)
-
-    try:
-        result = run_audit(**options, progress=progress)
-    except KeyboardInterrupt:
-        print("dptrain audit: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        for bar in bars:
-            bar.close()
-        torch.set_num_threads(threads)  # main() may run in-process
-    if json_output:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        print(format_report(result))
-    if noise_scale != 1:
-        print(_broken_promise_warning(noise_scale), file=sys.stderr)
-    return 0

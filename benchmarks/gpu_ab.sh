@@ -18,7 +18,7 @@ site=${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch; print('torch', torch.__version__)" | tee -a "$out/gpu.txt"
 start=$(date +%s)
-PYTHONPATH=$PWD/src${site:+:$site} python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py \
+PYTHONPATH=$PWD/src${site:+:$site} python3 -m pytest -o addopts= -m cuda -q -p no:cacheprovider tests/test_cuda.py \
   tests/test_precision.py 2>&1 | tail -15 | tee "$out/cuda-tests.txt"
 tests=${PIPESTATUS[0]}
 echo "CUDA tests: exit $tests in $(( $(date +%s) - start )) s" | tee -a "$out/cuda-tests.txt"

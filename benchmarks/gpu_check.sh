@@ -14,7 +14,7 @@ if ! python3 -c "import pytest, dp_accounting, tree" 2>/dev/null; then
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 start=$(date +%s)
-python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_cuda.py tests/test_precision.py 2>&1 | tee "$out/cuda-tests.txt"
+python3 -m pytest -o addopts= -m cuda -q -p no:cacheprovider tests/test_cuda.py tests/test_precision.py 2>&1 | tee "$out/cuda-tests.txt"
 tests=${PIPESTATUS[0]}
 echo "CUDA tests: exit $tests in $(( $(date +%s) - start )) s" | tee -a "$out/cuda-tests.txt"
 bash benchmarks/gpu_quick.sh "$out" "$commit"

@@ -103,11 +103,14 @@ def _init(rank: int, world: int, port: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def _shard(model: nn.Module) -> nn.Module:
+def _wrap(model: nn.Module, engine_kind: str, parts: tuple[str, ...]) -> nn.Module:
+    """The model under DDP, or under FSDP2 with each of ``parts`` (its children) sharded apart."""
+    if engine_kind == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
     from torch.distributed.fsdp import fully_shard
 
-    for module in (model.conv, model.fc1, model.fc2):
-        fully_shard(module)
+    for name in parts:
+        fully_shard(getattr(model, name))
     return fully_shard(model)
 
 
@@ -117,10 +120,7 @@ def run_training(rank: int, world: int, port: int, engine_kind: str, mode: str, 
     _init(rank, world, port)
     try:
         model = build_model()
-        if engine_kind == "ddp":
-            wrapped = nn.parallel.DistributedDataParallel(model)
-        else:
-            wrapped = _shard(model)
+        wrapped = _wrap(model, engine_kind, ("conv", "fc1", "fc2"))
         engine = train(wrapped, wrapped, mode, style, steps, micro, sigma, rank, world,
                        use_engine_backward=not plain_backward, empty_first=empty_first)
         torch.save({"params": full_params(wrapped), "steps": engine.steps_taken, "epsilon": engine.get_epsilon()},
@@ -175,14 +175,7 @@ def run_noise(rank: int, world: int, port: int, engine_kind: str, sigma: float, 
         g = torch.Generator().manual_seed(3)
         x = torch.randn(GLOBAL_BATCH, 40, generator=g, dtype=torch.float64)
         y = torch.randint(0, 40, (GLOBAL_BATCH,), generator=g)
-        if engine_kind == "ddp":
-            wrapped = nn.parallel.DistributedDataParallel(model)
-        else:
-            from torch.distributed.fsdp import fully_shard
-
-            fully_shard(model.fc1)
-            fully_shard(model.fc2)
-            wrapped = fully_shard(model)
+        wrapped = _wrap(model, engine_kind, ("fc1", "fc2"))
         engine = dptrain.PrivacyEngine(wrapped, batch_size=GLOBAL_BATCH, sample_size=SAMPLE_SIZE,
                                        max_grad_norm=max_grad_norm, noise_multiplier=sigma, seed=1234)
         opt = torch.optim.SGD(wrapped.parameters(), lr=1.0)
@@ -209,14 +202,7 @@ def run_correlated_noise(rank: int, world: int, port: int, engine_kind: str, ste
 
         torch.manual_seed(0)
         model = Wide()
-        if engine_kind == "ddp":
-            wrapped = nn.parallel.DistributedDataParallel(model)
-        else:
-            from torch.distributed.fsdp import fully_shard
-
-            fully_shard(model.fc1)
-            fully_shard(model.fc2)
-            wrapped = fully_shard(model)
+        wrapped = _wrap(model, engine_kind, ("fc1", "fc2"))
         engine = dptrain.PrivacyEngine(wrapped, batch_size=1, sample_size=SAMPLE_SIZE, noise_multiplier=1.0,
                                        noise=BandedToeplitz((0.8, 0.6)), steps=steps, seed=1234)
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.0)

@@ -58,6 +58,19 @@ class Case:
         return self.batch[0].shape[0]
 
 
+class Opaque(torch.autograd.Function):
+    """The identity, as an operation the row proof (``dptrain.rows.proof``) has no rule for, as a user's autograd
+    Function is: the rows of the layers before it are read by tag passes."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype):
     """torch's default dtype set to ``dtype`` inside, restored after (the ``float64`` fixture; hypothesis tests,

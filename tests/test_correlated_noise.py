@@ -127,14 +127,18 @@ def test_noise_is_row_t_of_the_inverse_applied_to_the_draws_and_restarts_where_a
     assert len(draws["0.bias"]) == 5 and [t for t, _ in draws["0.bias"]] == [0, 1, 3, 4, 5]
 
 
+def step(model, engine, optimizer, x, y, record=None):
+    engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+    optimizer.step()
+    if record is not None:
+        record.append([p.grad.clone() for p in model.parameters()])
+    optimizer.zero_grad()
+
+
 def train(model, engine, optimizer, loader, steps, record=None):
     while engine.steps_taken < steps:
         for x, y in loader:
-            engine.backward(F.cross_entropy(model(x), y, reduction="none"))
-            optimizer.step()
-            if record is not None:
-                record.append([p.grad.clone() for p in model.parameters()])
-            optimizer.zero_grad()
+            step(model, engine, optimizer, x, y, record)
             if engine.steps_taken == steps:
                 break
 
@@ -179,10 +183,7 @@ def test_resume_mid_run_continues_the_correlated_stream(tmp_path, noise, groups,
     model, optimizer, engine, loader = setup(noise, groups, **kwargs)
     batches = iter(loader)
     for _ in range(5):
-        x, y = next(batches)
-        engine.backward(F.cross_entropy(model(x), y, reduction="none"))
-        optimizer.step()
-        optimizer.zero_grad()
+        step(model, engine, optimizer, *next(batches))
     checkpoint = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "engine": engine.state_dict(),
                   "loader": loader.state_dict()}
     torch.save(checkpoint, tmp_path / "ckpt.pt")
@@ -205,10 +206,7 @@ def test_a_step_must_train_on_the_cyclic_loaders_batch_of_that_step():
     model, optimizer, engine, loader = setup("bandmf", 4, bands=4)
     batches = iter(loader)
     for _ in range(2):
-        x, y = next(batches)
-        engine.backward(F.cross_entropy(model(x), y, reduction="none"))
-        optimizer.step()
-        optimizer.zero_grad()
+        step(model, engine, optimizer, *next(batches))
     next(batches)  # a batch skipped: step 2 would train on group 3
     x, y = next(batches)
     engine.backward(F.cross_entropy(model(x), y, reduction="none"))

@@ -21,7 +21,7 @@ from torch import nn
 
 from dptrain.rows import RowsMixSamples
 from dptrain.testing import attached_engine, reference_clipped_gradient
-from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches, default_dtype
+from helpers import MODES, SINGLE_BACKWARD_MODES, Opaque, assert_matches, default_dtype
 
 R_CLIPS_ALL = 1e-4  # below every per-sample gradient norm of these models
 R_CLIPS_NONE = 1e4  # above every one
@@ -347,18 +347,6 @@ def test_sequences_of_steps_whose_loss_or_forward_changes_are_exact_or_refused(k
 
 
 # ------------------------------------------------------------------------------------------ the check's memory
-class Opaque(torch.autograd.Function):
-    """The identity, as an operation the row proof has no rule for: the rows before it are read by tag passes."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
 class Wide(nn.Module):
     def __init__(self, width=2048):
         super().__init__()

@@ -18,7 +18,7 @@ from torch import nn
 import dptrain
 from dptrain import plan, rows
 from dptrain.testing import clipped_gradient, reference_clipped_gradient
-from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches, one_sample_update
+from helpers import MODES, SINGLE_BACKWARD_MODES, Opaque, assert_matches, one_sample_update
 from test_engine import RUN, R, _backward, _engine
 
 PATHS = [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES]
@@ -290,19 +290,6 @@ def test_a_layout_read_while_some_samples_had_no_gradient_is_not_cached(float64,
     finally:
         engine.detach()
     assert_matches(got, _reference(model, [(x, y)]), what=f"{mode}-{path}")
-
-
-class Opaque(torch.autograd.Function):
-    """The identity, as an operation the row proof has no rule for (a user's autograd Function): the rows of the layers
-    before it are read by tag passes."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
 
 
 class SequenceFirstInsideOpaque(SequenceFirstInside):

@@ -13,11 +13,11 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 import zoo
 import zoo_configs
-from test_zoo_sweep import ZooNote, _check  # noqa: F401  (ZooNote: the warnings filter below names it)
+from test_zoo_sweep import ZooNote, _check, _one_thread  # noqa: F401  (ZooNote: the warnings filter below names
+# it; _one_thread: the zoo sweep's autouse fixture, one torch thread, applies here too)
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning",
@@ -52,14 +52,6 @@ def _swept(table: dict) -> list[str]:
     if ALL:
         return sorted(k for k, entry in table.items() if entry["result"]["status"] in zoo.OUTCOMES)
     return _quick(table)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _classified(key: str) -> dict:

@@ -161,23 +161,26 @@ def main() -> None:
         sync()
         times.append(time.perf_counter() - start)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else float("nan")
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities, with_stack=True) as prof:
-        start = time.perf_counter()
-        for k in range(args.profile_steps):
-            step(k)
-        sync()
-        wall = time.perf_counter() - start
     head = (f"== {args.config} {args.arm} amp={args.amp} on {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}"
             f" (torch {torch.__version__}, dptrain {os.path.dirname(dptrain.__file__)})\n"
             f"first step {times[0] * 1e3:.1f} ms, steady median {statistics.median(times[args.warmup:]) * 1e3:.2f} ms "
             f"over {args.steps} steps, peak memory {peak:.0f} MiB")
-    text = "\n".join([head, *summarize(prof, args.profile_steps, wall, device.type)]) + "\n"
+    summary = []
+    if args.profile_steps:  # (0: the timings alone)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities, with_stack=True) as prof:
+            start = time.perf_counter()
+            for k in range(args.profile_steps):
+                step(k)
+            sync()
+            wall = time.perf_counter() - start
+        summary = summarize(prof, args.profile_steps, wall, device.type)
+    text = "\n".join([head, *summary]) + "\n"
     print(text, flush=True)
     if args.out:
         with open(args.out, "a") as f:
             f.write(text + "\n")
-    if args.trace:
+    if args.trace and args.profile_steps:
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as raw:
             name = raw.name
         prof.export_chrome_trace(name)

@@ -182,3 +182,58 @@ def test_per_sample_weight_takes_patches_only_where_they_are_small(side, expect_
     assert bool(unfolded) == expect_patches
     want = torch.stack([torch.autograd.grad(conv(x[i:i + 1]), conv.weight, grad[i:i + 1])[0] for i in range(3)])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs", [dict(kernel_size=3), dict(kernel_size=3, stride=2, padding=1),
+                                    dict(kernel_size=(2, 3), dilation=(2, 1), padding=(1, 2)),
+                                    dict(kernel_size=1), dict(kernel_size=4, stride=3, dilation=2)])
+def test_unfold_by_views_equals_the_im2col_kernel(kwargs):
+    """The patches an accelerator forms (strided views, one copy) are the CPU's F.unfold ones, exactly."""
+    conv = nn.Conv2d(3, 5, **kwargs)
+    x = torch.randn(4, 3, 11, 10)
+    pads = conv_rules._explicit_padding(conv)
+    padded = torch.nn.functional.pad(x, pads)
+    want = torch.nn.functional.unfold(padded, conv.kernel_size, dilation=conv.dilation, stride=conv.stride)
+    assert torch.equal(conv_rules.unfold_by_views(conv, padded), want)
+    assert torch.equal(conv_rules.unfold_patches(conv, x), want)
+
+
+@pytest.fixture
+def accelerator_kernels(monkeypatch):
+    """The kernels an accelerator takes, on the CPU: per-sample weights by the product with the patches at every
+    size, and patches by strided views."""
+    monkeypatch.setattr(ConvRule, "per_sample_patches", True)
+
+    def unfold_by_views(module, x):
+        pads = conv_rules._explicit_padding(module)
+        mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
+        return conv_rules.unfold_by_views(module, torch.nn.functional.pad(x, pads, mode=mode) if any(pads) else x)
+
+    monkeypatch.setattr(conv_rules, "unfold_patches", unfold_by_views)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case_name", ["conv1d", "conv2d", "conv3d", "called-twice-conv-embedding", "resnet-groupnorm"])
+def test_every_mode_matches_oracle_with_the_accelerator_kernels(case_name, mode, accelerator_kernels, small_budget):
+    case = get_case(case_name)
+    R = _median_threshold(case)
+    assert_matches(engine_clipped_sum(case, mode=mode, max_grad_norm=R), reference(case, max_grad_norm=R),
+                   what=f"{case_name} / {mode} with per-sample weights by patches at a {small_budget}-byte workspace")
+
+
+def test_per_sample_weight_by_patches_is_chunked_under_the_budget(accelerator_kernels, monkeypatch):
+    """The patches count in a chunk's bytes: a budget of two samples' worth takes the batch two samples at a time."""
+    conv = nn.Conv2d(4, 6, 3, padding=1, groups=2)
+    x = torch.randn(6, 4, 9, 9)
+    grad = torch.randn_like(conv(x))
+    ops = ConvRule().operands(conv, x, grad)
+    chunks = []
+    unfold = conv_rules.unfold_patches
+    monkeypatch.setattr(conv_rules, "unfold_patches", lambda m, t: chunks.append(t.shape[0]) or unfold(m, t))
+    patches = 4 * 9 * 81
+    per_sample_bytes = 8 * (2 * conv.weight.numel() + x[0].numel() + grad[0].numel() + patches)
+    monkeypatch.setattr(ConvRule, "workspace_bytes", 2 * per_sample_bytes)
+    got = ConvRule().per_sample_grads(conv, ops, {"weight"})["weight"]
+    assert chunks == [2, 2, 2]
+    want = torch.stack([torch.autograd.grad(conv(x[i:i + 1]), conv.weight, grad[i:i + 1])[0] for i in range(6)])
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -65,9 +65,16 @@ def unfold_patches(module: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Te
     if any(pads):
         mode = "constant" if module.padding_mode == "zeros" else module.padding_mode
         x = F.pad(x, pads, mode=mode)
-    if n == 2:
+    if n == 2 and x.device.type == "cpu":
         return F.unfold(x, module.kernel_size, dilation=module.dilation, stride=module.stride)
-    # Generic N-d unfold: strided windows per spatial dim; dilation keeps every d-th element.
+    # one copy, where F.unfold's CUDA kernel is launched once per sample (128 launches a layer at batch 128)
+    return unfold_by_views(module, x)
+
+
+def unfold_by_views(module: nn.modules.conv._ConvNd, x: torch.Tensor) -> torch.Tensor:
+    """``unfold_patches`` of an input already padded, for any number of spatial dims: strided windows per
+    spatial dim (dilation keeps every d-th element), copied once into the patches' layout."""
+    n = len(module.kernel_size)
     for i, (k, s, d) in enumerate(zip(module.kernel_size, module.stride, module.dilation)):
         x = x.unfold(2 + i, d * (k - 1) + 1, s)
         if d > 1:
@@ -184,17 +191,20 @@ class ConvRule(LayerRule):
         out = {}
         if "weight" in names:
             # A chunk's transient copies: the input cast and padded, the output gradient made contiguous,
-            # patches no larger than the per-sample gradient (see _per_sample_weight).
+            # and the patches where they are formed (see _per_sample_weight).
+            by_patches = self.per_sample_by_patches(ops[0].grad)
             elem = ops[0].grad.element_size()
             per_sample = elem * (2 * module.weight.numel() + sum(
-                math.prod(c.input.shape[1:]) + math.prod(c.grad.shape[1:]) for c in ops))
+                math.prod(c.input.shape[1:]) + math.prod(c.grad.shape[1:])
+                + (module.weight.numel() // module.out_channels * module.groups * math.prod(c.grad.shape[2:])
+                   if by_patches else 0) for c in ops))
             chunk = max(1, min(B, self.workspace(ops[0].grad) // per_sample))
             parts = []
             for start in range(0, B, chunk):
                 rows = slice(start, start + chunk)
                 w = None
                 for c in ops:
-                    term = self._per_sample_weight(module, c.input[rows].to(c.grad.dtype), c.grad[rows])
+                    term = self._per_sample_weight(module, c.input[rows].to(c.grad.dtype), c.grad[rows], by_patches)
                     w = term if w is None else _add_widened(w, term)
                 parts.append(w)
             if not parts:  # an empty batch
@@ -204,15 +214,28 @@ class ConvRule(LayerRule):
             out["bias"] = self._per_sample_bias(ops)
         return out
 
+    #: per-sample weight gradients by a batched product with the patches at any size (True), or by the
+    #: weight-gradient kernel with the batch folded into the groups where the patches are larger than the
+    #: per-sample gradient (False). None: the product on an accelerator, where the folded kernel runs as one
+    #: launch per group (an H200 spent 35 of ResNet-18's 82 ms of GPU time at batch 128 in 4,500 of them),
+    #: the choice by size on the CPU.
+    per_sample_patches: bool | None = None
+
+    def per_sample_by_patches(self, like: torch.Tensor) -> bool:
+        if self.per_sample_patches is not None:
+            return self.per_sample_patches
+        return like.device.type != "cpu"
+
     @staticmethod
-    def _per_sample_weight(module, x, grad):
-        """[b, *weight.shape] for one call: a batched product with the patches where they are no larger than
-        the per-sample gradient itself (few output positions, T <= C_out/groups), else the weight-gradient
-        kernel with the batch folded into the groups (measured on 2 CPU cores: the folded kernel was 5-10x
-        slower than the product for 512 channels at 4x4, and 2-8x faster for 64-128 channels at 16x16+)."""
+    def _per_sample_weight(module, x, grad, by_patches: bool = False):
+        """[b, *weight.shape] for one call: a batched product with the patches (``by_patches``, or where they are
+        no larger than the per-sample gradient itself: few output positions, T <= C_out/groups), else the
+        weight-gradient kernel with the batch folded into the groups (measured on 2 CPU cores: the folded kernel
+        was 5-10x slower than the product for 512 channels at 4x4, and 2-8x faster for 64-128 channels at
+        16x16+)."""
         g, T = module.groups, math.prod(grad.shape[2:])
         p = module.out_channels // g
-        if T > p:
+        if T > p and not by_patches:
             return weight_grad(module, x, grad, batch_groups=True)
         b = x.shape[0]
         patches = unfold_patches(module, x).reshape(b, g, -1, T)

@@ -51,8 +51,10 @@ class Projections:
         got = self._blocks.get(key)
         if got is None:
             seed = (self.seed * 1_000_003 + width * 7_919 + start) % (1 << 62)
-            got = torch.randn(stop - start, self.dim, generator=torch.Generator().manual_seed(seed),
-                              dtype=torch.float64).to(device)
+            # drawn where it is used: a block drawn on the CPU and copied to a GPU cost seconds per tag pass there
+            # (the CPU's Gaussian draws, a pageable copy and a synchronization per block)
+            got = torch.randn(stop - start, self.dim, generator=torch.Generator(device).manual_seed(seed),
+                              dtype=torch.float64, device=device)
             if len(self._blocks) < CACHED_BLOCKS:
                 self._blocks[key] = got
         return got

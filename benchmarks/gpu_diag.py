@@ -1,0 +1,192 @@
+"""What the engine does differently on a GPU: the open questions of issue 36's runs, one call each, on the GPU machine.
+
+    PYTHONPATH=src:benchmarks:tests python benchmarks/gpu_diag.py steps resnet18-gn-224-b128 --amp bf16
+    PYTHONPATH=src:benchmarks:tests python benchmarks/gpu_diag.py case transformer ghost
+    PYTHONPATH=src:benchmarks:tests python benchmarks/gpu_diag.py oom bk-mixopt
+
+- ``steps CONFIG``: per step of a benchmark configuration (bk-mixopt), the tag passes it ran, where its forward left
+  the verified traces (the operation, and what the trace expected there), and where the graph proof stopped. On an
+  H200 (2026-11-27) ResNet-18-GN at batch 128 under bf16 autocast ran 4 tag passes at *every* step although the
+  proof was complete, and the first step under torch's profiler verified anew (fp32 steady steps did not).
+- ``case NAME MODE``: a test case (``tests/helpers.py``) in float32 on CUDA against the float64 oracle, with each
+  layer call's row map as the backward read it. The two-pass modes (ghost, mix-ghost, fast-grad-clip) were wrong
+  on the ``transformer`` case there (which of them varied between runs), exact on the CPU in float32 and float64.
+- ``oom MODE``: the out-of-memory test's batch (``tests/test_cuda.py``), then the largest CUDA tensors still alive
+  after it, with what refers to them: 52 GB stayed allocated on the H200.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import gc
+import sys
+
+import torch
+
+
+def _patch_log(log: list[str]) -> None:
+    import dptrain.backward as backward
+    import dptrain.rows.reader as reader
+    import dptrain.rows.watch as watch
+
+    tag_pass = backward.Backward._tag_pass
+
+    def logged_tag_pass(self, losses, factor, passes):
+        log.append(f"  tag passes: {passes}")
+        return tag_pass(self, losses, factor, passes)
+
+    backward.Backward._tag_pass = logged_tag_pass
+    prove = reader.prove
+
+    def logged_prove(roots, batch, *args, **kwargs):
+        proof = prove(roots, batch, *args, **kwargs)
+        log.append(f"  proof: stopped at {proof.stopped_at}, {len(proof.unproven)} unproven of {len(proof.edges)} edges")
+        return proof
+
+    reader.prove = logged_prove
+    note = watch.ForwardWatch.note
+
+    def logged_note(self, key, where):
+        before = self.node
+        note(self, key, where)
+        if before is not None and self.node is None:
+            log.append(f"  left the verified trace at {where}: {str(key)[:300]}\n"
+                       f"    expected one of {str(list(before.keys())[:3])[:600]}")
+
+    watch.ForwardWatch.note = logged_note
+    resolve = reader.BackwardRows.resolve
+
+    def logged_resolve(self, state, call, batch):
+        rowmap = resolve(self, state, call, batch)
+        log.append(f"  rows of {state.path} {tuple(call.shape)}: {str(rowmap)[:200]}")
+        return rowmap
+
+    if "--rowmaps" in sys.argv:
+        reader.BackwardRows.resolve = logged_resolve
+
+
+def steps(args) -> None:
+    import dptrain
+    from dptrain_bench import zoo
+
+    log: list[str] = []
+    _patch_log(log)
+    config = zoo.configs_for("gpu")[args.config]
+    task = config.task()
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    model = task.build().to(device)
+    model.train()
+    generator = torch.Generator(device).manual_seed(0)
+    batches = [task.make_batch(config.batch_size, generator) for _ in range(2)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    engine = dptrain.PrivacyEngine(model, batch_size=config.batch_size, sample_size=10_000, noise_multiplier=1.0,
+                                   max_grad_norm=1.0, clipping_mode="bk-mixopt", seed=0)
+    engine.attach(optimizer)
+
+    def step(k: int, what: str) -> None:
+        log.clear()
+        batch = batches[k % 2]
+        with (torch.autocast("cuda", dtype=torch.bfloat16) if args.amp == "bf16" else contextlib.nullcontext()):
+            losses = task.per_sample_loss(task.forward(model, batch), batch)
+        engine.backward(losses)
+        optimizer.step()
+        optimizer.zero_grad()
+        print(f"{args.config} {args.amp} {what} {k}:", "\n".join(log) or "  nothing", flush=True)
+
+    for k in range(args.steps):
+        step(k, "step")
+    if args.profiled:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True):
+            for k in range(2):
+                step(k, "profiled step")
+
+
+def case(args) -> None:
+    from dptrain.testing import clipped_gradient, reference_clipped_gradient
+    from helpers import assert_matches, get_case, split_max_grad_norm
+
+    log: list[str] = []
+    _patch_log(log)
+    torch.set_default_dtype(torch.float64)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    test_case = get_case(args.name)
+    R = split_max_grad_norm(test_case, "all-layer")
+    oracle = reference_clipped_gradient(test_case.model, test_case.losses_fn, test_case.batch, max_grad_norm=R)
+    for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+        model = copy.deepcopy(test_case.model).float().to(device)
+        batch = tuple(b.to(device, torch.float32) if b.is_floating_point() else b.to(device) for b in test_case.batch)
+        log.clear()
+        got = clipped_gradient(model, test_case.losses_fn, batch, mode=args.mode, max_grad_norm=R)
+        print(f"== {args.name} / {args.mode} in float32 on {device}:\n" + "\n".join(log))
+        try:
+            assert_matches({n: g.double().cpu() for n, g in got.items()}, oracle, rtol=1e-4, what=device)
+            print("  exact")
+        except AssertionError as err:
+            print("  WRONG:", str(err)[:1500])
+
+
+def oom(args) -> None:
+    import torch.nn.functional as F
+    from torch import nn
+
+    from dptrain.testing import attached_engine
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.GroupNorm(8, 64), nn.ReLU(),
+                          nn.Conv2d(64, 64, 3, padding=1), nn.GroupNorm(8, 64), nn.ReLU(),
+                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(64, 10)).cuda()
+    engine, _ = attached_engine(model, mode=args.mode, max_grad_norm=0.5, loss_reduction="sum")
+    baseline = torch.cuda.memory_allocated()
+    free, _ = torch.cuda.mem_get_info()
+    batch = max(8, int(free / (64 * 64 * 64 * 4 * 3)) + 1)
+    try:
+        x = torch.randn(batch, 3, 64, 64, device="cuda")
+        y = torch.randint(0, 10, (batch,), device="cuda")
+        losses = F.cross_entropy(model(x), y, reduction="none")
+        engine.backward(losses)
+        print("the batch fit")
+    except torch.cuda.OutOfMemoryError as err:
+        print("out of memory:", str(err)[:200])
+    x = y = losses = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    print(f"allocated after: {torch.cuda.memory_allocated() / 2**30:.2f} GiB (baseline {baseline / 2**30:.3f})")
+    alive = sorted((o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.is_cuda),
+                   key=lambda t: -t.numel())[:4]
+    for t in alive:
+        print(f"  alive: {tuple(t.shape)} {t.dtype}, {t.numel() * t.element_size() / 2**30:.2f} GiB")
+        for r in gc.get_referrers(t)[:6]:
+            if r is alive:
+                continue
+            what = type(r).__name__
+            detail = list(r.keys())[:8] if isinstance(r, dict) else str(r)[:160]
+            print(f"    referred to by {what}: {detail}")
+            for rr in gc.get_referrers(r)[:3]:
+                if rr is not alive and type(rr).__name__ not in ("frame", "list"):
+                    print(f"      which {type(rr).__name__} holds: {str(rr)[:160]}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers(dest="what", required=True)
+    p = sub.add_parser("steps")
+    p.add_argument("config")
+    p.add_argument("--amp", choices=["none", "bf16"], default="none")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--profiled", action="store_true")
+    p = sub.add_parser("case")
+    p.add_argument("name")
+    p.add_argument("mode")
+    p.add_argument("--rowmaps", action="store_true", help="each layer call's row map as read")
+    p = sub.add_parser("oom")
+    p.add_argument("mode")
+    args = parser.parse_args()
+    {"steps": steps, "case": case, "oom": oom}[args.what](args)
+
+
+if __name__ == "__main__":
+    main()

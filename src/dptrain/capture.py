@@ -30,6 +30,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from .calls import Call, LayerState, graph_task, in_backward
 from .graph_nodes import EngineHook, guard_written_base
+from .hooks_aside import HooksAside
 from .layer_hooks import LayerHooks
 from .layers.fallback import in_replay
 from .rows import ForwardWatch, RowReader, computing_precision, tensors_in
@@ -100,6 +101,9 @@ class Capture(LayerHooks):
         self.paused = False
         self._handles: list[Any] = []
         self._own_ids: set[int] = set()  # ids of every hook the engine registered (for the order checks)
+        #: ids of the hooks on the covered layers and their capture sites, set aside under no_grad (hooks_aside)
+        self._layer_hook_ids: set[int] = set()
+        self._aside = HooksAside()
         self._pre_ids: dict[int, int] = {}
         self._pre_hook_fns: dict[int, Callable] = {}
         self._post_ids: dict[int, int] = {}
@@ -139,6 +143,10 @@ class Capture(LayerHooks):
         self._own_ids.add(handle.id)
         return handle
 
+    def _keep_layer_hook(self, handle):
+        self._layer_hook_ids.add(handle.id)
+        return self._keep(handle)
+
     def set_layers(self, layers: list[LayerState]) -> None:
         self.layers = layers
         self._param_dtypes = tuple({p.dtype for s in layers for p in s.params.values()})
@@ -149,22 +157,23 @@ class Capture(LayerHooks):
             module = state.module
             self._hooked[id(module)] = module
             self._pre_hook_fns[id(module)] = EngineHook(self._make_pre_hook(module))
-            pre = self._keep(module.register_forward_pre_hook(self._pre_hook_fns[id(module)], with_kwargs=True))
-            post = self._keep(module.register_forward_hook(
+            keep = self._keep_layer_hook
+            pre = keep(module.register_forward_pre_hook(self._pre_hook_fns[id(module)], with_kwargs=True))
+            post = keep(module.register_forward_hook(
                 EngineHook(self._make_post_hook(module)), always_call=True, with_kwargs=True, prepend=True))
             self._pre_ids[id(module)], self._post_ids[id(module)] = pre.id, post.id
             if state.rule.captures_input:
                 for k, site in enumerate(state.rule.capture_sites(module)):
                     if site.source is not None and site.source_input:
-                        self._keep(site.source.register_forward_pre_hook(
-                            EngineHook(self._make_source_hook(module, k, True))))
+                        keep(site.source.register_forward_pre_hook(EngineHook(self._make_source_hook(module, k, True))))
                     elif site.source is not None:
-                        self._keep(site.source.register_forward_hook(
-                            EngineHook(self._make_source_hook(module, k, False))))
-                    self._keep(site.target.register_forward_pre_hook(
+                        keep(site.source.register_forward_hook(EngineHook(self._make_source_hook(module, k, False))))
+                    keep(site.target.register_forward_pre_hook(
                         EngineHook(self._make_input_hook(module, k, site.source is not None))))
+        self._aside.forget_modules()
 
     def remove(self) -> None:
+        self._aside.put_back()
         self._end_watch()
         for h in self._handles:
             h.remove()
@@ -189,6 +198,8 @@ class Capture(LayerHooks):
     @torch._dynamo.disable  # (bookkeeping by counters: traced, every model call would recompile)
     def _model_pre_hook(self, module, args, kwargs):
         if in_backward() or not self._tracking() or in_replay() or self.paused:
+            if not self._tracking() and not in_backward() and not in_replay():
+                self._aside.set_aside(self.model, self._layer_hook_ids)  # (evaluation: nothing to record)
             return None  # a recomputation (checkpointing), evaluation, a fallback's replay, or paused
         if self._open_forward is not None:
             # The last model call never returned (an exception the always-called hook could not
@@ -337,6 +348,7 @@ class Capture(LayerHooks):
         self.on_output_grad()
 
     def _model_failed_hook(self, module, args, output):
+        self._aside.put_back()  # (always called: also when the forward raised)
         self._view_outputs = []
         if not self._finished_forward:
             self._end_watch()

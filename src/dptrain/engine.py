@@ -421,8 +421,10 @@ class PrivacyEngine:
             return
         raise RuntimeError(
             f"parameter {name!r} was used outside the forward call of its own layer (e.g. a weight read by "
-            "F.linear or a matmul elsewhere), so its per-sample gradient would not be clipped: use the layer "
-            "module itself, tie it to another covered layer (shared parameters are exact), or freeze it"
+            "F.linear or a matmul elsewhere, or a layer called with gradients enabled inside a model call made "
+            "under torch.no_grad(), which records nothing), so its per-sample gradient would not be clipped: use the "
+            "layer module itself, call the model with gradients enabled, tie the parameter to another covered layer "
+            "(shared parameters are exact), or freeze it"
         )
 
     def _prepare_step(self) -> None:

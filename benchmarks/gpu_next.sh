@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Issue 36's open questions in one device call (about 5 minutes; timeout_s 420), from the checkout's root on the GPU
+# machine, results under OUT_DIR: the CUDA tests with their tracebacks, then benchmarks/gpu_diag.py on what the
+# 2026-11-27 runs left open (benchmarks/results/gpu-notes.md), then the steady steps of the preset's rows, each arm in
+# its own process, for the table before and after.
+#   bash benchmarks/gpu_next.sh OUT_DIR
+# Wheels for what the machine lacks (dp-accounting, dm-tree, pytest and its dependencies) travel in .whl/.
+set -uo pipefail
+out=${1:?usage: bash benchmarks/gpu_next.sh OUT_DIR}
+mkdir -p "$out"
+if ! python3 -c "import pytest, dp_accounting, tree" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dptrain-site .whl/*.whl
+  export PYTHONPATH=/tmp/dptrain-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$PWD/benchmarks:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}
+start=$(date +%s)
+python3 -m pytest -o addopts= -m cuda -q -p no:cacheprovider --tb=short tests/test_cuda.py tests/test_precision.py \
+  > "$out/cuda-tests.txt" 2>&1
+echo "CUDA tests: exit $? in $(( $(date +%s) - start )) s" | tee -a "$out/cuda-tests.txt"
+tail -14 "$out/cuda-tests.txt"
+diag() { timeout 90 python3 benchmarks/gpu_diag.py "$@" 2>&1 | grep -v "^USDT\|SyncActivity\|Warning\|warn" >> "$out/diag.txt"; }
+for mode in ghost mix-ghost fast-grad-clip bk-mixopt; do diag case transformer "$mode" --rowmaps; done
+diag oom bk-mixopt
+diag steps resnet18-gn-224-b128 --amp bf16
+diag steps gpt2-t100 --profiled
+echo "diagnostics done at $(( $(date +%s) - start )) s" | tee -a "$out/diag.txt"
+t() { timeout 90 python3 benchmarks/gpu_profile.py "$@" --profile-steps 0 --out "$out/timings.txt" 2>/dev/null \
+        | grep '^{' | tee -a "$out/timings.jsonl"; }
+for config in resnet18-gn-224-b128 vgg11-gn-224 gpt2-t100 vit-224; do
+  t "$config" non-private
+  t "$config" bk-mixopt
+done
+t resnet18-gn-224-b128 bk-mixopt --amp bf16 --steps 4
+t resnet18-gn-224-b128 non-private --amp bf16 --steps 4
+echo "all done at $(( $(date +%s) - start )) s"

@@ -30,10 +30,6 @@ class HooksAside:
         self._plan: list[tuple[dict, str, OrderedDict, frozenset, OrderedDict, int]] | None = None
         self._aside = False
 
-    @property
-    def active(self) -> bool:
-        return self._aside
-
     def forget_modules(self) -> None:
         """Hooks were added: the dictionaries that hold layer hooks are looked up again at the next evaluation."""
         self._plan = None

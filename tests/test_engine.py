@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.data import DataLoader, TensorDataset
 
 import dptrain
@@ -337,6 +338,33 @@ def test_nothing_of_a_failed_backward_outlives_the_user_references(float64, mode
     del engine, model, opt, x, y
     gc.collect()
     assert engine_ref() is None and model_ref() is None and big() is None
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("mode,path", [("bk-mixopt", "engine"), ("bk-mixopt", "plain"), ("ghost", "engine"),
+                                       ("per-sample", "plain")])
+def test_nothing_of_a_failed_batch_stays_alive_in_the_engine(float64, mode, path, where):
+    """With the engine and the model kept (a training loop that catches an out-of-memory error and halves the batch),
+    no storage of the failed batch stays alive: not the input, not an activation a layer call recorded (a call of
+    the failed forward once kept both until the next model call: 52 GB of an H200)."""
+    model = _failing_model()
+    reference_model = copy.deepcopy(model)
+    engine, opt = attached_engine(model, mode=mode, max_grad_norm=R, loss_reduction="sum")
+    storages = []
+    for layer in (model[0], model[3]):  # the recorded activations: the input of model[0], model[2]'s output, ...
+        layer.register_forward_hook(lambda m, i, o: storages.append(StorageWeakRef(i[0].untyped_storage())))
+    x, y = _data(64, seed=2)
+    storages.append(StorageWeakRef(x.untyped_storage()))
+    with _failing(model, where, RuntimeError):
+        _backward(engine, model, x, y, path)
+    del x, y
+    gc.collect()
+    assert storages and all(s.expired() for s in storages)
+    batch = _data(3, seed=3)  # and the next batch is exact
+    _backward(engine, model, *batch, path)
+    opt.step()
+    assert_matches({n: p.grad for n, p in model.named_parameters()}, _reference(reference_model, [batch]),
+                   what=f"after a failed {where}")
 
 
 def test_a_failure_while_adding_to_the_sums_drops_the_step_as_a_whole(float64, monkeypatch):

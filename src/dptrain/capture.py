@@ -360,6 +360,7 @@ class Capture(LayerHooks):
     def drop_forward(self, forward_id: int) -> None:
         self.restore_switched()
         self._sources.clear()
+        self._forward_calls = []  # (the dropped call's own: they hold its activations, the whole batch's)
         for state in self.layers:
             state.calls = [c for c in state.calls if c.forward_id != forward_id]
 

@@ -45,6 +45,17 @@ def _patch_log(log: list[str]) -> None:
         return proof
 
     reader.prove = logged_prove
+    reader_prove = reader.RowReader.prove
+
+    def logged_reader_prove(self, roots, batch, calls):
+        unread = [(state.path, call.forward_id) for state, call in calls if call.unread and call.rowmap is None]
+        complete = reader_prove(self, roots, batch, calls)
+        left = [(state.path, call.forward_id) for state, call in calls if call.unread and call.rowmap is None]
+        log.append(f"  reader.prove: complete={complete}, unread before {len(unread)}, left without a map "
+                   f"{left[:6]}{' ...' if len(left) > 6 else ''}")
+        return complete
+
+    reader.RowReader.prove = logged_reader_prove
     note = watch.ForwardWatch.note
 
     def logged_note(self, key, where):

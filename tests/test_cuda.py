@@ -102,6 +102,42 @@ def test_a_table_broadcast_over_the_batch_on_cuda(float64, kind, autocast, mode)
     assert_matches(got, _oracle(case, R), rtol=1e-4 if autocast is None else 4e-2, what=f"{kind}/{mode}/{autocast}")
 
 
+@pytest.mark.parametrize("kwargs", [dict(kernel_size=3, padding=1), dict(kernel_size=3, stride=2, groups=2),
+                                    dict(kernel_size=(2, 3), dilation=(2, 1), padding=(1, 2), padding_mode="reflect"),
+                                    dict(kernel_size=7, stride=2, padding=3)])
+def test_conv_per_sample_weights_on_cuda_by_both_kernels_equal_autograd(float64, kwargs):
+    """On CUDA the per-sample conv weight is a product with patches formed by strided views (cuDNN's folded-groups
+    kernel, the CPU's choice, launches once per group there); both equal autograd's per-sample gradient."""
+    from dptrain.layers import conv as conv_rules
+    from dptrain.layers.conv import ConvRule
+
+    torch.manual_seed(0)
+    conv = nn.Conv2d(4, 6, **kwargs).double().cuda()
+    x = torch.randn(5, 4, 12, 11, dtype=torch.float64, device="cuda")
+    grad = torch.randn_like(conv(x))
+    want = torch.stack([torch.autograd.grad(conv(x[i:i + 1]), conv.weight, grad[i:i + 1])[0] for i in range(5)])
+    for by_patches in (True, False):
+        rule = ConvRule()
+        rule.per_sample_patches = by_patches
+        got = rule.per_sample_grads(conv, rule.operands(conv, x, grad), {"weight"})["weight"]
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    pads = conv_rules._explicit_padding(conv)
+    mode = "constant" if conv.padding_mode == "zeros" else conv.padding_mode
+    padded = F.pad(x, pads, mode=mode) if any(pads) else x
+    assert torch.equal(conv_rules.unfold_patches(conv, x),
+                       F.unfold(padded, conv.kernel_size, dilation=conv.dilation, stride=conv.stride))
+
+
+def test_sketch_projections_are_drawn_on_the_gradients_device():
+    """A block drawn on the CPU and copied over cost seconds per tag pass on an H200: they are drawn on the GPU."""
+    from dptrain.rows.sketch import Projections
+
+    projections = Projections(seed=3)
+    block = projections.block(1 << 10, 0, 1 << 10, torch.device("cuda"))
+    assert block.is_cuda and block.dtype == torch.float64
+    assert torch.equal(block, Projections(seed=3).block(1 << 10, 0, 1 << 10, torch.device("cuda")))  # (seeded)
+
+
 def _conv_net():
     torch.manual_seed(0)
     return nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.GroupNorm(8, 64), nn.ReLU(),

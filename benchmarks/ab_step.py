@@ -19,6 +19,8 @@ import torch
 
 import dptrain
 from dptrain_bench import zoo
+from dptrain_bench.arms import make_arm
+from dptrain_bench.workers import build
 
 
 def main() -> None:
@@ -33,29 +35,12 @@ def main() -> None:
     if device.type == "cpu":
         torch.set_num_threads(1)
     config = zoo.configs_for("cpu" if device.type == "cpu" else "gpu")[args.config]
-    task = config.task()
-    torch.manual_seed(0)
-    model = task.build().to(device)
-    model.train()
-    generator = torch.Generator(device).manual_seed(0)
-    batches = [task.make_batch(config.batch_size, generator) for _ in range(4)]
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    engine = None
-    if args.arm != "non-private":
-        engine = dptrain.PrivacyEngine(model, batch_size=config.batch_size, sample_size=10_000,
-                                       noise_multiplier=1.0, max_grad_norm=1.0, clipping_mode=args.arm, seed=0)
-        engine.attach(optimizer)
+    task, model, batches = build(config, device, config.batch_size, 4)
+    arm = make_arm(args.arm, model, task, config.batch_size)
     times = []
     for k in range(args.warmup + args.steps):
-        batch = batches[k % len(batches)]
         start = time.perf_counter()
-        losses = task.per_sample_loss(task.forward(model, batch), batch)
-        if engine is None:
-            losses.mean().backward()
-        else:
-            engine.backward(losses)
-        optimizer.step()
-        optimizer.zero_grad()
+        arm.step(batches[k % len(batches)])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - start)

@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import gc
 import sys
@@ -78,32 +77,19 @@ def _patch_log(log: list[str]) -> None:
 
 
 def steps(args) -> None:
-    import dptrain
     from dptrain_bench import zoo
+    from dptrain_bench.arms import make_arm
+    from dptrain_bench.workers import build
 
     log: list[str] = []
     _patch_log(log)
     config = zoo.configs_for("gpu")[args.config]
-    task = config.task()
-    torch.manual_seed(0)
-    device = torch.device("cuda")
-    model = task.build().to(device)
-    model.train()
-    generator = torch.Generator(device).manual_seed(0)
-    batches = [task.make_batch(config.batch_size, generator) for _ in range(2)]
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    engine = dptrain.PrivacyEngine(model, batch_size=config.batch_size, sample_size=10_000, noise_multiplier=1.0,
-                                   max_grad_norm=1.0, clipping_mode="bk-mixopt", seed=0)
-    engine.attach(optimizer)
+    task, model, batches = build(config, torch.device("cuda"), config.batch_size, 2)
+    arm = make_arm("bk-mixopt", model, task, config.batch_size, torch.bfloat16 if args.amp == "bf16" else None)
 
     def step(k: int, what: str) -> None:
         log.clear()
-        batch = batches[k % 2]
-        with (torch.autocast("cuda", dtype=torch.bfloat16) if args.amp == "bf16" else contextlib.nullcontext()):
-            losses = task.per_sample_loss(task.forward(model, batch), batch)
-        engine.backward(losses)
-        optimizer.step()
-        optimizer.zero_grad()
+        arm.step(batches[k % 2])
         print(f"{args.config} {args.amp} {what} {k}:", "\n".join(log) or "  nothing", flush=True)
 
     for k in range(args.steps):

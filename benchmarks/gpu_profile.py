@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
 import gzip
 import json
 import os
@@ -29,6 +28,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import dptrain
 from dptrain_bench import zoo
+from dptrain_bench.arms import make_arm
+from dptrain_bench.workers import build
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
@@ -124,29 +125,11 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     config = zoo.configs_for("cpu" if device.type == "cpu" else "gpu")[args.config]
-    task = config.task()
-    torch.manual_seed(0)
-    model = task.build().to(device)
-    model.train()
-    generator = torch.Generator(device).manual_seed(0)
-    batches = [task.make_batch(config.batch_size, generator) for _ in range(4)]
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    engine = None
-    if args.arm != "non-private":
-        engine = dptrain.PrivacyEngine(model, batch_size=config.batch_size, sample_size=10_000,
-                                       noise_multiplier=1.0, max_grad_norm=1.0, clipping_mode=args.arm, seed=0)
-        engine.attach(optimizer)
+    task, model, batches = build(config, device, config.batch_size, 4)
+    arm = make_arm(args.arm, model, task, config.batch_size, torch.bfloat16 if args.amp == "bf16" else None)
 
     def step(k: int) -> None:
-        batch = batches[k % len(batches)]
-        with (torch.autocast(device.type, dtype=torch.bfloat16) if args.amp == "bf16" else contextlib.nullcontext()):
-            losses = task.per_sample_loss(task.forward(model, batch), batch)
-        if engine is None:
-            losses.mean().backward()
-        else:
-            engine.backward(losses)
-        optimizer.step()
-        optimizer.zero_grad()
+        arm.step(batches[k % len(batches)])
 
     def sync() -> None:
         if device.type == "cuda":

@@ -237,3 +237,20 @@ def test_per_sample_weight_by_patches_is_chunked_under_the_budget(accelerator_ke
     assert chunks == [2, 2, 2]
     want = torch.stack([torch.autograd.grad(conv(x[i:i + 1]), conv.weight, grad[i:i + 1])[0] for i in range(6)])
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("B", [4, 5])  # 4: the batch equals the channel count
+@pytest.mark.parametrize("R", [1e-3, 1e3])  # every sample clipped, none clipped
+def test_the_accelerator_kernels_keep_one_samples_influence_within_r(mode, B, R, accelerator_kernels, small_budget):
+    """DP's own oracle on the per-sample weights by patches: removing one sample moves the clipped sum by at most R."""
+    from dptrain.testing import assert_neighbours_bounded
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.Tanh(),
+                          nn.Conv2d(4, 4, 3, stride=2, groups=2), nn.Flatten(), nn.LazyLinear(3)).double()
+    x = torch.randn(B, 3, 7, 7, dtype=torch.float64)
+    model(x)  # (the lazy head takes its width)
+    y = torch.randint(0, 3, (B,))
+    assert_neighbours_bounded(model, lambda m, a, b: torch.nn.functional.cross_entropy(m(a), b, reduction="none"),
+                              (x, y), max_grad_norm=R, mode=mode)

@@ -1,6 +1,7 @@
 """The arms: the ways of training one model that a benchmark compares (non-private, dptrain's modes, Opacus)."""
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,12 +40,20 @@ class _PerSampleCriterion(nn.Module):
         return losses if self.reduction == "none" else (losses.mean() if self.reduction == "mean" else losses.sum())
 
 
-def make_arm(name: str, model: nn.Module, task: Task, batch_size: int) -> Arm:
+def make_arm(name: str, model: nn.Module, task: Task, batch_size: int, autocast: torch.dtype | None = None) -> Arm:
+    """``autocast``: the forward and the loss under autocast to this dtype (the backward and the engine's own work
+    outside it, as in mixed-precision training); dptrain's arms and non-private only."""
     # Plain SGD keeps no optimizer state, so memory differences come from clipping alone.
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def losses(batch):
+        device = next(iter(batch.values())).device.type
+        with torch.autocast(device, dtype=autocast) if autocast is not None else contextlib.nullcontext():
+            return task.per_sample_loss(task.forward(model, batch), batch)
+
     if name == NON_PRIVATE:
         def step(batch):
-            task.per_sample_loss(task.forward(model, batch), batch).mean().backward()
+            losses(batch).mean().backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -57,12 +66,14 @@ def make_arm(name: str, model: nn.Module, task: Task, batch_size: int) -> Arm:
         engine.attach(optimizer)
 
         def step(batch):
-            engine.backward(task.per_sample_loss(task.forward(model, batch), batch))
+            engine.backward(losses(batch))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
         return Arm(name, step, engine.detach)
     if name in OPACUS_ARMS:
+        if autocast is not None:
+            raise ValueError(f"{name}: the Opacus arms run in the model's own dtype only (autocast={autocast})")
         return _opacus_arm(name, model, task, batch_size, optimizer)
     raise checks.unknown("arm", name, ALL_ARMS)
 

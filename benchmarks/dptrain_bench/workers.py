@@ -65,7 +65,8 @@ def _setup_worker(task: dict) -> torch.device:
     return device
 
 
-def _build(config: BenchConfig, device: torch.device, batch_size: int, n_batches: int):
+def build(config: BenchConfig, device: torch.device, batch_size: int, n_batches: int):
+    """(task, model in training mode on ``device``, ``n_batches`` batches), seeded: what every arm of a row trains."""
     task = config.task()
     torch.manual_seed(SEED)
     model = task.build().to(device).train()
@@ -77,7 +78,7 @@ def _build(config: BenchConfig, device: torch.device, batch_size: int, n_batches
 def _worker_memory(task: dict) -> dict:
     device = _setup_worker(task)
     config = zoo.configs_for(task["scale"])[task["config"]]
-    task_, model, batches = _build(config, device, config.batch_size, 2)
+    task_, model, batches = build(config, device, config.batch_size, 2)
     arm = make_arm(task["arm"], model, task_, config.batch_size)
     meter = PeakMemory(device)
     meter.start()
@@ -118,7 +119,7 @@ def _worker_time(task: dict) -> dict:
     device = _setup_worker(task)
     config = zoo.configs_for(task["scale"])[task["config"]]
     warmup, steps = task["warmup"], task["steps"]
-    task_, reference, batches = _build(config, device, config.batch_size, warmup + steps)
+    task_, reference, batches = build(config, device, config.batch_size, warmup + steps)
     arms: dict[str, Arm] = {}
     failures: dict[str, str] = {}
     for name in task["arms"]:
@@ -226,7 +227,7 @@ def _worker_arm(task: dict) -> dict:
     warmup, steps = task["warmup"], task["steps"]
     # Two batches, taken in turn: every arm's peak includes the batches it holds, so thirteen of them
     # (a GiB for ResNet-18 at batch 128) would dilute the ratios between arms.
-    task_, model, batches = _build(config, device, config.batch_size, min(2, warmup + steps))
+    task_, model, batches = build(config, device, config.batch_size, min(2, warmup + steps))
     arm = make_arm(task["arm"], model, task_, config.batch_size)
     meter = PeakMemory(device)
     meter.start()

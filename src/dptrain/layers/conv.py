@@ -196,8 +196,8 @@ class ConvRule(LayerRule):
             elem = ops[0].grad.element_size()
             per_sample = elem * (2 * module.weight.numel() + sum(
                 math.prod(c.input.shape[1:]) + math.prod(c.grad.shape[1:])
-                + (module.weight.numel() // module.out_channels * module.groups * math.prod(c.grad.shape[2:])
-                   if by_patches else 0) for c in ops))
+                + (module.in_channels * math.prod(module.kernel_size) * math.prod(c.grad.shape[2:]) if by_patches else 0)
+                for c in ops))
             chunk = max(1, min(B, self.workspace(ops[0].grad) // per_sample))
             parts = []
             for start in range(0, B, chunk):

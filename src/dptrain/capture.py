@@ -11,7 +11,8 @@ and is caught by the engine instead of escaping clipping.
 
 The model's own call is hooked too: its input gives the batch size (read, never inferred
 from what a layer happens to see), a forward that raises drops what it recorded, and its
-output's gradient marks the start of a plain ``loss.backward()``. A layer call recorded
+output's gradient marks the start of a plain ``loss.backward()``. An evaluation in ``eval()`` mode with gradients
+enabled is deferred from its second model call on (``deferred.py``). A layer call recorded
 while a backward pass runs is a recomputation (activation checkpointing) and is marked so.
 
 A layer's output gradient is read by a pre-hook on the node that made the output, which runs after
@@ -29,6 +30,7 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
 from .calls import Call, LayerState, graph_task, in_backward
+from .deferred import DeferredCall, wrap_outputs
 from .graph_nodes import EngineHook, guard_written_base
 from .hooks_aside import HooksAside
 from .layer_hooks import LayerHooks
@@ -118,6 +120,16 @@ class Capture(LayerHooks):
         self._param_dtypes: tuple[torch.dtype, ...] = ()
         self._forward_count = 0
         self._open_forward: int | None = None  # id of a model call that has not returned yet
+        #: the open model call, deferred (an evaluation in eval() mode with gradients enabled: deferred.py)
+        self._deferred: DeferredCall | None = None
+        #: set by the engine: eval() calls may be deferred (its backwards go through engine.backward, in one process)
+        self.defer_evaluations = False
+        #: the last model call was in eval() mode and no backward came since: a next one in eval() mode is deferred
+        self._eval_run = False
+        #: model calls deferred since the last backward (engine.backward looks for them only then)
+        self.deferred_calls = 0
+        #: set while engine.backward replays a deferred call: it is recorded
+        self.replaying = False
         self._finished_forward = False
         #: the model's buffers and parameters, checked for writes by each training forward
         self.state_writes = StateWrites(model, buffers_only=params_by_name)
@@ -201,6 +213,8 @@ class Capture(LayerHooks):
             if not self._tracking() and not in_backward() and not in_replay():
                 self._aside.set_aside(self.model, self._layer_hook_ids)  # (evaluation: nothing to record)
             return None  # a recomputation (checkpointing), evaluation, a fallback's replay, or paused
+        if self._defers(module, args, kwargs):
+            return None
         if self._open_forward is not None:
             # The last model call never returned (an exception the always-called hook could not
             # see, such as KeyboardInterrupt): drop what it recorded.
@@ -230,6 +244,27 @@ class Capture(LayerHooks):
             self._watch = _start_watch(self.forward_batch, inputs, dim, self._anchor, self.on_input_grad,
                                        self.forward_precision, self.rows.traces)
         return None
+
+    def _defers(self, module, args, kwargs) -> bool:
+        """Whether this model call is deferred (``deferred.py``): in eval() mode with gradients enabled, right after
+        another such call with no backward between them; then its layers' hooks are set aside for it."""
+        eval_run, self._eval_run = self._eval_run, not module.training
+        if (module.training or not eval_run or not self.defer_evaluations or self.replaying or self.dry
+                or self._open_forward is not None or _GRADIENT_EDGE is None):
+            return False
+        dim = 0 if self.batch_first else 1
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # (the common call, without the walks)
+            inputs = list(args)
+            batch = args[0].shape[dim] if args[0].dim() > dim else None
+        else:
+            inputs = [t for t in tensors_in((args, kwargs)) if isinstance(t, torch.Tensor)]
+            batch = batch_size_of((args, kwargs), dim)
+        if not batch or any(t.requires_grad for t in inputs):  # (a saliency map's input: its gradient is the point)
+            return False
+        self._deferred = DeferredCall(args, kwargs, inputs, batch)
+        self.deferred_calls += 1
+        self._aside.set_aside(self.model, self._layer_hook_ids)
+        return True
 
     def _settle_calls(self, watch, forward_id: int) -> None:
         """The model call returned: its calls' layouts are the verified trace's it followed to its end, or are read
@@ -269,6 +304,8 @@ class Capture(LayerHooks):
     def backward_ended(self) -> None:
         """A backward completed: layer calls made outside a model call from now on are another forward's."""
         self._last_forward = None
+        self._eval_run = False
+        self.deferred_calls = 0
 
     def note_unread_call(self) -> None:
         """A call of the open model call became one whose rows must be read (a table of batch size 1 used without
@@ -304,6 +341,10 @@ class Capture(LayerHooks):
 
     @torch._dynamo.disable
     def _model_post_hook(self, module, args, output):
+        deferred, self._deferred = self._deferred, None
+        if deferred is not None:
+            self._aside.put_back()
+            return wrap_outputs(output, deferred, 0 if self.batch_first else 1, self._anchor)
         if in_backward() or self._open_forward is None or in_replay() or self.paused:
             return None
         watch = self._watch  # (the forward ended: what the checks below compute is not the forward's)
@@ -349,6 +390,7 @@ class Capture(LayerHooks):
 
     def _model_failed_hook(self, module, args, output):
         self._aside.put_back()  # (always called: also when the forward raised)
+        self._deferred = None
         self._view_outputs = []
         if not self._finished_forward:
             self._end_watch()
@@ -379,6 +421,9 @@ class Capture(LayerHooks):
             yield
         finally:
             self.paused = previous
+
+
+_GRADIENT_EDGE = getattr(torch.autograd.graph, "GradientEdge", None)  # (torch 2.3 and later: deferral needs it)
 
 
 @torch._dynamo.disable

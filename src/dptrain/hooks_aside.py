@@ -49,8 +49,10 @@ class HooksAside:
     def _stale(plan: list) -> bool:
         """A hook was added or removed since the plan: where only the engine's hooks were, a user's hook can only be
         added (the length); elsewhere the keys are compared."""
-        return any(len(hooks) != len(keys) if not kept_len else hooks.keys() != keys
-                   for _, _, hooks, keys, _, kept_len in plan)
+        for _, _, hooks, keys, _, kept_len in plan:  # (a loop: this runs at every evaluation's model call)
+            if len(hooks) != len(keys) if not kept_len else hooks.keys() != keys:
+                return True
+        return False
 
     def set_aside(self, model: nn.Module, layer_hook_ids: set[int]) -> None:
         if self._aside:  # (a model call inside one: already set aside)

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import distributed
+from . import deferred, distributed
 from .backward import Backward, BackwardSetup, Phase, needs_tags
 from .calls import Call, graph_task, in_backward
 from .config import EngineConfig
@@ -82,6 +82,9 @@ class BackwardRunner:
         """A backward completed: its model calls may not be back-propagated again in this step."""
         self.done_forwards |= backward.forwards
         self.capture.backward_ended()
+        # evaluations in eval() mode may be deferred once the backwards go through engine.backward (which replays a
+        # deferred call it reaches), in one process
+        self.capture.defer_evaluations = backward.phase is not Phase.PLAIN and self.parallel is None
         self.setup.rows.verified(backward.forwards)
         self.decisions = backward.decisions
         self.samples_per_step.add_backward(backward.batch)
@@ -93,6 +96,17 @@ class BackwardRunner:
         ``tag_losses``: what the tag passes weight, the unmasked losses of a fixed-shape batch)."""
         self.settle()
         self.capture.settle_open_forward()
+        replayed = []
+        if self.capture.deferred_calls and losses.grad_fn is not None:
+            losses, tag_losses, replayed = self._replay_deferred(losses, tag_losses)
+        try:
+            self._run(losses, users, tag_losses, padded)
+        finally:
+            for call in replayed:  # (a backward of its own, done or failed: never again)
+                call.state = deferred.DeferredCall.CONSUMED
+
+    def _run(self, losses: torch.Tensor, users: torch.Tensor | None, tag_losses: torch.Tensor | None,
+             padded: torch.Tensor | None) -> None:
         parallel = self.parallel
         B = losses.shape[0]
         forward_batch = self.capture.forward_batch
@@ -155,6 +169,26 @@ class BackwardRunner:
         finally:
             self.current = None
         self.after_backward(overflow)
+
+    def _replay_deferred(self, losses: torch.Tensor, tag_losses: torch.Tensor | None):
+        """The losses reach model calls deferred as evaluations (``deferred.py``): the calls are made again, recorded,
+        and the losses given the same gradient through the replays (checked as any step's, ``_check_rows``)."""
+        found = deferred.reached(losses)
+        if not found:
+            return losses, tag_losses, []
+        try:
+            self.capture.replaying = True
+            try:
+                return deferred.replay(self.capture.model, losses, tag_losses, found, self.capture.pausing)
+            finally:
+                self.capture.replaying = False
+        except BaseException:
+            for _, call, _, _ in found:  # (a replay that failed half-way is not replayed again)
+                if call.state == deferred.DeferredCall.REPLAYING:
+                    call.state = deferred.DeferredCall.CONSUMED
+            self.capture.settle_open_forward()
+            self.forget_calls()
+            raise
 
     def _check_rows(self, losses: torch.Tensor, units: torch.Tensor | None) -> bool:
         """The checks of which sample each row belongs to that run before the backward: the loss check (every step:

@@ -77,6 +77,19 @@ def tag_rows(output, batch: int | None, axis: int, run, from_input: bool = False
     table returned next to the features, whatever its number of rows, is not. Where no output can be followed
     to the input (a compiled model's graph hides the copy), every output of ``batch`` rows is tagged. ``tagged``
     (a list) gets the axis of each tensor tagged."""
+    def tag(t: torch.Tensor, found: int) -> torch.Tensor:
+        if tagged is not None:
+            tagged.append(found)
+        return _TagRows.apply(t, run, found)
+
+    return map_per_sample(output, batch, axis, tag, from_input)
+
+
+def map_per_sample(output, batch: int | None, axis: int, fn, from_input: bool = False, others: bool = False):
+    """The model's output with ``fn(tensor, its batch axis)`` in place of every per-sample tensor (one that requires
+    gradients, with ``batch`` rows along ``axis``, or along 0 where a sequence-first model's output was pooled);
+    containers are rebuilt (tuples) or updated (lists, dicts, dataclasses). ``from_input``: see ``tag_rows``.
+    ``others``: ``fn(tensor, None)`` in place of every other floating-point tensor that requires gradients."""
     if batch is None:
         return None
     if from_input:
@@ -88,14 +101,12 @@ def tag_rows(output, batch: int | None, axis: int, run, from_input: bool = False
             if not (obj.requires_grad and obj.is_floating_point()):
                 return obj
             if from_input and not carries_input_rows(obj):
-                return obj
+                return fn(obj, None) if others else obj
             # a sequence-first model's output may lead with its batch after pooling; both axes the batch: unclear
             found = [a for a in dict.fromkeys((axis, 0)) if obj.dim() > a and obj.shape[a] == batch]
             if len(found) != 1:
-                return obj
-            if tagged is not None:
-                tagged.append(found[0])
-            return _TagRows.apply(obj, run, found[0])
+                return fn(obj, None) if others else obj
+            return fn(obj, found[0])
         if depth >= 4:
             return obj
         if isinstance(obj, tuple):

@@ -1,0 +1,498 @@
+"""Evaluation in eval() mode with gradients enabled: after a first such call, the next ones are deferred (run with the
+layers' hooks set aside, nothing recorded), and a deferred call that engine.backward reaches is replayed, recorded and
+checked, so that training in eval() mode after an evaluation is exact (``dptrain/deferred.py``). Every test runs a
+sequence: private steps first, then the evaluation, then the hazard, then ordinary steps again."""
+from __future__ import annotations
+
+import gc
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from dptrain.deferred import _DeferredOutput
+from dptrain.rows.errors import RowsMixSamples
+from dptrain.testing import (
+    attached_engine,
+    reference_clipped_gradient,
+    reference_user_clipped_gradient,
+)
+
+R = 0.4
+PATHS = [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES]
+
+
+class Net(nn.Module):
+    """A Linear, dropout (off in eval()), a LayerNorm and a head; ``mix`` mixes the input's samples (a mixup)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 8)
+        self.drop = nn.Dropout(0.5)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 3)
+        self.mix = False
+
+    def forward(self, x):
+        if self.mix:
+            x = 0.5 * x + 0.5 * x.flip(0)
+        return self.head(self.norm(self.drop(torch.tanh(self.inp(x)))))
+
+
+def _model():
+    torch.manual_seed(0)
+    return Net().double()
+
+
+def _losses(model, x, y):
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def _data(B, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, 6, generator=g, dtype=torch.float64) * 3, torch.randint(0, 3, (B,), generator=g)
+
+
+def _step(engine, optimizer, losses, path="engine", **kwargs):
+    engine.backward(losses, **kwargs) if path == "engine" else losses.sum().backward()
+    optimizer.step()
+    got = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
+    optimizer.zero_grad()
+    return got
+
+
+def _trained(mode, path="engine", **options):
+    """A model and its engine after two private steps in train() mode, then in eval() mode (dropout off)."""
+    model = _model()
+    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R, **options)
+    for seed in range(2):
+        _step(engine, optimizer, _losses(model, *_data(4, seed)), path)
+    model.eval()
+    return model, engine, optimizer
+
+
+def _evaluate(model, batches=3):
+    """An evaluation loop that forgot torch.no_grad(): its outputs, gradients enabled."""
+    return [model(_data(4, 10 + k)[0]) for k in range(batches)]
+
+
+def _oracle(batch):
+    return reference_clipped_gradient(_model().eval(), _losses, batch, max_grad_norm=R)
+
+
+def _deferred(t: torch.Tensor) -> bool:
+    return isinstance(t.grad_fn, _DeferredOutput._backward_cls)
+
+
+def _recorded(engine) -> int:
+    return sum(len(state.calls) for state in engine._trainable.layers)
+
+
+# ------------------------------------------------------------------------------------------- what is deferred
+def test_an_evaluation_after_training_runs_unrecorded_from_its_second_call():
+    model, engine, _ = _trained("bk-mixopt")
+    plain = _model().eval()
+    try:
+        outputs = _evaluate(model, 4)
+        assert not _deferred(outputs[0]) and all(_deferred(o) for o in outputs[1:])
+        assert engine._capture.deferred_calls == 3
+        assert all(not o.grad_fn.next_functions[0][0] for o in outputs[1:])  # (nothing of the plain forward's graph)
+        for k, out in enumerate(outputs):  # the outputs the model computes without the engine
+            assert torch.equal(out, plain(_data(4, 10 + k)[0]))
+    finally:
+        engine.detach()
+
+
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_nothing_is_deferred_before_the_first_engine_backward_or_after_a_plain_one(mode):
+    model = _model()
+    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R)
+    try:
+        model.eval()
+        assert not any(_deferred(o) for o in _evaluate(model))  # (no backward yet: whether it trains is unknown)
+        if mode in SINGLE_BACKWARD_MODES:
+            model.train()
+            _step(engine, optimizer, _losses(model, *_data(4, 0)), "plain")
+            model.eval()
+            assert not any(_deferred(o) for o in _evaluate(model))  # (a plain backward cannot replay a call)
+    finally:
+        engine.detach()
+
+
+def test_a_call_whose_input_requires_gradients_is_not_deferred():
+    """A saliency map: the input's gradient is the point, computed as without the engine."""
+    model, engine, _ = _trained("bk-mixopt")
+    plain = _model().eval()
+    try:
+        _evaluate(model)
+        x = _data(4, 20)[0].requires_grad_()
+        out = model(x)
+        assert not _deferred(out)
+        x_plain = x.detach().clone().requires_grad_()
+        (got,) = torch.autograd.grad(out[:, 0].sum(), x)
+        (want,) = torch.autograd.grad(plain(x_plain)[:, 0].sum(), x_plain)
+        assert torch.allclose(got, want, rtol=1e-12, atol=0)
+    finally:
+        engine.detach()
+
+
+# ------------------------------------------------------------------------------------------- training on it
+@pytest.mark.parametrize("mode", MODES)
+def test_training_in_eval_mode_after_an_evaluation_is_exact(float64, mode):
+    """Steps in train(), an evaluation, then steps in eval() mode of other batch sizes: the first is replayed, the
+    others recorded; every one is the float64 oracle's."""
+    model, engine, optimizer = _trained(mode)
+    try:
+        _evaluate(model)
+        for k, B in enumerate((5, 3, 5)):
+            batch = _data(B, 30 + k)
+            losses = _losses(model, *batch)
+            assert _deferred_reached(losses) == (k == 0)  # (after a backward, the next eval() call is recorded)
+            got = _step(engine, optimizer, losses)
+            assert_matches(got, _oracle(batch), rtol=1e-10, what=f"{mode}, eval()-mode step {k}")
+    finally:
+        engine.detach()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_replayed_step_moves_the_clipped_sum_by_at_most_R_for_one_sample(float64, mode):
+    """The neighbour test through the replay: the clipped sums of D and of D minus one sample differ by <= R."""
+    sums = []
+    for drop in (None, 2):
+        model, engine, optimizer = _trained(mode)
+        try:
+            _evaluate(model)
+            x, y = _data(6, 50)
+            x = x * 10  # (every sample clipped)
+            if drop is not None:
+                keep = torch.arange(6) != drop
+                x, y = x[keep], y[keep]
+            losses = _losses(model, x, y)
+            assert _deferred_reached(losses)
+            sums.append(_step(engine, optimizer, losses))
+        finally:
+            engine.detach()
+    distance = torch.sqrt(sum(((sums[0][n] - sums[1][n]) ** 2).sum() for n in sums[0]))
+    assert 0.5 * R < distance <= R * (1 + 1e-9)
+
+
+def test_the_replay_runs_in_the_random_state_of_the_deferred_call(float64):
+    """A forward that draws noise in eval() mode is replayed with the same draws: no warning, and the step is that of
+    the deferred call's outputs (a recorded run under the same seed gives the same clipped sum)."""
+
+    class Noisy(Net):
+        def forward(self, x):
+            return super().forward(x + 0.3 * torch.randn_like(x))
+
+    def run(defer: bool):
+        torch.manual_seed(0)
+        model = Noisy().double()
+        engine, optimizer = attached_engine(model, mode="bk-mixopt", max_grad_norm=R)
+        try:
+            for seed in range(2):
+                _step(engine, optimizer, _losses(model, *_data(4, seed)))
+            model.eval()
+            if defer:
+                _evaluate(model)
+            torch.manual_seed(7)
+            losses = _losses(model, *_data(5, 60))
+            assert _deferred_reached(losses) == defer
+            torch.manual_seed(123)  # (the replay restores the deferred call's state, whatever the state is now)
+            return _step(engine, optimizer, losses)
+        finally:
+            engine.detach()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_matches(run(True), run(False), rtol=1e-12)
+
+
+def _deferred_reached(losses) -> bool:
+    from dptrain.deferred import reached
+    return bool(reached(losses))
+
+
+def test_a_replay_that_computes_otherwise_warns(float64):
+    class Counting(Net):
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            return super().forward(x) + 0.01 * self.calls
+
+    torch.manual_seed(0)
+    model = Counting().double()
+    engine, optimizer = attached_engine(model, mode="bk-mixopt", max_grad_norm=R)
+    try:
+        for seed in range(2):
+            _step(engine, optimizer, _losses(model, *_data(4, seed)))
+        model.eval()
+        _evaluate(model)
+        with pytest.warns(UserWarning, match="came out different"):
+            _step(engine, optimizer, _losses(model, *_data(5, 61)))
+    finally:
+        engine.detach()
+
+
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_a_fixed_shape_batch_through_a_replay_is_exact(float64, mode):
+    model, engine, optimizer = _trained(mode)
+    try:
+        _evaluate(model)
+        x, y = _data(5, 70)
+        padded_x = torch.cat([x, torch.full((2, 6), torch.finfo(torch.float64).min)])
+        padded_y = torch.cat([y, torch.zeros(2, dtype=y.dtype)])
+        mask = torch.tensor([True] * 5 + [False] * 2)
+        losses = _losses(model, padded_x, padded_y)
+        assert _deferred_reached(losses)
+        got = _step(engine, optimizer, losses, mask=mask)
+        assert_matches(got, _oracle((x, y)), rtol=1e-10, what=mode)
+    finally:
+        engine.detach()
+
+
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_user_level_units_through_a_replay_are_exact(float64, mode):
+    model = _model()
+    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R, privacy_unit="user")
+    users = torch.tensor([3, 1, 3, 2, 1])
+    try:
+        for seed in range(2):
+            batch = _data(5, seed)
+            _step(engine, optimizer, _losses(model, *batch), users=users)
+        model.eval()
+        _evaluate(model)
+        batch = _data(5, 80)
+        losses = _losses(model, *batch)
+        assert _deferred_reached(losses)
+        got = _step(engine, optimizer, losses, users=users)
+        want = reference_user_clipped_gradient(_model().eval(), _losses, batch, users, max_grad_norm=R)
+        assert_matches(got, want, rtol=1e-10, what=mode)
+    finally:
+        engine.detach()
+
+
+# ------------------------------------------------------------------------------------------- refused
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_a_loss_that_couples_the_samples_of_a_deferred_call_is_refused(float64, mode):
+    """In-batch negatives on a deferred call's outputs: refused by the step's loss check, which reads the losses down to
+    the deferred outputs; nothing is accumulated, and the next step is exact."""
+    model, engine, optimizer = _trained(mode)
+    try:
+        _evaluate(model)
+        out = model(_data(5, 90)[0])
+        assert _deferred(out)
+        contrastive = torch.logsumexp(out @ out.T, dim=1)
+        with pytest.raises(RowsMixSamples, match="couples samples"):
+            engine.backward(contrastive)
+        assert _recorded(engine) == 0
+        batch = _data(4, 91)
+        assert_matches(_step(engine, optimizer, _losses(model, *batch)), _oracle(batch), rtol=1e-10)
+    finally:
+        engine.detach()
+
+
+def test_a_mixup_inside_a_deferred_forward_is_seen_in_its_replay(float64):
+    """The replay is a watched training forward: a mixup of the input that only the deferred call made is refused."""
+    model, engine, optimizer = _trained("bk-mixopt")
+    try:
+        _evaluate(model)
+        model.mix = True
+        losses = _losses(model, *_data(5, 92))
+        with pytest.raises(RowsMixSamples, match="input"):
+            engine.backward(losses)
+        model.mix = False
+        batch = _data(4, 93)
+        assert_matches(_step(engine, optimizer, _losses(model, *batch)), _oracle(batch), rtol=1e-10)
+    finally:
+        engine.detach()
+
+
+@pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
+def test_a_plain_backward_through_a_deferred_output_is_refused(float64, mode):
+    model, engine, optimizer = _trained(mode)
+    try:
+        _evaluate(model)
+        losses = _losses(model, *_data(5, 94))
+        with pytest.raises(RuntimeError, match="engine.backward\\(losses\\), which replays"):
+            losses.sum().backward()
+        assert all(p.grad is None for p in model.parameters())
+        batch = _data(4, 95)
+        assert_matches(_step(engine, optimizer, _losses(model, *batch)), _oracle(batch), rtol=1e-10)
+    finally:
+        engine.detach()
+
+
+def test_a_deferred_call_back_propagated_twice_is_refused(float64):
+    """Each sample is clipped once a step: a second engine.backward through the same deferred call is refused."""
+    model, engine, optimizer = _trained("bk-mixopt")
+    try:
+        _evaluate(model)
+        x, y = _data(4, 96)
+        out = model(x)
+        engine.backward(F.cross_entropy(out, y, reduction="none"))
+        optimizer.zero_grad()
+        with pytest.raises(RuntimeError, match="already back-propagated.*Nothing of this backward"):
+            engine.backward(F.cross_entropy(out, y, reduction="none"))
+        assert _deferred(_evaluate(model, 2)[1])  # (and with another deferred call since)
+        with pytest.raises(RuntimeError, match="already back-propagated.*Nothing of this backward"):
+            engine.backward(F.cross_entropy(out, y, reduction="none"))
+        with pytest.raises(RuntimeError, match="already back-propagated"):
+            F.cross_entropy(out, y).backward()
+        batch = _data(4, 95)
+        assert_matches(_step(engine, optimizer, _losses(model, *batch)), _oracle(batch), rtol=1e-10)
+    finally:
+        engine.detach()
+
+
+def test_an_input_changed_in_place_before_the_replay_is_refused(float64):
+    model, engine, optimizer = _trained("bk-mixopt")
+    try:
+        _evaluate(model)
+        x, y = _data(5, 97)
+        losses = _losses(model, x, y)
+        x.mul_(2)
+        with pytest.raises(RuntimeError, match="modified in place"):
+            engine.backward(losses)
+        batch = _data(4, 98)
+        assert_matches(_step(engine, optimizer, _losses(model, *batch)), _oracle(batch), rtol=1e-10)
+    finally:
+        engine.detach()
+
+
+def test_a_loss_computed_inside_a_deferred_call_is_refused(float64):
+    class WithLoss(Net):
+        def forward(self, x):
+            out = super().forward(x)
+            return out, out.square().mean()
+
+    torch.manual_seed(0)
+    model = WithLoss().double()
+    engine, optimizer = attached_engine(model, mode="bk-mixopt", max_grad_norm=R)
+    try:
+        for seed in range(2):
+            _step(engine, optimizer, model(_data(4, seed)[0])[0].square().mean(1))
+        model.eval()
+        [model(_data(4, 10 + k)[0]) for k in range(2)]
+        out, inside = model(_data(4, 99)[0])
+        with pytest.raises(RuntimeError, match="no row per sample"):
+            engine.backward(out.square().mean(1) + inside)
+    finally:
+        engine.detach()
+
+
+# ------------------------------------------------------------------------------------------- memory
+def test_nothing_of_a_deferred_evaluation_stays_alive():
+    model, engine, _ = _trained("bk-mixopt")
+    try:
+        model(_data(4, 0)[0])
+        x = _data(64, 1)[0]
+        out = model(x)
+        assert _deferred(out)
+        storages = [StorageWeakRef(t.untyped_storage()) for t in (x, out)]
+        del x, out
+        gc.collect()
+        assert all(s.expired() for s in storages)
+    finally:
+        engine.detach()
+
+
+def test_the_layers_hooks_are_back_after_a_deferred_call(float64):
+    model, engine, optimizer = _trained("bk-mixopt")
+    try:
+        before = [(m, dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in model.modules()]
+        _evaluate(model)
+        assert all(dict(m._forward_pre_hooks) == pre and dict(m._forward_hooks) == post for m, pre, post in before)
+        batch = _data(4, 5)
+        assert_matches(_step(engine, optimizer, _losses(model, *batch)), _oracle(batch), rtol=1e-10)
+    finally:
+        engine.detach()
+
+
+# ------------------------------------------------------------------------------------------- outputs of other forms
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_a_sequence_first_model_through_a_replay_is_exact(float64, mode):
+    """Outputs [T, B, classes] (batch_first=False): the replay's losses are moved along the batch axis 1."""
+
+    def losses_fn(model, x, y):
+        return F.cross_entropy(model(x).permute(1, 2, 0), y, reduction="none").sum(1)
+
+    def data(B, seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randn(5, B, 6, generator=g, dtype=torch.float64) * 3, torch.randint(0, 3, (B, 5), generator=g)
+
+    model = _model()
+    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R, batch_first=False)
+    try:
+        for seed in range(2):
+            _step(engine, optimizer, losses_fn(model, *data(4, seed)))
+        model.eval()
+        assert _deferred([model(data(4, 10 + k)[0]) for k in range(2)][1])
+        x, y = data(3, 20)
+        losses = losses_fn(model, x, y)
+        assert _deferred_reached(losses)
+        got = _step(engine, optimizer, losses)
+        want = reference_clipped_gradient(_model().eval(), lambda m, x, y: losses_fn(m, x.transpose(0, 1), y),
+                                          (x.transpose(0, 1), y), max_grad_norm=R)
+        assert_matches(got, want, rtol=1e-10, what=mode)
+    finally:
+        engine.detach()
+
+
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_a_hugging_face_model_output_through_a_replay_is_exact(float64, mode):
+    """GPT-2's ModelOutput (logits, and the cache's tensors): the logits are found again in the replay's output."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=30, n_positions=8)
+
+    def make():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(config).double()
+
+    def losses_fn(model, ids):
+        logits = model(input_ids=ids).logits[:, :-1]
+        return F.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none").sum(1)
+
+    def ids(B, seed):
+        return torch.randint(0, 30, (B, 6), generator=torch.Generator().manual_seed(seed))
+
+    model = make()
+    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R)
+    try:
+        for seed in range(2):
+            _step(engine, optimizer, losses_fn(model, ids(3, seed)))
+        model.eval()
+        assert _deferred([model(input_ids=ids(3, 10 + k)).logits for k in range(2)][1])
+        batch = ids(4, 20)
+        losses = losses_fn(model, batch)
+        assert _deferred_reached(losses)
+        got = _step(engine, optimizer, losses)
+        want = reference_clipped_gradient(make().eval(), losses_fn, (batch,), max_grad_norm=R)
+        assert_matches(got, want, rtol=1e-9, what=mode)
+    finally:
+        engine.detach()
+
+
+def test_a_compiled_model_evaluated_and_trained_in_eval_mode_stays_exact(float64):
+    """torch.compile (aot_eager): steps, an evaluation with gradients enabled, then steps in eval() mode, the first
+    replayed; each against the oracle."""
+    model = _model()
+    compiled = torch.compile(model, backend="aot_eager")
+    engine, optimizer = attached_engine(compiled, mode="bk-mixopt", max_grad_norm=R)
+    try:
+        for seed in range(2):
+            _step(engine, optimizer, _losses(compiled, *_data(4, seed)))
+        model.eval()
+        assert _deferred([compiled(_data(4, 10 + k)[0]) for k in range(2)][1])
+        for k in range(2):
+            batch = _data(4, 20 + k)
+            losses = _losses(compiled, *batch)
+            assert _deferred_reached(losses) == (k == 0)
+            got = {n.removeprefix("_orig_mod."): g for n, g in _step(engine, optimizer, losses).items()}
+            assert_matches(got, _oracle(batch), rtol=1e-10, what=f"torch.compile, eval()-mode step {k}")
+    finally:
+        engine.detach()

@@ -102,7 +102,11 @@ def steps(args) -> None:
 
 
 def case(args) -> None:
-    from dptrain.testing import clipped_gradient, reference_clipped_gradient
+    """The test case in float32 on the CPU, then on CUDA ``--repeat`` times (``--deterministic``: torch's deterministic
+    algorithms), each against the float64 oracle, with the per-sample gradient norms the engine read (the squared norms
+    ``finish`` summed, per group) next to the oracle's: wrong norms mean wrong clipping factors."""
+    from dptrain.backward import Backward
+    from dptrain.testing import clipped_gradient, per_sample_gradients, reference_clipped_gradient
     from helpers import assert_matches, get_case, split_max_grad_norm
 
     log: list[str] = []
@@ -110,15 +114,36 @@ def case(args) -> None:
     torch.set_default_dtype(torch.float64)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    if args.deterministic:
+        import os
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     test_case = get_case(args.name)
     R = split_max_grad_norm(test_case, "all-layer")
     oracle = reference_clipped_gradient(test_case.model, test_case.losses_fn, test_case.batch, max_grad_norm=R)
-    for device in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+    per_sample = per_sample_gradients(test_case.model, test_case.losses_fn, test_case.batch)
+    oracle_norms = torch.stack([g.flatten(1).square().sum(1) for g in per_sample.values()]).sum(0).sqrt()
+    norms: list = []
+    finish = Backward.finish
+
+    def noted_finish(self, expected, scale):
+        group_sq = {}
+        for work in self._works.values():
+            group_sq[work.group] = group_sq.get(work.group, 0) + work.sq_norm.detach().double().cpu()
+        norms.append(sum(group_sq.values()).sqrt() if group_sq else None)
+        return finish(self, expected, scale)
+
+    Backward.finish = noted_finish
+    runs = [("cpu", 0)] + ([("cuda", k) for k in range(args.repeat)] if torch.cuda.is_available() else [])
+    for device, k in runs:
         model = copy.deepcopy(test_case.model).float().to(device)
         batch = tuple(b.to(device, torch.float32) if b.is_floating_point() else b.to(device) for b in test_case.batch)
         log.clear()
+        norms.clear()
         got = clipped_gradient(model, test_case.losses_fn, batch, mode=args.mode, max_grad_norm=R)
-        print(f"== {args.name} / {args.mode} in float32 on {device}:\n" + "\n".join(log))
+        print(f"== {args.name} / {args.mode} in float32 on {device} (run {k}):\n" + "\n".join(log))
+        print(f"  per-sample norms read: {[None if n is None else [round(float(v), 5) for v in n] for n in norms]}")
+        print(f"  the oracle's:          {[round(float(v), 5) for v in oracle_norms]}")
         try:
             assert_matches({n: g.double().cpu() for n, g in got.items()}, oracle, rtol=1e-4, what=device)
             print("  exact")
@@ -179,6 +204,8 @@ def main() -> None:
     p.add_argument("name")
     p.add_argument("mode")
     p.add_argument("--rowmaps", action="store_true", help="each layer call's row map as read")
+    p.add_argument("--repeat", type=int, default=1, help="CUDA runs in this process (the failures varied)")
+    p.add_argument("--deterministic", action="store_true", help="torch.use_deterministic_algorithms(True)")
     p = sub.add_parser("oom")
     p.add_argument("mode")
     args = parser.parse_args()

@@ -19,7 +19,9 @@ python3 -m pytest -o addopts= -m cuda -q -p no:cacheprovider --tb=short tests/te
 echo "CUDA tests: exit $? in $(( $(date +%s) - start )) s" | tee -a "$out/cuda-tests.txt"
 tail -14 "$out/cuda-tests.txt"
 diag() { timeout 90 python3 benchmarks/gpu_diag.py "$@" 2>&1 | grep -v "^USDT\|SyncActivity\|Warning\|warn" >> "$out/diag.txt"; }
-for mode in ghost mix-ghost fast-grad-clip bk-mixopt; do diag case transformer "$mode" --rowmaps; done
+for mode in ghost mix-ghost fast-grad-clip bk-mixopt; do diag case transformer "$mode" --rowmaps --repeat 3; done
+diag case transformer ghost --deterministic --repeat 2  # (a nondeterministic kernel, or the engine?)
+CUDA_LAUNCH_BLOCKING=1 diag case transformer ghost --repeat 2  # (a race between streams or with the host?)
 diag oom bk-mixopt
 diag steps resnet18-gn-224-b128 --amp bf16
 diag steps gpt2-t100 --profiled

@@ -496,3 +496,22 @@ def test_a_compiled_model_evaluated_and_trained_in_eval_mode_stays_exact(float64
             assert_matches(got, _oracle(batch), rtol=1e-10, what=f"torch.compile, eval()-mode step {k}")
     finally:
         engine.detach()
+
+
+def test_a_deferred_call_is_replayed_in_eval_mode_after_the_model_was_switched_to_train(float64):
+    """Losses of an evaluation's outputs, back-propagated after model.train(): replayed as the call was made (dropout
+    off), with every module's mode as it was afterwards."""
+    model, engine, optimizer = _trained("bk-mixopt")
+    try:
+        _evaluate(model)
+        batch = _data(5, 100)
+        losses = _losses(model, *batch)
+        model.train()
+        model.norm.eval()  # (a mixed state, given back as it was)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            got = _step(engine, optimizer, losses)
+        assert model.training and model.drop.training and not model.norm.training
+        assert_matches(got, _oracle(batch), rtol=1e-10)
+    finally:
+        engine.detach()

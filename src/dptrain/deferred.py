@@ -64,11 +64,19 @@ class DeferredCall:
                 "replays to train on it (dptrain/deferred.py), but its input was modified in place since: call "
                 "model.train() between evaluating and training in eval() mode, or leave the input as it was until "
                 "the backward. Nothing of this backward was accumulated")
-        with torch.random.fork_rng(devices=self.devices):
-            torch.set_rng_state(self.cpu_state)
-            for device, state in zip(self.devices, self.device_states):
-                torch.cuda.set_rng_state(state, device)
-            return model(*self.args, **self.kwargs)
+        # in eval() mode, as it was made (a model switched to train() since would replay with dropout on)
+        modes = [(m, m.training) for m in model.modules()] if model.training else None
+        if modes is not None:
+            model.eval()
+        try:
+            with torch.random.fork_rng(devices=self.devices):
+                torch.set_rng_state(self.cpu_state)
+                for device, state in zip(self.devices, self.device_states):
+                    torch.cuda.set_rng_state(state, device)
+                return model(*self.args, **self.kwargs)
+        finally:
+            for module, training in modes or ():
+                module.training = training
 
 
 _AGAIN = ("a backward reached the output of a model call that was made in eval() mode after an evaluation and already "
@@ -180,9 +188,9 @@ def replay(model, losses: torch.Tensor, tag_losses: torch.Tensor | None, deferre
             warnings.warn(
                 "engine.backward replayed a model call made in eval() mode after an evaluation (dptrain/deferred.py) "
                 f"and its output of shape {tuple(old.shape)} came out different (largest difference "
-                f"{float((new.detach() - old).abs().max()):.3g}): the forward changes state it reads, or runs "
-                "nondeterministic kernels. The step's gradient is the replay's. Call model.train() between "
-                "evaluating and training in eval() mode to avoid the replay", stacklevel=4)
+                f"{float((new.detach() - old).abs().max()):.3g}): the forward changes state it reads, runs "
+                "nondeterministic kernels, or the parameters changed since. The step's gradient is the replay's. Call "
+                "model.train() between evaluating and training in eval() mode to avoid the replay", stacklevel=5)
         pairs.append((new, axis))
 
     def moved(objective: torch.Tensor) -> torch.Tensor:

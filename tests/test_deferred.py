@@ -84,6 +84,12 @@ def _oracle(batch):
     return reference_clipped_gradient(_model().eval(), _losses, batch, max_grad_norm=R)
 
 
+def _assert_the_next_step_is_exact(model, engine, optimizer, seed: int) -> None:
+    """After a refusal: nothing of it was accumulated, and the engine goes on exactly."""
+    batch = _data(4, seed)
+    assert_matches(_step(engine, optimizer, _losses(model, *batch)), _oracle(batch), rtol=1e-10)
+
+
 def _deferred(t: torch.Tensor) -> bool:
     return isinstance(t.grad_fn, _DeferredOutput._backward_cls)
 
@@ -290,8 +296,7 @@ def test_a_loss_that_couples_the_samples_of_a_deferred_call_is_refused(float64, 
         with pytest.raises(RowsMixSamples, match="couples samples"):
             engine.backward(contrastive)
         assert _recorded(engine) == 0
-        batch = _data(4, 91)
-        assert_matches(_step(engine, optimizer, _losses(model, *batch)), _oracle(batch), rtol=1e-10)
+        _assert_the_next_step_is_exact(model, engine, optimizer, seed=91)
     finally:
         engine.detach()
 
@@ -306,8 +311,7 @@ def test_a_mixup_inside_a_deferred_forward_is_seen_in_its_replay(float64):
         with pytest.raises(RowsMixSamples, match="input"):
             engine.backward(losses)
         model.mix = False
-        batch = _data(4, 93)
-        assert_matches(_step(engine, optimizer, _losses(model, *batch)), _oracle(batch), rtol=1e-10)
+        _assert_the_next_step_is_exact(model, engine, optimizer, seed=93)
     finally:
         engine.detach()
 
@@ -321,8 +325,7 @@ def test_a_plain_backward_through_a_deferred_output_is_refused(float64, mode):
         with pytest.raises(RuntimeError, match="engine.backward\\(losses\\), which replays"):
             losses.sum().backward()
         assert all(p.grad is None for p in model.parameters())
-        batch = _data(4, 95)
-        assert_matches(_step(engine, optimizer, _losses(model, *batch)), _oracle(batch), rtol=1e-10)
+        _assert_the_next_step_is_exact(model, engine, optimizer, seed=95)
     finally:
         engine.detach()
 
@@ -343,8 +346,7 @@ def test_a_deferred_call_back_propagated_twice_is_refused(float64):
             engine.backward(F.cross_entropy(out, y, reduction="none"))
         with pytest.raises(RuntimeError, match="already back-propagated"):
             F.cross_entropy(out, y).backward()
-        batch = _data(4, 95)
-        assert_matches(_step(engine, optimizer, _losses(model, *batch)), _oracle(batch), rtol=1e-10)
+        _assert_the_next_step_is_exact(model, engine, optimizer, seed=95)
     finally:
         engine.detach()
 
@@ -358,8 +360,7 @@ def test_an_input_changed_in_place_before_the_replay_is_refused(float64):
         x.mul_(2)
         with pytest.raises(RuntimeError, match="modified in place"):
             engine.backward(losses)
-        batch = _data(4, 98)
-        assert_matches(_step(engine, optimizer, _losses(model, *batch)), _oracle(batch), rtol=1e-10)
+        _assert_the_next_step_is_exact(model, engine, optimizer, seed=98)
     finally:
         engine.detach()
 
@@ -407,8 +408,7 @@ def test_the_layers_hooks_are_back_after_a_deferred_call(float64):
         before = [(m, dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in model.modules()]
         _evaluate(model)
         assert all(dict(m._forward_pre_hooks) == pre and dict(m._forward_hooks) == post for m, pre, post in before)
-        batch = _data(4, 5)
-        assert_matches(_step(engine, optimizer, _losses(model, *batch)), _oracle(batch), rtol=1e-10)
+        _assert_the_next_step_is_exact(model, engine, optimizer, seed=5)
     finally:
         engine.detach()
 

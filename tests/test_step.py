@@ -401,6 +401,41 @@ def test_noise_is_drawn_and_added_in_float32_for_bf16_parameters():
     assert all(p.grad.dtype == BF16 for p in model.parameters())
 
 
+@pytest.mark.parametrize("noise", ["gaussian", "bandmf"])
+def test_the_noise_is_the_same_draw_for_draw_whatever_the_buckets_it_is_added_in(noise, monkeypatch):
+    """The step draws each parameter's noise in the parameters' order and adds a bucket's at once
+    (step.NOISE_BUCKET_BYTES): a bucket per parameter gives the very same gradients as one bucket for all, step after
+    step (correlated noise keeps its per-parameter streams), and the noise has the calibrated standard deviation."""
+    import dptrain.step
+
+    def run(bucket_bytes: int) -> list[torch.Tensor]:
+        monkeypatch.setattr(dptrain.step, "NOISE_BUCKET_BYTES", bucket_bytes)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(30, 40), nn.Tanh(), nn.Linear(40, 20))
+        extra = {"bands": 2, "steps": 4} if noise == "bandmf" else {}
+        engine = dptrain.PrivacyEngine(model, batch_size=4, sample_size=100, noise_multiplier=3.0,
+                                       max_grad_norm=1.0, noise=noise, seed=11, **extra)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+        engine.attach(optimizer)
+        grads = []
+        try:
+            for _ in range(3):
+                x = torch.randn(4, 30, generator=torch.Generator().manual_seed(1))
+                engine.backward(model(x).square().sum(1))
+                optimizer.step()
+                grads.append(torch.cat([p.grad.flatten().clone() for p in model.parameters()]))
+                optimizer.zero_grad()
+        finally:
+            engine.detach()
+        return grads
+
+    one, each = run(1 << 30), run(1)
+    assert all(torch.equal(a, b) for a, b in zip(one, each))
+    if noise == "gaussian":  # (the clipped sum is at most R = 1, the noise's std 3 per coordinate, over B = 4)
+        spread = torch.stack(one).std() * 4
+        assert 2.7 < float(spread) < 3.3
+
+
 # --------------------------------------------------------------------------- the noise across a checkpoint
 def noise_engine(**kwargs):
     model = nn.Linear(6, 3)

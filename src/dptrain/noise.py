@@ -60,7 +60,7 @@ class GaussianNoise:
                 out.add_(torch.randn(like.shape, generator=gen, device=like.device, dtype=dtype))
             return out.mul_(std / math.sqrt(len(gens)))
         out = torch.randn(like.shape, generator=self._generator(like.device), device=like.device, dtype=dtype)
-        return out.mul_(std)
+        return out if std == 1.0 else out.mul_(std)
 
     def sampler(self, step: int):
         """The noise of one private step, ``(parameter, sum, std) -> N(0, std^2)`` shaped like the sum: independent

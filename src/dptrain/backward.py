@@ -25,7 +25,7 @@ from .capture import Capture
 from .layers.protocol import LayerDims
 from .pipeline import (
     Overflow, ParamWork, ReadyLayer, StepSums, add_clipped_gradient, add_second_pass_gradients,
-    clipping_factors_by_group, layer_decision, layer_operands, parameter_norm,
+    clipping_factors_by_group, layer_decision, layer_operands, parameter_norm, summed,
 )
 from .planning import LayerDecision
 from .precision import LossScaling
@@ -400,18 +400,19 @@ class Backward:
             batch = self.batch = self.reduce_all(expected_batch)
             self.rows.check_inputs(", ".join(f"{s.path} ({type(s.module).__name__})" for s in self.trainable.layers[:3])
                                    + (", ..." if len(self.trainable.layers) > 3 else ""))
-            group_sq: list[torch.Tensor | None] = [None] * self.trainable.num_groups
+            parts: list[list[torch.Tensor]] = [[] for _ in range(self.trainable.num_groups)]
             for work in self._works.values():
-                k = work.group
-                group_sq[k] = work.sq_norm if group_sq[k] is None else group_sq[k] + work.sq_norm
-            factors, finite = clipping_factors_by_group(group_sq, batch, scale, self.trainable.threshold,
-                                                        self.setup.clipping_fn, self.setup.clipping_gamma)
+                parts[work.group].append(work.sq_norm)
+            factors, finite = clipping_factors_by_group([summed(sq) for sq in parts], batch, scale,
+                                                        self.trainable.threshold, self.setup.clipping_fn,
+                                                        self.setup.clipping_gamma)
             if not finite:
                 raise self._non_finite()
             self.decisions = [self._decisions[id(s)] for s in self.trainable.layers if id(s) in self._decisions]
             if not self.recipe.two_pass:
+                scaled = [f * scale if scale != 1.0 else f for f in factors]  # (once per group, not per parameter)
                 for p, work in self._works.items():
-                    add_clipped_gradient(self.setup.sums, p, work, factors[work.group] * scale)
+                    add_clipped_gradient(self.setup.sums, p, work, scaled[work.group])
             return factors
         finally:
             self._clear()

@@ -54,6 +54,20 @@ def clipping_factors_by_group(sq_norms: list[torch.Tensor | None], batch: int, s
     return factors, finite
 
 
+def summed(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The sum of same-shaped tensors (a group's per-sample squared norms, one per parameter): one stacked sum where
+    they share a dtype and device (two kernels, not one per tensor), else added in turn; None for none."""
+    if len(tensors) <= 1:
+        return tensors[0] if tensors else None
+    first = tensors[0]
+    if all(t.dtype == first.dtype and t.device == first.device for t in tensors):
+        return torch.stack(tensors).sum(0)
+    total = first
+    for t in tensors[1:]:
+        total = total + t
+    return total
+
+
 def sum_dtype(p: nn.Parameter) -> torch.dtype:
     """The dtype of a parameter's clipped sum and its noise: float32, or the parameter's if wider."""
     return accumulation_dtype(p.dtype)

@@ -515,3 +515,37 @@ def test_a_deferred_call_is_replayed_in_eval_mode_after_the_model_was_switched_t
         assert_matches(got, _oracle(batch), rtol=1e-10)
     finally:
         engine.detach()
+
+
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_losses_of_two_outputs_of_a_deferred_call_are_exact(float64, mode):
+    """A loss of the logits and of the features returned next to them (a dict): each is found again in the replay."""
+
+    class TwoOutputs(Net):
+        def forward(self, x):
+            features = self.norm(self.drop(torch.tanh(self.inp(x))))
+            return {"features": features, "logits": self.head(features)}
+
+    def losses_fn(model, x, y):
+        out = model(x)
+        return F.cross_entropy(out["logits"], y, reduction="none") + 0.3 * out["features"].square().sum(1)
+
+    def make():
+        torch.manual_seed(0)
+        return TwoOutputs().double()
+
+    model = make()
+    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R)
+    try:
+        for seed in range(2):
+            _step(engine, optimizer, losses_fn(model, *_data(4, seed)))
+        model.eval()
+        [model(_data(4, 10 + k)[0]) for k in range(2)]
+        batch = _data(5, 110)
+        losses = losses_fn(model, *batch)
+        assert _deferred_reached(losses)
+        got = _step(engine, optimizer, losses)
+        want = reference_clipped_gradient(make().eval(), losses_fn, batch, max_grad_norm=R)
+        assert_matches(got, want, rtol=1e-10, what=mode)
+    finally:
+        engine.detach()

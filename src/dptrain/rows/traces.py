@@ -45,12 +45,17 @@ def _size(n, batch: int):
     return n if -8 <= n < 8 else "*"
 
 
+#: a tensor's key by its rank (made once: one is made at every operation of every training forward)
+_TENSOR_KEYS = tuple(("t", d) for d in range(16))
+
+
 def _arg_key(a, batch: int, depth: int = 0):
     t = type(a)
     if t is int:
         return _size(a, batch)
     if isinstance(a, torch.Tensor):
-        return ("t", a.dim())
+        d = a.dim()
+        return _TENSOR_KEYS[d] if d < 16 else ("t", d)
     if t is slice:
         return ("s", *(None if v is None else _size(v, batch) if type(v) is int else "?" for v in
                        (a.start, a.stop, a.step)))
@@ -66,7 +71,7 @@ def _arg_key(a, batch: int, depth: int = 0):
 def op_key(func, args, kwargs, batch: int) -> tuple:
     """What a trace records of one operation: the function and the form of its arguments (tensors by rank, integers as
     ``_size`` has them, floats not at all: a mixing coefficient drawn per batch changes nothing)."""
-    key = (func, *(_arg_key(a, batch) for a in args))
+    key = (func, *[_arg_key(a, batch) for a in args])  # (a list: faster than a generator here, at every operation)
     if kwargs:
         key += tuple((k, _arg_key(v, batch)) for k, v in kwargs.items())
     return key

@@ -19,6 +19,7 @@ _INDEXING = {
 
 
 _EMBEDDINGS = {torch.nn.functional.embedding, torch.embedding}
+_NO_KWARGS: dict = {}
 # What acts on the tensor object itself rather than computing from its values (attributes, autograd flags): the
 # model's own input stays the object these see (wav2vec2 sets requires_grad on its input).
 _ON_THE_OBJECT = {torch.Tensor.requires_grad_, torch.Tensor.retain_grad, torch.Tensor.register_hook}
@@ -49,12 +50,8 @@ def _computes(func) -> bool:
     return func not in _ON_THE_OBJECT and getattr(func, "__name__", "") not in ("__get__", "__set__", "__delete__")
 
 
-def _compiling() -> bool:
-    """Whether torch.compile is tracing (the watch then stays out of the compiled graph; torch.compiler.is_compiling
-    is torch 2.3's name for it)."""
-    return _IS_COMPILING()
-
-
+#: whether torch.compile is tracing (the watch then stays out of the compiled graph; torch.compiler.is_compiling is
+#: torch 2.3's name for it)
 _IS_COMPILING = getattr(getattr(torch, "compiler", None), "is_compiling", None) or torch._dynamo.is_compiling
 
 
@@ -113,15 +110,16 @@ class ForwardWatch(TorchFunctionMode):
         self.readings: list[InputRows] = []
 
     # ------------------------------------------------------------------ the trace
-    def note(self, key, where: str) -> None:
-        """One step of the trace: an operation, or a covered layer call (recorded by the capture)."""
+    def note(self, key, where) -> None:
+        """One step of the trace: an operation, or a covered layer call (recorded by the capture). ``where``: the
+        layer's path, or the operation's function (named only if the forward leaves the verified traces there)."""
         self.keys.append(key)
         node = self.node
         if node is not None:
             node = node.get(key)
             self.node = node
             if node is None:
-                self._diverge(where)
+                self._diverge(where if isinstance(where, str) else getattr(where, "__name__", str(where)))
 
     def _diverge(self, where: str) -> None:
         self.node = None
@@ -154,15 +152,16 @@ class ForwardWatch(TorchFunctionMode):
 
     def _tracked_in(self, table: dict, args, kwargs):
         """The first tracked tensor (of ``table``) among the arguments, with its batch axes."""
-        for a in (*args, *kwargs.values()):
-            if isinstance(a, torch.Tensor):
-                known = table.get(id(a))
-                if known is not None and known[0] is a:
-                    return known
-            elif type(a) in (list, tuple):
-                found = self._tracked_in(table, a, {})
-                if found is not None:
-                    return found
+        for group in (args, kwargs.values()) if kwargs else (args,):
+            for a in group:
+                if isinstance(a, torch.Tensor):
+                    known = table.get(id(a))
+                    if known is not None and known[0] is a:
+                        return known
+                elif type(a) in (list, tuple):
+                    found = self._tracked_in(table, a, _NO_KWARGS)
+                    if found is not None:
+                        return found
         return None
 
     def _batch_axes(self, out: torch.Tensor) -> tuple[int, ...]:
@@ -170,11 +169,11 @@ class ForwardWatch(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.quiet or _compiling():  # (a compiled region: its bookkeeping by tensor identity is not for tracing)
+        if self.quiet or _IS_COMPILING():  # (a compiled region: its bookkeeping by tensor identity is not for tracing)
             return func(*args, **kwargs)
         self.operations += 1
         if func not in _ELEMENTWISE_RANDOM:  # (dropout keeps each element where it is: in eval() or not, the same trace)
-            self.note(op_key(func, args, kwargs, self.batch), getattr(func, "__name__", str(func)))
+            self.note(op_key(func, args, kwargs, self.batch), func)  # (its name is made only where it diverges)
         if func in _HOOKS:
             self.hooked = True
         if func in _INDEXING and args and not self.seen:

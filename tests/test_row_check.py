@@ -9,6 +9,7 @@ one sample differs by at most R, or the step is refused (nothing is released). F
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -423,3 +424,42 @@ def test_a_language_model_with_a_padding_mask_is_verified_once_then_followed(flo
         backward.Backward._tag_pass = original
         engine.detach()
     assert followed == [False, True, True, True] and not passes
+
+
+def test_steps_under_torch_profiler_follow_the_verified_trace(float64):
+    """torch's profiler reads each module's parameters' ``.grad`` at every module call (with_stack): a read of a tensor's
+    metadata computes nothing and is not in the trace, so the first profiled step is not verified again (a profile of
+    it would otherwise show the verification), and the steps stay exact."""
+    transformers = pytest.importorskip("transformers")
+    from torch.profiler import ProfilerActivity, profile
+
+    from dptrain.losses import sequence_losses
+
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=31, n_positions=16, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+
+    def make():
+        torch.manual_seed(0)
+        return transformers.GPT2LMHeadModel(config).double()
+
+    def losses_fn(model, ids):
+        return sequence_losses(model(input_ids=ids).logits, ids)
+
+    model = make()
+    engine, opt = attached_engine(model, mode="bk-mixopt", max_grad_norm=1.0)
+    try:
+        followed = []
+        batches = [torch.randint(0, 31, (3, 8), generator=torch.Generator().manual_seed(k)) for k in range(4)]
+        for k, ids in enumerate(batches):
+            with profile(activities=[ProfilerActivity.CPU], with_stack=True) if k >= 2 else contextlib.nullcontext():
+                losses = losses_fn(model, ids)
+                followed.append(engine._rows.last_followed)
+                engine.backward(losses)
+                opt.step()
+                got = {n: p.grad.clone() for n, p in model.named_parameters()}
+                opt.zero_grad()
+        assert followed == [False, True, True, True]
+        assert_matches(got, reference_clipped_gradient(make(), losses_fn, (batches[-1],), max_grad_norm=1.0),
+                       rtol=1e-9)
+    finally:
+        engine.detach()

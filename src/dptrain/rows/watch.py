@@ -39,6 +39,13 @@ _MOVES_AXES = {torch.Tensor.transpose, torch.transpose, torch.Tensor.permute, to
 _KEEPS_POSITIONS = _VIEWS | {torch.Tensor.expand, torch.Tensor.expand_as, torch.Tensor.to, torch.Tensor.clone,
                              torch.Tensor.repeat, torch.broadcast_to, torch.Tensor.long, torch.Tensor.int}
 _HOOKS = {torch.Tensor.register_hook, torch.Tensor.register_post_accumulate_grad_hook}
+# Reads of a tensor's metadata compute nothing: they are not in the trace, so a profiler reading each parameter's
+# ``.grad`` at every module call, or code asking for a device, does not make a forward verify again. (Attributes
+# that make a tensor - ``.T``, ``.mT``, ``.data``, ``.real`` - stay in it.)
+_METADATA_READS = {getattr(torch.Tensor, name).__get__ for name in (
+    "shape", "dtype", "device", "ndim", "layout", "names", "grad", "grad_fn", "requires_grad", "is_leaf", "output_nr",
+    "_version", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "itemsize", "nbytes",
+) if hasattr(torch.Tensor, name) and hasattr(getattr(torch.Tensor, name), "__get__")}
 # dropout in its element-wise forms: on or off (train() or eval()), each element stays where it is
 _ELEMENTWISE_RANDOM = {torch.nn.functional.dropout, torch.nn.functional.alpha_dropout,
                        torch.nn.functional.feature_alpha_dropout, torch.dropout, torch.alpha_dropout,
@@ -172,7 +179,8 @@ class ForwardWatch(TorchFunctionMode):
         if self.quiet or _IS_COMPILING():  # (a compiled region: its bookkeeping by tensor identity is not for tracing)
             return func(*args, **kwargs)
         self.operations += 1
-        if func not in _ELEMENTWISE_RANDOM:  # (dropout keeps each element where it is: in eval() or not, the same trace)
+        # (dropout keeps each element where it is, in eval() or not: the same trace; a metadata read computes nothing)
+        if func not in _ELEMENTWISE_RANDOM and func not in _METADATA_READS:
             self.note(op_key(func, args, kwargs, self.batch), func)  # (its name is made only where it diverges)
         if func in _HOOKS:
             self.hooked = True

@@ -157,7 +157,7 @@ def test_training_in_eval_mode_after_an_evaluation_is_exact(float64, mode):
         for k, B in enumerate((5, 3, 5)):
             batch = _data(B, 30 + k)
             losses = _losses(model, *batch)
-            assert _deferred_reached(losses) == (k == 0)  # (after a backward, the next eval() call is recorded)
+            assert _deferred_reached(losses, engine) == (k == 0)  # (after a backward, the next eval() call is recorded)
             got = _step(engine, optimizer, losses)
             assert_matches(got, _oracle(batch), rtol=1e-10, what=f"{mode}, eval()-mode step {k}")
     finally:
@@ -178,7 +178,7 @@ def test_a_replayed_step_moves_the_clipped_sum_by_at_most_R_for_one_sample(float
                 keep = torch.arange(6) != drop
                 x, y = x[keep], y[keep]
             losses = _losses(model, x, y)
-            assert _deferred_reached(losses)
+            assert _deferred_reached(losses, engine)
             sums.append(_step(engine, optimizer, losses))
         finally:
             engine.detach()
@@ -206,7 +206,7 @@ def test_the_replay_runs_in_the_random_state_of_the_deferred_call(float64):
                 _evaluate(model)
             torch.manual_seed(7)
             losses = _losses(model, *_data(5, 60))
-            assert _deferred_reached(losses) == defer
+            assert _deferred_reached(losses, engine) == defer
             torch.manual_seed(123)  # (the replay restores the deferred call's state, whatever the state is now)
             return _step(engine, optimizer, losses)
         finally:
@@ -217,9 +217,9 @@ def test_the_replay_runs_in_the_random_state_of_the_deferred_call(float64):
         assert_matches(run(True), run(False), rtol=1e-12)
 
 
-def _deferred_reached(losses) -> bool:
+def _deferred_reached(losses, engine) -> bool:
     from dptrain.deferred import reached
-    return bool(reached(losses))
+    return bool(reached(losses, engine._capture.model))
 
 
 def test_a_replay_that_computes_otherwise_warns(float64):
@@ -254,7 +254,7 @@ def test_a_fixed_shape_batch_through_a_replay_is_exact(float64, mode):
         padded_y = torch.cat([y, torch.zeros(2, dtype=y.dtype)])
         mask = torch.tensor([True] * 5 + [False] * 2)
         losses = _losses(model, padded_x, padded_y)
-        assert _deferred_reached(losses)
+        assert _deferred_reached(losses, engine)
         got = _step(engine, optimizer, losses, mask=mask)
         assert_matches(got, _oracle((x, y)), rtol=1e-10, what=mode)
     finally:
@@ -274,7 +274,7 @@ def test_user_level_units_through_a_replay_are_exact(float64, mode):
         _evaluate(model)
         batch = _data(5, 80)
         losses = _losses(model, *batch)
-        assert _deferred_reached(losses)
+        assert _deferred_reached(losses, engine)
         got = _step(engine, optimizer, losses, users=users)
         want = reference_user_clipped_gradient(_model().eval(), _losses, batch, users, max_grad_norm=R)
         assert_matches(got, want, rtol=1e-10, what=mode)
@@ -434,7 +434,7 @@ def test_a_sequence_first_model_through_a_replay_is_exact(float64, mode):
         assert _deferred([model(data(4, 10 + k)[0]) for k in range(2)][1])
         x, y = data(3, 20)
         losses = losses_fn(model, x, y)
-        assert _deferred_reached(losses)
+        assert _deferred_reached(losses, engine)
         got = _step(engine, optimizer, losses)
         want = reference_clipped_gradient(_model().eval(), lambda m, x, y: losses_fn(m, x.transpose(0, 1), y),
                                           (x.transpose(0, 1), y), max_grad_norm=R)
@@ -469,7 +469,7 @@ def test_a_hugging_face_model_output_through_a_replay_is_exact(float64, mode):
         assert _deferred([model(input_ids=ids(3, 10 + k)).logits for k in range(2)][1])
         batch = ids(4, 20)
         losses = losses_fn(model, batch)
-        assert _deferred_reached(losses)
+        assert _deferred_reached(losses, engine)
         got = _step(engine, optimizer, losses)
         want = reference_clipped_gradient(make().eval(), losses_fn, (batch,), max_grad_norm=R)
         assert_matches(got, want, rtol=1e-9, what=mode)
@@ -491,7 +491,7 @@ def test_a_compiled_model_evaluated_and_trained_in_eval_mode_stays_exact(float64
         for k in range(2):
             batch = _data(4, 20 + k)
             losses = _losses(compiled, *batch)
-            assert _deferred_reached(losses) == (k == 0)
+            assert _deferred_reached(losses, engine) == (k == 0)
             got = {n.removeprefix("_orig_mod."): g for n, g in _step(engine, optimizer, losses).items()}
             assert_matches(got, _oracle(batch), rtol=1e-10, what=f"torch.compile, eval()-mode step {k}")
     finally:
@@ -543,9 +543,30 @@ def test_losses_of_two_outputs_of_a_deferred_call_are_exact(float64, mode):
         [model(_data(4, 10 + k)[0]) for k in range(2)]
         batch = _data(5, 110)
         losses = losses_fn(model, *batch)
-        assert _deferred_reached(losses)
+        assert _deferred_reached(losses, engine)
         got = _step(engine, optimizer, losses)
         want = reference_clipped_gradient(make().eval(), losses_fn, batch, max_grad_norm=R)
         assert_matches(got, want, rtol=1e-10, what=mode)
     finally:
         engine.detach()
+
+
+def test_another_engines_losses_through_a_deferred_output_are_refused_never_replayed_on_their_model(float64):
+    """A's evaluation output (deferred) in B's loss: B's engine does not replay A's call on B's model; the backward is
+    refused at A's output (A's parameters would get no clipped gradient), and both engines go on exactly."""
+    model_a, engine_a, optimizer_a = _trained("bk-mixopt")
+    model_b, engine_b, optimizer_b = _trained("bk-mixopt")
+    try:
+        _evaluate(model_a)
+        teacher = model_a(_data(5, 120)[0])
+        assert _deferred(teacher)
+        x, y = _data(5, 121)
+        losses = _losses(model_b, x, y) + (model_b(x) - teacher).square().sum(1)
+        with pytest.raises(RuntimeError, match="did not record"):
+            engine_b.backward(losses)
+        assert all(p.grad is None for p in model_a.parameters())
+        _assert_the_next_step_is_exact(model_b, engine_b, optimizer_b, seed=122)
+        _assert_the_next_step_is_exact(model_a, engine_a, optimizer_a, seed=123)
+    finally:
+        engine_a.detach()
+        engine_b.detach()

@@ -261,7 +261,7 @@ class Capture(LayerHooks):
             batch = batch_size_of((args, kwargs), dim)
         if not batch or any(t.requires_grad for t in inputs):  # (a saliency map's input: its gradient is the point)
             return False
-        self._deferred = DeferredCall(args, kwargs, inputs, batch)
+        self._deferred = DeferredCall(module, args, kwargs, inputs, batch)
         self.deferred_calls += 1
         self._aside.set_aside(self.model, self._layer_hook_ids)
         return True

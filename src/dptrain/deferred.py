@@ -44,7 +44,9 @@ class DeferredCall:
 
     DEFERRED, REPLAYING, CONSUMED = "deferred", "replaying", "consumed"
 
-    def __init__(self, args, kwargs, inputs: list[torch.Tensor], batch: int):
+    def __init__(self, model, args, kwargs, inputs: list[torch.Tensor], batch: int):
+        #: the model called (another engine's losses may reach the call: only its own engine replays it)
+        self.model = model
         self.args, self.kwargs, self.batch = args, kwargs, batch
         self.versions = [(t, t._version) for t in inputs]
         self.cpu_state = torch.default_generator.get_state()
@@ -56,7 +58,7 @@ class DeferredCall:
         self.state = self.DEFERRED
         self.axis = 0  # (the model's batch axis: set by wrap_outputs)
 
-    def call_again(self, model):
+    def call_again(self):
         """The model called again on the same inputs, in the random state of the deferred call."""
         if any(t._version != version for t, version in self.versions):
             raise RuntimeError(
@@ -64,6 +66,7 @@ class DeferredCall:
                 "replays to train on it (dptrain/deferred.py), but its input was modified in place since: call "
                 "model.train() between evaluating and training in eval() mode, or leave the input as it was until "
                 "the backward. Nothing of this backward was accumulated")
+        model = self.model
         # in eval() mode, as it was made (a model switched to train() since would replay with dropout on)
         modes = [(m, m.training) for m in model.modules()] if model.training else None
         if modes is not None:
@@ -131,9 +134,10 @@ def _per_sample(output, call: DeferredCall) -> list[torch.Tensor]:
     return found
 
 
-def reached(losses: torch.Tensor, limit: int = 100_000) -> list:
-    """The deferred outputs the losses' graph reaches, as (autograd node, the call, the batch axis, which per-sample
-    output of the call): the walk stops at them and at the model's recorded outputs (``rows.losses.OUTPUT_MARK``)."""
+def reached(losses: torch.Tensor, model, limit: int = 100_000) -> list:
+    """The deferred outputs of calls of ``model`` the losses' graph reaches, as (autograd node, the call, the batch
+    axis, which per-sample output of the call): the walk stops at them, at other models' (whose backward refuses),
+    and at the model's recorded outputs (``rows.losses.OUTPUT_MARK``)."""
     found, seen, stack = [], set(), [losses.grad_fn]
     while stack and len(seen) < limit:
         node = stack.pop()
@@ -141,7 +145,8 @@ def reached(losses: torch.Tensor, limit: int = 100_000) -> list:
             continue
         seen.add(node)
         if isinstance(node, _DeferredOutput._backward_cls):
-            found.append((node, node.call, node.axis, node.k))
+            if node.call.model is model:
+                found.append((node, node.call, node.axis, node.k))
             continue
         if OUTPUT_MARK in node.metadata:
             continue
@@ -149,7 +154,7 @@ def reached(losses: torch.Tensor, limit: int = 100_000) -> list:
     return found
 
 
-def replay(model, losses: torch.Tensor, tag_losses: torch.Tensor | None, deferred: list, pausing):
+def replay(losses: torch.Tensor, tag_losses: torch.Tensor | None, deferred: list, pausing):
     """Call the model again for each deferred call the losses reach (``reached``), and the losses (and the tag passes'
     losses) with the same values whose gradient reaches the replays' outputs instead of the deferred ones: see the
     module docstring. Returns the losses, the tag passes' losses, and the calls replayed (consumed once their backward
@@ -171,7 +176,7 @@ def replay(model, losses: torch.Tensor, tag_losses: torch.Tensor | None, deferre
     calls = list(dict.fromkeys(call for _, call, _, _ in deferred))
     new_outputs = {}
     for call in calls:
-        new_outputs[call] = _per_sample(call.call_again(model), call)
+        new_outputs[call] = _per_sample(call.call_again(), call)
         call.state = DeferredCall.REPLAYING
     edges = [GradientEdge(node, 0) for node, _, _, _ in deferred]
     pairs = []

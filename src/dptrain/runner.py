@@ -173,13 +173,13 @@ class BackwardRunner:
     def _replay_deferred(self, losses: torch.Tensor, tag_losses: torch.Tensor | None):
         """The losses reach model calls deferred as evaluations (``deferred.py``): the calls are made again, recorded,
         and the losses given the same gradient through the replays (checked as any step's, ``_check_rows``)."""
-        found = deferred.reached(losses)
+        found = deferred.reached(losses, self.capture.model)
         if not found:
             return losses, tag_losses, []
         try:
             self.capture.replaying = True
             try:
-                return deferred.replay(self.capture.model, losses, tag_losses, found, self.capture.pausing)
+                return deferred.replay(losses, tag_losses, found, self.capture.pausing)
             finally:
                 self.capture.replaying = False
         except BaseException:

@@ -427,9 +427,9 @@ def test_a_language_model_with_a_padding_mask_is_verified_once_then_followed(flo
 
 
 def test_steps_under_torch_profiler_follow_the_verified_trace(float64):
-    """torch's profiler reads each module's parameters' ``.grad`` at every module call (with_stack): a read of a tensor's
-    metadata computes nothing and is not in the trace, so the first profiled step is not verified again (a profile of
-    it would otherwise show the verification), and the steps stay exact."""
+    """torch's profiler reads each module's parameters' ``.grad`` at every module call (with_stack): a read of a
+    tensor's metadata computes nothing and is not in the trace, so the first profiled step is not verified again (a
+    profile of it would otherwise show the verification), and the steps stay exact."""
     transformers = pytest.importorskip("transformers")
     from torch.profiler import ProfilerActivity, profile
 

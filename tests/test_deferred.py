@@ -4,23 +4,20 @@ checked, so that training in eval() mode after an evaluation is exact (``dptrain
 sequence: private steps first, then the evaluation, then the hazard, then ordinary steps again."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from dptrain.deferred import _DeferredOutput
 from dptrain.rows.errors import RowsMixSamples
-from dptrain.testing import (
-    attached_engine,
-    reference_clipped_gradient,
-    reference_user_clipped_gradient,
-)
+from dptrain.testing import attached_engine, reference_clipped_gradient, reference_user_clipped_gradient
+from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches
 
 R = 0.4
 PATHS = [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES]
@@ -65,14 +62,26 @@ def _step(engine, optimizer, losses, path="engine", **kwargs):
     return got
 
 
-def _trained(mode, path="engine", **options):
-    """A model and its engine after two private steps in train() mode, then in eval() mode (dropout off)."""
-    model = _model()
+@contextlib.contextmanager
+def _attached(model, mode, **options):
+    """(engine, optimizer) on ``model`` for checking (``attached_engine`` at R), detached at the end."""
     engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R, **options)
-    for seed in range(2):
-        _step(engine, optimizer, _losses(model, *_data(4, seed)), path)
-    model.eval()
-    return model, engine, optimizer
+    try:
+        yield engine, optimizer
+    finally:
+        engine.detach()
+
+
+@contextlib.contextmanager
+def _trained(mode, path="engine", **options):
+    """A model and its engine after two private steps in train() mode, then in eval() mode (dropout off); the engine
+    is detached at the end."""
+    model = _model()
+    with _attached(model, mode, **options) as (engine, optimizer):
+        for seed in range(2):
+            _step(engine, optimizer, _losses(model, *_data(4, seed)), path)
+        model.eval()
+        yield model, engine, optimizer
 
 
 def _evaluate(model, batches=3):
@@ -100,24 +109,20 @@ def _recorded(engine) -> int:
 
 # ------------------------------------------------------------------------------------------- what is deferred
 def test_an_evaluation_after_training_runs_unrecorded_from_its_second_call():
-    model, engine, _ = _trained("bk-mixopt")
     plain = _model().eval()
-    try:
+    with _trained("bk-mixopt") as (model, engine, _):
         outputs = _evaluate(model, 4)
         assert not _deferred(outputs[0]) and all(_deferred(o) for o in outputs[1:])
         assert engine._capture.deferred_calls == 3
         assert all(not o.grad_fn.next_functions[0][0] for o in outputs[1:])  # (nothing of the plain forward's graph)
         for k, out in enumerate(outputs):  # the outputs the model computes without the engine
             assert torch.equal(out, plain(_data(4, 10 + k)[0]))
-    finally:
-        engine.detach()
 
 
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
 def test_nothing_is_deferred_before_the_first_engine_backward_or_after_a_plain_one(mode):
     model = _model()
-    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R)
-    try:
+    with _attached(model, mode) as (engine, optimizer):
         model.eval()
         assert not any(_deferred(o) for o in _evaluate(model))  # (no backward yet: whether it trains is unknown)
         if mode in SINGLE_BACKWARD_MODES:
@@ -125,15 +130,12 @@ def test_nothing_is_deferred_before_the_first_engine_backward_or_after_a_plain_o
             _step(engine, optimizer, _losses(model, *_data(4, 0)), "plain")
             model.eval()
             assert not any(_deferred(o) for o in _evaluate(model))  # (a plain backward cannot replay a call)
-    finally:
-        engine.detach()
 
 
 def test_a_call_whose_input_requires_gradients_is_not_deferred():
     """A saliency map: the input's gradient is the point, computed as without the engine."""
-    model, engine, _ = _trained("bk-mixopt")
     plain = _model().eval()
-    try:
+    with _trained("bk-mixopt") as (model, engine, _):
         _evaluate(model)
         x = _data(4, 20)[0].requires_grad_()
         out = model(x)
@@ -142,8 +144,6 @@ def test_a_call_whose_input_requires_gradients_is_not_deferred():
         (got,) = torch.autograd.grad(out[:, 0].sum(), x)
         (want,) = torch.autograd.grad(plain(x_plain)[:, 0].sum(), x_plain)
         assert torch.allclose(got, want, rtol=1e-12, atol=0)
-    finally:
-        engine.detach()
 
 
 # ------------------------------------------------------------------------------------------- training on it
@@ -151,8 +151,7 @@ def test_a_call_whose_input_requires_gradients_is_not_deferred():
 def test_training_in_eval_mode_after_an_evaluation_is_exact(float64, mode):
     """Steps in train(), an evaluation, then steps in eval() mode of other batch sizes: the first is replayed, the
     others recorded; every one is the float64 oracle's."""
-    model, engine, optimizer = _trained(mode)
-    try:
+    with _trained(mode) as (model, engine, optimizer):
         _evaluate(model)
         for k, B in enumerate((5, 3, 5)):
             batch = _data(B, 30 + k)
@@ -160,8 +159,6 @@ def test_training_in_eval_mode_after_an_evaluation_is_exact(float64, mode):
             assert _deferred_reached(losses, engine) == (k == 0)  # (after a backward, the next eval() call is recorded)
             got = _step(engine, optimizer, losses)
             assert_matches(got, _oracle(batch), rtol=1e-10, what=f"{mode}, eval()-mode step {k}")
-    finally:
-        engine.detach()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -169,8 +166,7 @@ def test_a_replayed_step_moves_the_clipped_sum_by_at_most_R_for_one_sample(float
     """The neighbour test through the replay: the clipped sums of D and of D minus one sample differ by <= R."""
     sums = []
     for drop in (None, 2):
-        model, engine, optimizer = _trained(mode)
-        try:
+        with _trained(mode) as (model, engine, optimizer):
             _evaluate(model)
             x, y = _data(6, 50)
             x = x * 10  # (every sample clipped)
@@ -180,8 +176,6 @@ def test_a_replayed_step_moves_the_clipped_sum_by_at_most_R_for_one_sample(float
             losses = _losses(model, x, y)
             assert _deferred_reached(losses, engine)
             sums.append(_step(engine, optimizer, losses))
-        finally:
-            engine.detach()
     distance = torch.sqrt(sum(((sums[0][n] - sums[1][n]) ** 2).sum() for n in sums[0]))
     assert 0.5 * R < distance <= R * (1 + 1e-9)
 
@@ -197,8 +191,7 @@ def test_the_replay_runs_in_the_random_state_of_the_deferred_call(float64):
     def run(defer: bool):
         torch.manual_seed(0)
         model = Noisy().double()
-        engine, optimizer = attached_engine(model, mode="bk-mixopt", max_grad_norm=R)
-        try:
+        with _attached(model, "bk-mixopt") as (engine, optimizer):
             for seed in range(2):
                 _step(engine, optimizer, _losses(model, *_data(4, seed)))
             model.eval()
@@ -209,8 +202,6 @@ def test_the_replay_runs_in_the_random_state_of_the_deferred_call(float64):
             assert _deferred_reached(losses, engine) == defer
             torch.manual_seed(123)  # (the replay restores the deferred call's state, whatever the state is now)
             return _step(engine, optimizer, losses)
-        finally:
-            engine.detach()
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -232,22 +223,18 @@ def test_a_replay_that_computes_otherwise_warns(float64):
 
     torch.manual_seed(0)
     model = Counting().double()
-    engine, optimizer = attached_engine(model, mode="bk-mixopt", max_grad_norm=R)
-    try:
+    with _attached(model, "bk-mixopt") as (engine, optimizer):
         for seed in range(2):
             _step(engine, optimizer, _losses(model, *_data(4, seed)))
         model.eval()
         _evaluate(model)
         with pytest.warns(UserWarning, match="came out different"):
             _step(engine, optimizer, _losses(model, *_data(5, 61)))
-    finally:
-        engine.detach()
 
 
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
 def test_a_fixed_shape_batch_through_a_replay_is_exact(float64, mode):
-    model, engine, optimizer = _trained(mode)
-    try:
+    with _trained(mode) as (model, engine, optimizer):
         _evaluate(model)
         x, y = _data(5, 70)
         padded_x = torch.cat([x, torch.full((2, 6), torch.finfo(torch.float64).min)])
@@ -257,16 +244,13 @@ def test_a_fixed_shape_batch_through_a_replay_is_exact(float64, mode):
         assert _deferred_reached(losses, engine)
         got = _step(engine, optimizer, losses, mask=mask)
         assert_matches(got, _oracle((x, y)), rtol=1e-10, what=mode)
-    finally:
-        engine.detach()
 
 
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
 def test_user_level_units_through_a_replay_are_exact(float64, mode):
     model = _model()
-    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R, privacy_unit="user")
     users = torch.tensor([3, 1, 3, 2, 1])
-    try:
+    with _attached(model, mode, privacy_unit="user") as (engine, optimizer):
         for seed in range(2):
             batch = _data(5, seed)
             _step(engine, optimizer, _losses(model, *batch), users=users)
@@ -278,8 +262,6 @@ def test_user_level_units_through_a_replay_are_exact(float64, mode):
         got = _step(engine, optimizer, losses, users=users)
         want = reference_user_clipped_gradient(_model().eval(), _losses, batch, users, max_grad_norm=R)
         assert_matches(got, want, rtol=1e-10, what=mode)
-    finally:
-        engine.detach()
 
 
 # ------------------------------------------------------------------------------------------- refused
@@ -287,8 +269,7 @@ def test_user_level_units_through_a_replay_are_exact(float64, mode):
 def test_a_loss_that_couples_the_samples_of_a_deferred_call_is_refused(float64, mode):
     """In-batch negatives on a deferred call's outputs: refused by the step's loss check, which reads the losses down to
     the deferred outputs; nothing is accumulated, and the next step is exact."""
-    model, engine, optimizer = _trained(mode)
-    try:
+    with _trained(mode) as (model, engine, optimizer):
         _evaluate(model)
         out = model(_data(5, 90)[0])
         assert _deferred(out)
@@ -297,14 +278,11 @@ def test_a_loss_that_couples_the_samples_of_a_deferred_call_is_refused(float64, 
             engine.backward(contrastive)
         assert _recorded(engine) == 0
         _assert_the_next_step_is_exact(model, engine, optimizer, seed=91)
-    finally:
-        engine.detach()
 
 
 def test_a_mixup_inside_a_deferred_forward_is_seen_in_its_replay(float64):
     """The replay is a watched training forward: a mixup of the input that only the deferred call made is refused."""
-    model, engine, optimizer = _trained("bk-mixopt")
-    try:
+    with _trained("bk-mixopt") as (model, engine, optimizer):
         _evaluate(model)
         model.mix = True
         losses = _losses(model, *_data(5, 92))
@@ -312,28 +290,22 @@ def test_a_mixup_inside_a_deferred_forward_is_seen_in_its_replay(float64):
             engine.backward(losses)
         model.mix = False
         _assert_the_next_step_is_exact(model, engine, optimizer, seed=93)
-    finally:
-        engine.detach()
 
 
 @pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
 def test_a_plain_backward_through_a_deferred_output_is_refused(float64, mode):
-    model, engine, optimizer = _trained(mode)
-    try:
+    with _trained(mode) as (model, engine, optimizer):
         _evaluate(model)
         losses = _losses(model, *_data(5, 94))
         with pytest.raises(RuntimeError, match="engine.backward\\(losses\\), which replays"):
             losses.sum().backward()
         assert all(p.grad is None for p in model.parameters())
         _assert_the_next_step_is_exact(model, engine, optimizer, seed=95)
-    finally:
-        engine.detach()
 
 
 def test_a_deferred_call_back_propagated_twice_is_refused(float64):
     """Each sample is clipped once a step: a second engine.backward through the same deferred call is refused."""
-    model, engine, optimizer = _trained("bk-mixopt")
-    try:
+    with _trained("bk-mixopt") as (model, engine, optimizer):
         _evaluate(model)
         x, y = _data(4, 96)
         out = model(x)
@@ -347,13 +319,10 @@ def test_a_deferred_call_back_propagated_twice_is_refused(float64):
         with pytest.raises(RuntimeError, match="already back-propagated"):
             F.cross_entropy(out, y).backward()
         _assert_the_next_step_is_exact(model, engine, optimizer, seed=95)
-    finally:
-        engine.detach()
 
 
 def test_an_input_changed_in_place_before_the_replay_is_refused(float64):
-    model, engine, optimizer = _trained("bk-mixopt")
-    try:
+    with _trained("bk-mixopt") as (model, engine, optimizer):
         _evaluate(model)
         x, y = _data(5, 97)
         losses = _losses(model, x, y)
@@ -361,8 +330,6 @@ def test_an_input_changed_in_place_before_the_replay_is_refused(float64):
         with pytest.raises(RuntimeError, match="modified in place"):
             engine.backward(losses)
         _assert_the_next_step_is_exact(model, engine, optimizer, seed=98)
-    finally:
-        engine.detach()
 
 
 def test_a_loss_computed_inside_a_deferred_call_is_refused(float64):
@@ -373,8 +340,7 @@ def test_a_loss_computed_inside_a_deferred_call_is_refused(float64):
 
     torch.manual_seed(0)
     model = WithLoss().double()
-    engine, optimizer = attached_engine(model, mode="bk-mixopt", max_grad_norm=R)
-    try:
+    with _attached(model, "bk-mixopt") as (engine, optimizer):
         for seed in range(2):
             _step(engine, optimizer, model(_data(4, seed)[0])[0].square().mean(1))
         model.eval()
@@ -382,14 +348,11 @@ def test_a_loss_computed_inside_a_deferred_call_is_refused(float64):
         out, inside = model(_data(4, 99)[0])
         with pytest.raises(RuntimeError, match="no row per sample"):
             engine.backward(out.square().mean(1) + inside)
-    finally:
-        engine.detach()
 
 
 # ------------------------------------------------------------------------------------------- memory
 def test_nothing_of_a_deferred_evaluation_stays_alive():
-    model, engine, _ = _trained("bk-mixopt")
-    try:
+    with _trained("bk-mixopt") as (model, engine, _):
         model(_data(4, 0)[0])
         x = _data(64, 1)[0]
         out = model(x)
@@ -398,19 +361,14 @@ def test_nothing_of_a_deferred_evaluation_stays_alive():
         del x, out
         gc.collect()
         assert all(s.expired() for s in storages)
-    finally:
-        engine.detach()
 
 
 def test_the_layers_hooks_are_back_after_a_deferred_call(float64):
-    model, engine, optimizer = _trained("bk-mixopt")
-    try:
+    with _trained("bk-mixopt") as (model, engine, optimizer):
         before = [(m, dict(m._forward_pre_hooks), dict(m._forward_hooks)) for m in model.modules()]
         _evaluate(model)
         assert all(dict(m._forward_pre_hooks) == pre and dict(m._forward_hooks) == post for m, pre, post in before)
         _assert_the_next_step_is_exact(model, engine, optimizer, seed=5)
-    finally:
-        engine.detach()
 
 
 # ------------------------------------------------------------------------------------------- outputs of other forms
@@ -426,8 +384,7 @@ def test_a_sequence_first_model_through_a_replay_is_exact(float64, mode):
         return torch.randn(5, B, 6, generator=g, dtype=torch.float64) * 3, torch.randint(0, 3, (B, 5), generator=g)
 
     model = _model()
-    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R, batch_first=False)
-    try:
+    with _attached(model, mode, batch_first=False) as (engine, optimizer):
         for seed in range(2):
             _step(engine, optimizer, losses_fn(model, *data(4, seed)))
         model.eval()
@@ -439,8 +396,6 @@ def test_a_sequence_first_model_through_a_replay_is_exact(float64, mode):
         want = reference_clipped_gradient(_model().eval(), lambda m, x, y: losses_fn(m, x.transpose(0, 1), y),
                                           (x.transpose(0, 1), y), max_grad_norm=R)
         assert_matches(got, want, rtol=1e-10, what=mode)
-    finally:
-        engine.detach()
 
 
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
@@ -461,8 +416,7 @@ def test_a_hugging_face_model_output_through_a_replay_is_exact(float64, mode):
         return torch.randint(0, 30, (B, 6), generator=torch.Generator().manual_seed(seed))
 
     model = make()
-    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R)
-    try:
+    with _attached(model, mode) as (engine, optimizer):
         for seed in range(2):
             _step(engine, optimizer, losses_fn(model, ids(3, seed)))
         model.eval()
@@ -473,8 +427,6 @@ def test_a_hugging_face_model_output_through_a_replay_is_exact(float64, mode):
         got = _step(engine, optimizer, losses)
         want = reference_clipped_gradient(make().eval(), losses_fn, (batch,), max_grad_norm=R)
         assert_matches(got, want, rtol=1e-9, what=mode)
-    finally:
-        engine.detach()
 
 
 def test_a_compiled_model_evaluated_and_trained_in_eval_mode_stays_exact(float64):
@@ -482,8 +434,7 @@ def test_a_compiled_model_evaluated_and_trained_in_eval_mode_stays_exact(float64
     replayed; each against the oracle."""
     model = _model()
     compiled = torch.compile(model, backend="aot_eager")
-    engine, optimizer = attached_engine(compiled, mode="bk-mixopt", max_grad_norm=R)
-    try:
+    with _attached(compiled, "bk-mixopt") as (engine, optimizer):
         for seed in range(2):
             _step(engine, optimizer, _losses(compiled, *_data(4, seed)))
         model.eval()
@@ -494,15 +445,12 @@ def test_a_compiled_model_evaluated_and_trained_in_eval_mode_stays_exact(float64
             assert _deferred_reached(losses, engine) == (k == 0)
             got = {n.removeprefix("_orig_mod."): g for n, g in _step(engine, optimizer, losses).items()}
             assert_matches(got, _oracle(batch), rtol=1e-10, what=f"torch.compile, eval()-mode step {k}")
-    finally:
-        engine.detach()
 
 
 def test_a_deferred_call_is_replayed_in_eval_mode_after_the_model_was_switched_to_train(float64):
     """Losses of an evaluation's outputs, back-propagated after model.train(): replayed as the call was made (dropout
     off), with every module's mode as it was afterwards."""
-    model, engine, optimizer = _trained("bk-mixopt")
-    try:
+    with _trained("bk-mixopt") as (model, engine, optimizer):
         _evaluate(model)
         batch = _data(5, 100)
         losses = _losses(model, *batch)
@@ -513,8 +461,6 @@ def test_a_deferred_call_is_replayed_in_eval_mode_after_the_model_was_switched_t
             got = _step(engine, optimizer, losses)
         assert model.training and model.drop.training and not model.norm.training
         assert_matches(got, _oracle(batch), rtol=1e-10)
-    finally:
-        engine.detach()
 
 
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
@@ -535,8 +481,7 @@ def test_losses_of_two_outputs_of_a_deferred_call_are_exact(float64, mode):
         return TwoOutputs().double()
 
     model = make()
-    engine, optimizer = attached_engine(model, mode=mode, max_grad_norm=R)
-    try:
+    with _attached(model, mode) as (engine, optimizer):
         for seed in range(2):
             _step(engine, optimizer, losses_fn(model, *_data(4, seed)))
         model.eval()
@@ -547,16 +492,13 @@ def test_losses_of_two_outputs_of_a_deferred_call_are_exact(float64, mode):
         got = _step(engine, optimizer, losses)
         want = reference_clipped_gradient(make().eval(), losses_fn, batch, max_grad_norm=R)
         assert_matches(got, want, rtol=1e-10, what=mode)
-    finally:
-        engine.detach()
 
 
 def test_another_engines_losses_through_a_deferred_output_are_refused_never_replayed_on_their_model(float64):
     """A's evaluation output (deferred) in B's loss: B's engine does not replay A's call on B's model; the backward is
     refused at A's output (A's parameters would get no clipped gradient), and both engines go on exactly."""
-    model_a, engine_a, optimizer_a = _trained("bk-mixopt")
-    model_b, engine_b, optimizer_b = _trained("bk-mixopt")
-    try:
+    with _trained("bk-mixopt") as (model_a, engine_a, optimizer_a), _trained("bk-mixopt") as (model_b, engine_b,
+                                                                                          optimizer_b):
         _evaluate(model_a)
         teacher = model_a(_data(5, 120)[0])
         assert _deferred(teacher)
@@ -567,6 +509,3 @@ def test_another_engines_losses_through_a_deferred_output_are_refused_never_repl
         assert all(p.grad is None for p in model_a.parameters())
         _assert_the_next_step_is_exact(model_b, engine_b, optimizer_b, seed=122)
         _assert_the_next_step_is_exact(model_a, engine_a, optimizer_a, seed=123)
-    finally:
-        engine_a.detach()
-        engine_b.detach()

@@ -253,15 +253,11 @@ class Capture(LayerHooks):
                 or self._open_forward is not None or _GRADIENT_EDGE is None):
             return False
         dim = 0 if self.batch_first else 1
-        if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # (the common call, without the walks)
-            inputs = list(args)
-            batch = args[0].shape[dim] if args[0].dim() > dim else None
-        else:
-            inputs = [t for t in tensors_in((args, kwargs)) if isinstance(t, torch.Tensor)]
-            batch = batch_size_of((args, kwargs), dim)
+        inputs = [t for t in tensors_in((args, kwargs)) if isinstance(t, torch.Tensor)]
+        batch = batch_size_of((args, kwargs), dim)
         if not batch or any(t.requires_grad for t in inputs):  # (a saliency map's input: its gradient is the point)
             return False
-        self._deferred = DeferredCall(module, args, kwargs, inputs, batch)
+        self._deferred = DeferredCall(module, args, kwargs, inputs, batch, dim)
         self.deferred_calls += 1
         self._aside.set_aside(self.model, self._layer_hook_ids)
         return True
@@ -344,7 +340,7 @@ class Capture(LayerHooks):
         deferred, self._deferred = self._deferred, None
         if deferred is not None:
             self._aside.put_back()
-            return wrap_outputs(output, deferred, 0 if self.batch_first else 1, self._anchor)
+            return wrap_outputs(output, deferred, self._anchor)
         if in_backward() or self._open_forward is None or in_replay() or self.paused:
             return None
         watch = self._watch  # (the forward ended: what the checks below compute is not the forward's)

@@ -44,10 +44,11 @@ class DeferredCall:
 
     DEFERRED, REPLAYING, CONSUMED = "deferred", "replaying", "consumed"
 
-    def __init__(self, model, args, kwargs, inputs: list[torch.Tensor], batch: int):
+    def __init__(self, model, args, kwargs, inputs: list[torch.Tensor], batch: int, axis: int):
         #: the model called (another engine's losses may reach the call: only its own engine replays it)
         self.model = model
         self.args, self.kwargs, self.batch = args, kwargs, batch
+        self.axis = axis  # (the model's batch axis)
         self.versions = [(t, t._version) for t in inputs]
         self.cpu_state = torch.default_generator.get_state()
         cuda = [t.device for t in inputs if t.is_cuda]
@@ -56,7 +57,6 @@ class DeferredCall:
         #: deferred; being replayed by engine.backward (its backward is the replay's: the deferred output's gives
         #: nothing); or back-propagated once already
         self.state = self.DEFERRED
-        self.axis = 0  # (the model's batch axis: set by wrap_outputs)
 
     def call_again(self):
         """The model called again on the same inputs, in the random state of the deferred call."""
@@ -114,7 +114,7 @@ class _DeferredOutput(torch.autograd.Function):
         return None, None, None, None, None
 
 
-def wrap_outputs(output, call: DeferredCall, axis: int, anchor):
+def wrap_outputs(output, call: DeferredCall, anchor):
     """The deferred call's output with each tensor that requires gradients passed through ``_DeferredOutput``."""
     count = [0]
 
@@ -123,8 +123,7 @@ def wrap_outputs(output, call: DeferredCall, axis: int, anchor):
         count[0] += found is not None
         return out
 
-    call.axis = axis
-    return map_per_sample(output, call.batch, axis, wrap, others=True)
+    return map_per_sample(output, call.batch, call.axis, wrap, others=True)
 
 
 def _per_sample(output, call: DeferredCall) -> list[torch.Tensor]:
@@ -157,8 +156,8 @@ def reached(losses: torch.Tensor, model, limit: int = 100_000) -> list:
 def replay(losses: torch.Tensor, tag_losses: torch.Tensor | None, deferred: list, pausing):
     """Call the model again for each deferred call the losses reach (``reached``), and the losses (and the tag passes'
     losses) with the same values whose gradient reaches the replays' outputs instead of the deferred ones: see the
-    module docstring. Returns the losses, the tag passes' losses, and the calls replayed (consumed once their backward
-    ends)."""
+    module docstring. Returns (the losses, the tag passes' losses), and the calls replayed (consumed once their
+    backward ends; at once if the replay fails)."""
     if any(call.state != DeferredCall.DEFERRED for _, call, _, _ in deferred):
         raise RuntimeError(_AGAIN)
     for node, call, axis, _ in deferred:
@@ -172,8 +171,19 @@ def replay(losses: torch.Tensor, tag_losses: torch.Tensor | None, deferred: list
                 "eval() mode. Nothing of this backward was accumulated")
         # (a model output to the step's loss check, which reads the losses' rows down to it)
         node.metadata[OUTPUT_MARK] = {0: OutputMark(axis, call.batch, None, tuple(old.shape), None)}
-    GradientEdge = torch.autograd.graph.GradientEdge
     calls = list(dict.fromkeys(call for _, call, _, _ in deferred))
+    try:
+        return _replayed(losses, tag_losses, deferred, calls, pausing), calls
+    except BaseException:
+        for call in calls:  # (a replay that failed half-way is not replayed again)
+            if call.state == DeferredCall.REPLAYING:
+                call.state = DeferredCall.CONSUMED
+        raise
+
+
+def _replayed(losses, tag_losses, deferred: list, calls: list, pausing):
+    """``replay``'s losses and tag passes' losses, the calls made again."""
+    GradientEdge = torch.autograd.graph.GradientEdge
     new_outputs = {}
     for call in calls:
         new_outputs[call] = _per_sample(call.call_again(), call)
@@ -210,4 +220,4 @@ def replay(losses: torch.Tensor, tag_losses: torch.Tensor | None, deferred: list
             total = s if total is None else total + s
         return objective if total is None else objective + (total - total.detach())
 
-    return moved(losses), (moved(tag_losses) if tag_losses is not None else None), calls
+    return moved(losses), (moved(tag_losses) if tag_losses is not None else None)

@@ -98,7 +98,7 @@ class BackwardRunner:
         self.capture.settle_open_forward()
         replayed = []
         if self.capture.deferred_calls and losses.grad_fn is not None:
-            losses, tag_losses, replayed = self._replay_deferred(losses, tag_losses)
+            (losses, tag_losses), replayed = self._replay_deferred(losses, tag_losses)
         try:
             self._run(losses, users, tag_losses, padded)
         finally:
@@ -175,20 +175,16 @@ class BackwardRunner:
         and the losses given the same gradient through the replays (checked as any step's, ``_check_rows``)."""
         found = deferred.reached(losses, self.capture.model)
         if not found:
-            return losses, tag_losses, []
+            return (losses, tag_losses), []
+        self.capture.replaying = True
         try:
-            self.capture.replaying = True
-            try:
-                return deferred.replay(losses, tag_losses, found, self.capture.pausing)
-            finally:
-                self.capture.replaying = False
+            return deferred.replay(losses, tag_losses, found, self.capture.pausing)
         except BaseException:
-            for _, call, _, _ in found:  # (a replay that failed half-way is not replayed again)
-                if call.state == deferred.DeferredCall.REPLAYING:
-                    call.state = deferred.DeferredCall.CONSUMED
             self.capture.settle_open_forward()
             self.forget_calls()
             raise
+        finally:
+            self.capture.replaying = False
 
     def _check_rows(self, losses: torch.Tensor, units: torch.Tensor | None) -> bool:
         """The checks of which sample each row belongs to that run before the backward: the loss check (every step:

@@ -147,7 +147,7 @@ def _buckets(params: list[nn.Parameter]):
     """The parameters in order, in runs whose sums in float32 (or wider) take at most ``NOISE_BUCKET_BYTES``."""
     bucket, size = [], 0
     for p in params:
-        nbytes = p.numel() * max(p.element_size(), 4)
+        nbytes = p.numel() * sum_dtype(p).itemsize
         if bucket and size + nbytes > NOISE_BUCKET_BYTES:
             yield bucket
             bucket, size = [], 0

@@ -52,14 +52,14 @@ def test_timm_classification_example_learns_privately():
 
 @pytest.mark.slow
 def test_timm_classification_example_vit_learns_privately():
-    """A ViT needs more steps than a convolutional network before it starts to learn: 160 here
-    (0.70; the default run, twice the data and batch, reaches 0.99)."""
+    """The example's default run (160 steps of expected batch 512). A ViT needs more steps and larger batches than a
+    convolutional network before it learns: with half the data and batch it reached 0.56-0.86 over eight noise seeds
+    (0.40 once in CI), at the defaults 0.981-0.993 over six; the noise is seeded so that the run is reproducible."""
     pytest.importorskip("timm")
-    out = _run("timm_classification", ["--model", "vit", "--samples", "4000", "--batch-size", "250", "--epochs", "10",
-                                       "--quiet"])
+    out = _run("timm_classification", ["--model", "vit", "--noise-seed", "0", "--quiet"])
     assert out["steps"] == 160
     assert out["epsilon"] == pytest.approx(8.0, rel=0.05)
-    assert out["accuracy"] > 0.5  # chance is 0.25
+    assert out["accuracy"] > 0.9  # chance is 0.25
 
 
 @pytest.mark.parametrize("model", ["vit", "deit", "resnet-gn"])

@@ -9,7 +9,8 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.nn.modules import module as _module_globals
-from torch.overrides import _get_current_function_mode_stack, _pop_mode_temporarily
+from torch._C import (_get_function_stack_at, _len_torch_function_stack, _pop_torch_function_stack,
+                       _push_on_torch_function_stack)
 from torch.utils import _pytree as pytree
 
 from .broadcast import BroadcastRows, broadcast_rows, rows_of, shared_use_marker
@@ -96,10 +97,15 @@ class LayerHooks:
             watch = alive._watch
             if watch is None:
                 return hook(*args, **kwargs)
-            stack = _get_current_function_mode_stack()
-            if stack and stack[-1] is watch:  # (the usual case: out of the way altogether, at no cost per operation)
-                with _pop_mode_temporarily():
+            depth = _len_torch_function_stack()
+            if depth and _get_function_stack_at(depth - 1) is watch:
+                # (the usual case: out of the way altogether, at no cost per operation; torch's own calls, without
+                # the context manager that wraps them, at two model-layer hooks per layer call)
+                _pop_torch_function_stack()
+                try:
                     return hook(*args, **kwargs)
+                finally:
+                    _push_on_torch_function_stack(watch)
             watch.quiet += 1  # (a mode of the program's own above it: the watch lets operations through unrecorded)
             try:
                 return hook(*args, **kwargs)

@@ -71,7 +71,17 @@ def _arg_key(a, batch: int, depth: int = 0):
 def op_key(func, args, kwargs, batch: int) -> tuple:
     """What a trace records of one operation: the function and the form of its arguments (tensors by rank, integers as
     ``_size`` has them, floats not at all: a mixing coefficient drawn per batch changes nothing)."""
-    key = (func, *[_arg_key(a, batch) for a in args])  # (a list: faster than a generator here, at every operation)
+    key = [func]
+    for a in args:  # (tensors and integers, the usual arguments, inline: this runs at every operation)
+        t = type(a)
+        if t is int:
+            key.append("B" if a == batch else a if -8 <= a < 8 else "*")
+        elif isinstance(a, torch.Tensor):
+            d = a.dim()
+            key.append(_TENSOR_KEYS[d] if d < 16 else ("t", d))
+        else:
+            key.append(_arg_key(a, batch))
     if kwargs:
-        key += tuple((k, _arg_key(v, batch)) for k, v in kwargs.items())
-    return key
+        for k, v in kwargs.items():
+            key.append((k, _arg_key(v, batch)))
+    return tuple(key)

@@ -19,7 +19,6 @@ _INDEXING = {
 
 
 _EMBEDDINGS = {torch.nn.functional.embedding, torch.embedding}
-_NO_KWARGS: dict = {}
 # What acts on the tensor object itself rather than computing from its values (attributes, autograd flags): the
 # model's own input stays the object these see (wav2vec2 sets requires_grad on its input).
 _ON_THE_OBJECT = {torch.Tensor.requires_grad_, torch.Tensor.retain_grad, torch.Tensor.register_hook}
@@ -55,6 +54,28 @@ _ELEMENTWISE_RANDOM = {torch.nn.functional.dropout, torch.nn.functional.alpha_dr
 
 def _computes(func) -> bool:
     return func not in _ON_THE_OBJECT and getattr(func, "__name__", "") not in ("__get__", "__set__", "__delete__")
+
+
+# What the watch does with a function, as bits, made once per function (one lookup at each operation, not six).
+_UNTRACED = 1  # not in the trace: dropout in its element-wise forms, a metadata read
+_HOOK = 2
+_PICKS = 4  # may pick rows by a tensor of indices
+_KEEPS = 8  # keeps positions (a range stays one)
+_VIEW = 16
+_COMPUTES = 32  # computes from its arguments' values
+_FLAGS: dict = {}
+
+
+def _flags_of(func) -> int:
+    flags = _FLAGS.get(func)
+    if flags is None:
+        flags = ((_UNTRACED if func in _ELEMENTWISE_RANDOM or func in _METADATA_READS else 0)
+                 | (_HOOK if func in _HOOKS else 0) | (_PICKS if func in _INDEXING else 0)
+                 | (_KEEPS if func in _KEEPS_POSITIONS else 0) | (_VIEW if func in _VIEWS else 0)
+                 | (_COMPUTES if _computes(func) else 0))
+        if len(_FLAGS) < 4096:  # (functions made at run time are not kept without bound)
+            _FLAGS[func] = flags
+    return flags
 
 
 #: whether torch.compile is tracing (the watch then stays out of the compiled graph; torch.compiler.is_compiling is
@@ -157,20 +178,6 @@ class ForwardWatch(TorchFunctionMode):
             return type(obj)(self._substitute(o) for o in obj)
         return obj
 
-    def _tracked_in(self, table: dict, args, kwargs):
-        """The first tracked tensor (of ``table``) among the arguments, with its batch axes."""
-        for group in (args, kwargs.values()) if kwargs else (args,):
-            for a in group:
-                if isinstance(a, torch.Tensor):
-                    known = table.get(id(a))
-                    if known is not None and known[0] is a:
-                        return known
-                elif type(a) in (list, tuple):
-                    found = self._tracked_in(table, a, _NO_KWARGS)
-                    if found is not None:
-                        return found
-        return None
-
     def _batch_axes(self, out: torch.Tensor) -> tuple[int, ...]:
         return tuple(a for a in (0, 1) if out.dim() > a and out.shape[a] == self.batch)
 
@@ -179,23 +186,33 @@ class ForwardWatch(TorchFunctionMode):
         if self.quiet or _IS_COMPILING():  # (a compiled region: its bookkeeping by tensor identity is not for tracing)
             return func(*args, **kwargs)
         self.operations += 1
+        flags = _FLAGS.get(func)
+        if flags is None:
+            flags = _flags_of(func)
         # (dropout keeps each element where it is, in eval() or not: the same trace; a metadata read computes nothing)
-        if func not in _ELEMENTWISE_RANDOM and func not in _METADATA_READS:
-            self.note(op_key(func, args, kwargs, self.batch), func)  # (its name is made only where it diverges)
-        if func in _HOOKS:
+        if not flags & _UNTRACED:  # (note(), inline: this runs at every operation)
+            key = op_key(func, args, kwargs, self.batch)
+            self.keys.append(key)
+            node = self.node
+            if node is not None:
+                node = node.get(key)
+                self.node = node
+                if node is None:  # (its name is made only where it diverges)
+                    self._diverge(getattr(func, "__name__", str(func)))
+        if flags & _HOOK:
             self.hooked = True
-        if func in _INDEXING and args and not self.seen:
+        if flags & _PICKS and args and not self.seen:
             self.seen = _reorders(func, args, kwargs, self.batch, self._ranges)
             if self.seen:
                 self._diverge(getattr(func, "__name__", str(func)))
-        if func is torch.arange or (self._ranges and func in _KEEPS_POSITIONS and args
+        if func is torch.arange or (flags & _KEEPS and self._ranges and args
                                     and self._ranges.get(id(args[0]), (None,)) is args[0]):
             # positions made by the forward (a range, and views or expansions of one), not read from the data
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor):
                 self._ranges[id(out)] = out
             return out
-        if self._floats and func in _VIEWS and args and self._floats.get(id(args[0]), (None,))[0] is args[0]:
+        if flags & _VIEW and self._floats and args and self._floats.get(id(args[0]), (None,))[0] is args[0]:
             # a view of the input stays a view of the input (code may set requires_grad on it, which only a leaf
             # allows): followed, and copied where it is computed from
             out = func(*args, **kwargs)
@@ -216,14 +233,14 @@ class ForwardWatch(TorchFunctionMode):
                     return out
                 self._floats[id(out)] = (out, self._floats[id(args[0])][1])
             return out
-        source = None
-        if self._floats and _computes(func):
-            if self.verifying:
-                args = tuple(self._substitute(a) for a in args)
-                kwargs = {k: self._substitute(v) for k, v in kwargs.items()}
-            else:
-                source = self._tracked_in(self._floats, args, kwargs)
-        ids = self._tracked_in(self._ids, args, kwargs) if self._ids else None
+        floats = self._floats if self._floats and flags & _COMPUTES else None
+        if floats is not None and self.verifying:
+            args = tuple(self._substitute(a) for a in args)
+            kwargs = {k: self._substitute(v) for k, v in kwargs.items()}
+            floats = None
+        source = ids = None
+        if floats is not None or self._ids:
+            source, ids = _first_tracked(floats, self._ids, args, kwargs)
         out = func(*args, **kwargs)
         if source is not None:
             self._follow(out)
@@ -251,6 +268,30 @@ class ForwardWatch(TorchFunctionMode):
                 axes = self._batch_axes(t)
                 if axes:
                     self._floats[id(t)] = (t, axes)
+
+
+def _first_tracked(floats: dict | None, ids: dict | None, args, kwargs=None):
+    """The first argument tracked in ``floats`` and the first tracked in ``ids`` (either table may be empty), with
+    their batch axes: one pass over the arguments (lists and tuples included) for both tables."""
+    source = found = None
+    for a in (*args, *kwargs.values()) if kwargs else args:
+        if isinstance(a, torch.Tensor):
+            if floats and source is None:
+                known = floats.get(id(a))
+                if known is not None and known[0] is a:
+                    source = known
+            if ids and found is None:
+                known = ids.get(id(a))
+                if known is not None and known[0] is a:
+                    found = known
+        elif type(a) in (list, tuple):
+            inner = _first_tracked(floats if source is None else None, ids if found is None else None, a)
+            source, found = source or inner[0], found or inner[1]
+        else:
+            continue
+        if (source is not None or not floats) and (found is not None or not ids):
+            break
+    return source, found
 
 
 def _reorders(func, args, kwargs, batch: int, ranges: dict[int, torch.Tensor] | None = None) -> bool:

@@ -1329,10 +1329,13 @@ def test_shuffling_loader_warns_once_and_mismatched_poisson_loader_is_refused():
     dataset = make_data()
     engine = dptrain.PrivacyEngine(make_model(), batch_size=16, sample_size=N, noise_multiplier=1.0)
     shuffling = DataLoader(dataset, batch_size=16, shuffle=True)
-    with pytest.warns(UserWarning, match="Poisson sampling"):
-        engine._check_loader(shuffling)
+    with pytest.warns(UserWarning, match="does not sample batches by Poisson sampling") as caught:
+        engine.attach(torch.optim.SGD(engine.model.parameters(), lr=0.1), data_loader=shuffling)
+    assert caught[0].filename == __file__  # (it points at the user's attach)
+    engine.detach()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        engine._check_loader(shuffling)  # said once only
+        engine.attach(torch.optim.SGD(engine.model.parameters(), lr=0.1), data_loader=shuffling)  # said once only
+    engine.detach()
     with pytest.raises(ValueError, match="q=0.5"):
         engine.attach(torch.optim.SGD(engine.model.parameters(), lr=0.1), data_loader=poisson_loader(dataset, batch_size=32))

@@ -2,13 +2,13 @@
 
 The parts it wires together: the hooks (``capture.Capture``), the trainable set (``trainable``), one
 ``backward.Backward`` per backward (the stages are ``pipeline``'s), the private step (``step``), the
-budget (``budget``), the GradScaler protocol (``precision``) and data parallelism (``distributed``).
+budget (``budget``), the loader's checks (``loader_checks``), the GradScaler protocol (``precision``) and data
+parallelism (``distributed``).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -25,9 +25,9 @@ from .capture import Capture
 from .config import EngineConfig, FromConfig, make_config
 from .correlated.privacy import CorrelatedAccountant
 from .correlated.streaming import CorrelatedNoise
-from .cyclic import cyclic_groups_of
 from .layers.fallback import FallbackRule, fallback_warning
 from .ledger import Ledger
+from .loader_checks import check_cyclic_step, check_loader, no_cyclic_loader_warning, not_poisson_warning
 from .noise import GaussianNoise
 from .pipeline import StepSums
 from .planning import DEFAULT_DECISION_RULE, LayerDecision
@@ -235,14 +235,11 @@ class PrivacyEngine:
         the backward again on the same batch, so no step is skipped (single process, through
         ``engine.backward``). See docs/precision.md.
         """
-        if data_loader is not None:
-            self._check_loader(data_loader)
-        elif self.cyclic_groups > 1:
-            warnings.warn(
-                f"noise={self.noise!r}: no data_loader was given to attach(), so the engine cannot check that the "
-                f"batches are sampled as its accounting assumes (cyclic Poisson sampling over {self.cyclic_groups} "
-                "groups, batch t of the loader at step t). Pass attach(optimizer, data_loader=poisson_loader(..., "
-                f"cyclic_groups={self.cyclic_groups}))", stacklevel=2)
+        if data_loader is not None and not check_loader(data_loader, self.config) and not self._warned_loader:
+            self._warned_loader = True
+            warnings.warn(not_poisson_warning(data_loader), stacklevel=2)
+        elif data_loader is None and self.cyclic_groups > 1:
+            warnings.warn(no_cyclic_loader_warning(self.noise, self.cyclic_groups), stacklevel=2)
         if self._step.optimizer is not None:
             raise RuntimeError("this engine is already attached; call detach() first")
         distributed.refuse_unsupported_optimizer(optimizer)
@@ -286,47 +283,6 @@ class PrivacyEngine:
         if self._parallel is not None:
             self._parallel.attach()
         return self
-
-    def _check_loader(self, loader) -> None:
-        if data.is_poisson_loader(loader):
-            unit = getattr(loader, "privacy_unit", "example")
-            if unit != self.privacy_unit:
-                raise ValueError(
-                    f"the loader samples {unit}s but the engine's privacy_unit is {self.privacy_unit!r}: the "
-                    "guarantee is about the unit that is sampled and clipped. Build both for the same unit "
-                    "(PrivacyEngine(privacy_unit='user', sample_size=<number of users>) with "
-                    "poisson_loader(..., users=...))"
-                )
-            groups = cyclic_groups_of(loader)
-            if groups != self.cyclic_groups:
-                raise ValueError(
-                    f"the loader samples with cyclic_groups={groups} but the engine (noise={self.noise!r}) accounts "
-                    f"for cyclic_groups={self.cyclic_groups}: build the loader with poisson_loader(..., "
-                    f"cyclic_groups={self.cyclic_groups})" + (" (amplified banded noise needs cyclic Poisson "
-                                                             "sampling over at least `bands` groups)"
-                                                             if self.noise == "bandmf" else ""))
-            if not math.isclose(loader.sample_rate, self.sample_rate, rel_tol=1e-9):
-                within = " * cyclic_groups" if self.cyclic_groups > 1 else ""
-                raise ValueError(
-                    f"the loader samples with q={loader.sample_rate:.6g} but the engine accounts for "
-                    f"q = batch_size{within} / sample_size = {self.sample_rate:.6g}: build both from the same batch "
-                    "size and dataset size"
-                )
-            loader_k = getattr(getattr(loader, "batch_sampler", None), "max_batch_size", None)
-            if loader_k != self.max_batch_size:
-                raise ValueError(
-                    f"the loader makes batches with max_batch_size={loader_k!r} but the engine accounts for "
-                    f"max_batch_size={self.max_batch_size!r}: give PrivacyEngine the loader's max_batch_size "
-                    "(truncating batches changes the privacy accounting)"
-                )
-        elif not self._warned_loader:
-            self._warned_loader = True
-            warnings.warn(
-                f"{type(loader).__name__} does not sample batches by Poisson sampling, which the privacy accounting "
-                "assumes: the reported epsilon does not hold for fixed-size shuffled batches. "
-                "Use dptrain.data.poisson_loader(dataset, batch_size=...)",
-                stacklevel=3,
-            )
 
     def detach(self) -> None:
         """Remove every hook; the model and optimizer behave exactly as before ``attach``."""
@@ -430,27 +386,11 @@ class PrivacyEngine:
     def _prepare_step(self) -> None:
         """Before the private step: a failed plain backward is dropped, the trainable set read again, and with
         cyclic sampling the step's batch checked to be the loader's batch of this step."""
-        self._check_cyclic_step()
+        if self._cyclic_loader is not None:
+            check_cyclic_step(self._cyclic_loader(), self.steps_taken, self.cyclic_groups)
         self._runner.settle()
         self._capture.settle_open_forward()
         self._follow_trainable()
-
-    def _check_cyclic_step(self) -> None:
-        """Step t must train on the cyclic loader's batch t: its group is t mod g, and the accounting (a unit's
-        steps g apart) holds only if no batch is skipped, repeated or merged into another step."""
-        loader = self._cyclic_loader() if self._cyclic_loader is not None else None
-        if loader is None:
-            return
-        last, step = getattr(loader, "last_batch_step", None), self.steps_taken
-        if last != step:
-            drew = "no batch from it yet" if last is None else f"its batch {last} last"
-            raise RuntimeError(
-                f"step {step} of this run with cyclic Poisson sampling over {self.cyclic_groups} groups must train "
-                f"on the loader's batch {step} (group {step % self.cyclic_groups}), but the loop drew {drew}: "
-                "the privacy accounting assumes each unit's steps are cyclic_groups apart. Take exactly one "
-                "optimizer step per batch of the loader, in order (split a batch into physical batches with "
-                "dptrain.data.split_batches), and resume the loader's state_dict with the engine's. Nothing was "
-                "applied")
 
     # ------------------------------------------------------------------ reports
     def last_decisions(self) -> list[LayerDecision]:

@@ -22,7 +22,7 @@ import torch
 from .errors import RowsMixSamples
 from .layout import IDENTITY
 from .outputs import tensors_in
-from .proof import FREE, UNPROVEN, Rows, prove
+from .proof import UNPROVEN, Rows, prove
 from .reading import make_tags, read_sketches, tag_passes, tolerance
 from .sketch import Projections, sketch_rows
 

@@ -295,3 +295,19 @@ def test_a_configuration_merged_from_another_run_names_its_commit_and_method(res
 def test_the_committed_results_are_the_checkouts_benchmarks_results():
     assert cli.published_results_dir() == BENCHMARKS / "results"
     assert cli.published_results_dir().is_dir()
+
+
+def test_host_cost_times_a_forward_that_follows_its_verified_trace():
+    """benchmarks/host_cost.py (the host's share of GPT-2's step, run on the GPU by gpu_next.sh): one round, in a
+    fresh process. The engine's forward it times must be a steady one (on a verified trace), or its figures would be
+    a verifying forward's."""
+    pytest.importorskip("transformers")
+    import subprocess
+
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "host_cost.py"), "--rounds", "1", "--forwards", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["followed_a_verified_trace"] is True
+    assert out["operations_per_forward"] > 500  # (12 GPT-2 blocks, every operation seen by the watch)
+    assert out["plain_ms"] > 0 and out["watch_ms"] > 0 and out["hooks_ms"] > 0

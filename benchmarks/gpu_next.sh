@@ -27,7 +27,8 @@ diag steps resnet18-gn-224-b128 --amp bf16
 diag steps gpt2-t100 --profiled
 echo "diagnostics done at $(( $(date +%s) - start )) s" | tee -a "$out/diag.txt"
 # the host time of a 12-layer GPT-2's training forward: the watch's logic, the hooks and dispatch, the model alone
-# (2026-11-27, CPU: the watch's logic 6.1-7.0 -> 4.2-4.7 ms of a 21-23 ms forward, the model alone 8.6 ms)
+# (2026-11-27, CPU, results/gpu-notes.md: the watch's logic 5.5 -> 4.0-4.5 ms of a 22-23 ms forward, the model
+# alone 8.9-9.4 ms)
 timeout 60 python3 benchmarks/host_cost.py --device cuda --rounds 20 2>/dev/null | grep '^{' | tee -a "$out/timings.jsonl"
 t() { timeout 90 python3 benchmarks/gpu_profile.py "$@" --profile-steps 0 --out "$out/timings.txt" 2>/dev/null \
         | grep '^{' | tee -a "$out/timings.jsonl"; }

@@ -9,6 +9,7 @@ import copy
 import csv
 import dataclasses
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -302,8 +303,6 @@ def test_host_cost_times_a_forward_that_follows_its_verified_trace():
     fresh process. The engine's forward it times must be a steady one (on a verified trace), or its figures would be
     a verifying forward's."""
     pytest.importorskip("transformers")
-    import subprocess
-
     run = subprocess.run([sys.executable, str(BENCHMARKS / "host_cost.py"), "--rounds", "1", "--forwards", "1"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]

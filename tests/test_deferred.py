@@ -73,10 +73,10 @@ def _attached(model, mode, **options):
 
 
 @contextlib.contextmanager
-def _trained(mode, path="engine", **options):
-    """A model and its engine after two private steps in train() mode, then in eval() mode (dropout off); the engine
-    is detached at the end."""
-    model = _model()
+def _trained(mode, path="engine", model=None, **options):
+    """A model (``_model()`` unless given) and its engine after two private steps in train() mode, then in eval()
+    mode (dropout off); the engine is detached at the end."""
+    model = _model() if model is None else model
     with _attached(model, mode, **options) as (engine, optimizer):
         for seed in range(2):
             _step(engine, optimizer, _losses(model, *_data(4, seed)), path)
@@ -190,11 +190,7 @@ def test_the_replay_runs_in_the_random_state_of_the_deferred_call(float64):
 
     def run(defer: bool):
         torch.manual_seed(0)
-        model = Noisy().double()
-        with _attached(model, "bk-mixopt") as (engine, optimizer):
-            for seed in range(2):
-                _step(engine, optimizer, _losses(model, *_data(4, seed)))
-            model.eval()
+        with _trained("bk-mixopt", model=Noisy().double()) as (model, engine, optimizer):
             if defer:
                 _evaluate(model)
             torch.manual_seed(7)
@@ -222,11 +218,7 @@ def test_a_replay_that_computes_otherwise_warns(float64):
             return super().forward(x) + 0.01 * self.calls
 
     torch.manual_seed(0)
-    model = Counting().double()
-    with _attached(model, "bk-mixopt") as (engine, optimizer):
-        for seed in range(2):
-            _step(engine, optimizer, _losses(model, *_data(4, seed)))
-        model.eval()
+    with _trained("bk-mixopt", model=Counting().double()) as (model, engine, optimizer):
         _evaluate(model)
         with pytest.warns(UserWarning, match="came out different"):
             _step(engine, optimizer, _losses(model, *_data(5, 61)))

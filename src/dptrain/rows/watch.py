@@ -67,14 +67,13 @@ _FLAGS: dict = {}
 
 
 def _flags_of(func) -> int:
-    flags = _FLAGS.get(func)
-    if flags is None:
-        flags = ((_UNTRACED if func in _ELEMENTWISE_RANDOM or func in _METADATA_READS else 0)
-                 | (_HOOK if func in _HOOKS else 0) | (_PICKS if func in _INDEXING else 0)
-                 | (_KEEPS if func in _KEEPS_POSITIONS else 0) | (_VIEW if func in _VIEWS else 0)
-                 | (_COMPUTES if _computes(func) else 0))
-        if len(_FLAGS) < 4096:  # (functions made at run time are not kept without bound)
-            _FLAGS[func] = flags
+    """A function's bits, made and kept (the watch looks in ``_FLAGS`` first)."""
+    flags = ((_UNTRACED if func in _ELEMENTWISE_RANDOM or func in _METADATA_READS else 0)
+             | (_HOOK if func in _HOOKS else 0) | (_PICKS if func in _INDEXING else 0)
+             | (_KEEPS if func in _KEEPS_POSITIONS else 0) | (_VIEW if func in _VIEWS else 0)
+             | (_COMPUTES if _computes(func) else 0))
+    if len(_FLAGS) < 4096:  # (functions made at run time are not kept without bound)
+        _FLAGS[func] = flags
     return flags
 
 

@@ -3,6 +3,8 @@
 # machine, results under OUT_DIR: the CUDA tests with their tracebacks, then benchmarks/gpu_diag.py on what the
 # 2026-11-27 runs left open (benchmarks/results/gpu-notes.md), then the steady steps of the preset's rows, each arm in
 # its own process, for the table before and after.
+# The two-pass failures and the bf16 re-reading were torch 2.11's short-lived node objects (found on the CPU with torch
+# 2.11 installed, fixed: rows.proof.call_edge): the CUDA tests and the diagnostics below confirm it on the device.
 #   bash benchmarks/gpu_next.sh OUT_DIR
 # Wheels for what the machine lacks (dp-accounting, dm-tree, pytest and its dependencies) travel in .whl/.
 set -uo pipefail

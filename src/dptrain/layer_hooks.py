@@ -21,6 +21,7 @@ from .layers.fallback import in_replay
 from .layers.numerics import swap01
 from .layers.protocol import LayerDims, OutputLeaves
 from .rows import pattern_key
+from .rows.proof import call_edge
 
 
 class LayerHooks:
@@ -404,7 +405,7 @@ class LayerHooks:
             tensor.register_hook(read)
             return
         if call is not None:
-            call.edge = (id(node), index)
+            call.edge = call_edge(node, index)
             if shape is not None:
                 call.edge_shape, call.edge_view = tuple(base.shape), tuple(shape)
 

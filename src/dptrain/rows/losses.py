@@ -22,7 +22,7 @@ import torch
 from .errors import RowsMixSamples
 from .layout import IDENTITY
 from .outputs import tensors_in
-from .proof import UNPROVEN, Rows, prove
+from .proof import UNPROVEN, Rows, marked_edge, prove
 from .reading import make_tags, read_sketches, tag_passes, tolerance
 from .sketch import Projections, sketch_rows
 
@@ -113,7 +113,7 @@ def check_losses(losses: torch.Tensor, units: torch.Tensor | None, generator: to
                                              1 if call.edge_swapped else 0, call.shape, call.precision)
 
     def source(node, nr):
-        return _mark(node, nr) or at_calls.get((id(node), nr))
+        return _mark(node, nr) or at_calls.get(marked_edge(node, nr))
 
     proof = prove([(losses.grad_fn, losses.output_nr, Rows(0))], batch, stop=lambda n, nr: source(n, nr) is not None)
     sources = {edge: source(*edge) for edge in proof.stops}

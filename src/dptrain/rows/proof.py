@@ -13,6 +13,7 @@ shapes do not show what it needs.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -431,13 +432,40 @@ def prove(roots: list[tuple[object, int, Rows]], batch: int, stop: Callable[[obj
 
 
 # ------------------------------------------------------------------------------------------ layer calls
-def call_layout(proof: Proof, by_id: dict, call, batch: int, two_axes: bool):
+#: the key in an autograd node's ``metadata`` of the token that names it as a layer call's output edge
+CALL_EDGE = "dptrain.call_edge"
+_edge_tokens = itertools.count()
+
+
+def call_edge(node, nr: int) -> tuple:
+    """How a layer call remembers where its output gradient is read: a token written into the node's ``metadata``
+    (which lives with the autograd node itself), and the output index; the call does not hold the graph.
+
+    Not ``id(node)``: in torch 2.11 and earlier a node's Python object dies with its last Python reference, and
+    ``grad_fn`` makes a new one at the next access. The id of a dead one was soon another node's, and the proof
+    gave that node's layout to the call (the test transformer's head read as transposed at T == B: two-pass modes
+    clipped at the wrong samples' norms there, and the loss check stopped at nodes that were no call).
+    """
+    meta = node.metadata
+    token = meta.get(CALL_EDGE)
+    if token is None:
+        token = meta[CALL_EDGE] = next(_edge_tokens)
+    return token, nr
+
+
+def marked_edge(node, nr: int) -> tuple | None:
+    """The key ``call_edge`` gave this edge, or None where no layer call's output is read at it."""
+    token = node.metadata.get(CALL_EDGE) if node is not None else None
+    return None if token is None else (token, nr)
+
+
+def call_layout(proof: Proof, by_edge: dict, call, batch: int, two_axes: bool):
     """The layout (``layout.Layout``) of a layer call's rows that ``proof`` shows, or None where it does not."""
     from .layout import IDENTITY, Layout
 
     if call.edge is None:
         return None
-    found = by_id.get(call.edge)
+    found = by_edge.get(call.edge)
     if found is None:
         return None
     (node, nr), rows = found
@@ -460,6 +488,11 @@ def call_layout(proof: Proof, by_id: dict, call, batch: int, two_axes: bool):
     return None
 
 
-def edges_by_id(proof: Proof) -> dict:
-    """The proof's edges keyed by (id(node), index), as a call remembers its own (without holding the node)."""
-    return {(id(node), nr): ((node, nr), value) for (node, nr), value in proof.edges.items()}
+def edges_by_call(proof: Proof) -> dict:
+    """The proof's edges where layer calls' outputs are read, keyed as the calls remember them (``call_edge``)."""
+    found = {}
+    for (node, nr), value in proof.edges.items():
+        key = marked_edge(node, nr)
+        if key is not None:
+            found[key] = ((node, nr), value)
+    return found

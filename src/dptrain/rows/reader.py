@@ -8,7 +8,7 @@ from .errors import NonFiniteRows, RowsMixSamples
 from .layout import RowMap, _describe, can_regroup, map_from_layout
 from .reading import make_tags, read_sketches, tolerance
 from .sketch import Projections, sketch_rows
-from .proof import Rows, call_layout, edges_by_id, prove
+from .proof import Rows, call_layout, edges_by_call, prove
 from .inputs import InputRows, _add, _one_sample_per_row
 from .traces import Traces
 
@@ -87,12 +87,12 @@ class RowReader:
         if not all(c.provable for _, c in unread):
             return False
         proof = prove(roots, batch)
-        by_id = edges_by_id(proof)
+        by_edge = edges_by_call(proof)
         complete = True
         for state, call in unread:
             layout = None
             if call.shared_use is None and not call.recomputed and call.batch_size == batch:
-                layout = call_layout(proof, by_id, call, batch, getattr(state.rule, "rows_fold_into_tokens", False))
+                layout = call_layout(proof, by_edge, call, batch, getattr(state.rule, "rows_fold_into_tokens", False))
             rowmap = map_from_layout(layout, call.shape, batch) if layout is not None else None
             if rowmap is None or (not rowmap.identity and not can_regroup(state.rule, call.activation, call.shape,
                                                                              rowmap.axes)):

@@ -65,6 +65,18 @@ def test_failed_arm_is_recorded_and_the_others_still_run():
     assert arms["non-private"]["status"] == "ok" and arms["non-private"]["median_s"] > 0
 
 
+def test_an_opacus_arm_without_opacus_is_recorded_skipped_and_the_others_still_run(monkeypatch):
+    """The harness asks once whether Opacus is installed; the name of that question was shadowed by its answer, and
+    any Opacus arm crashed the whole configuration (UnboundLocalError)."""
+    monkeypatch.setattr(harness, "opacus_missing", lambda: "opacus not installed (pip install opacus)")
+    results = harness.run_benchmark([zoo.smoke_config(batch_size=2, steps=1)], ["non-private", options.OPACUS_ARMS[0]],
+                                    scale="cpu", device=torch.device("cpu"), threads=1,
+                                    isolate=False, log=lambda *_: None)
+    arms = results["configs"]["smoke-cnn"]["arms"]
+    assert arms[options.OPACUS_ARMS[0]] == {"status": "skipped", "error": "opacus not installed (pip install opacus)"}
+    assert arms["non-private"]["status"] == "ok"
+
+
 def test_reports_carry_every_figure(results, tmp_path):
     paths = reports.write_reports(results, tmp_path, "smoke")
     assert json.loads(paths[0].read_text()) == json.loads(json.dumps(results))

@@ -54,11 +54,11 @@ def benchmark_config(config: BenchConfig, arms: Sequence[str], *, scale: str, de
         "load_average_before": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     started = time.perf_counter()
-    opacus_missing = opacus_missing() if any(a in OPACUS_ARMS for a in arms) else None
+    without_opacus = opacus_missing() if any(a in OPACUS_ARMS for a in arms) else None
     runnable = []
     for arm in arms:
-        if arm in OPACUS_ARMS and opacus_missing:
-            entry["arms"][arm] = {"status": "skipped", "error": opacus_missing}
+        if arm in OPACUS_ARMS and without_opacus:
+            entry["arms"][arm] = {"status": "skipped", "error": without_opacus}
             continue
         res = workers.run_worker({**base, "kind": "memory", "arm": arm}, timeout, isolate)
         if res["ok"]:

@@ -22,7 +22,7 @@ import torch
 from .errors import RowsMixSamples
 from .layout import IDENTITY
 from .outputs import tensors_in
-from .proof import UNPROVEN, Rows, marked_edge, prove
+from .proof import Rows, marked_edge, prove
 from .reading import make_tags, read_sketches, tag_passes, tolerance
 from .sketch import Projections, sketch_rows
 

@@ -32,7 +32,7 @@ from torch import nn
 import dptrain
 from helpers import (
     MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, assert_refused_naming_a_layer, default_dtype,
-    RTOL, engine_clipped_sum, reweighted_reference, weighted_oracle, with_oracle,
+    engine_clipped_sum, reweighted_reference, weighted_oracle, with_oracle,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*use the per-sample fallback:UserWarning",

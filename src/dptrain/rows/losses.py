@@ -23,7 +23,7 @@ from .errors import RowsMixSamples
 from .layout import IDENTITY
 from .outputs import tensors_in
 from .proof import Rows, marked_edge, prove
-from .reading import make_tags, read_sketches, tag_passes, tolerance
+from .reading import make_tags, read_sketches, tolerance
 from .sketch import Projections, sketch_rows
 
 #: the key of the model's output marks in an autograd node's ``metadata``

@@ -13,7 +13,7 @@ from torch import nn
 
 import dptrain
 from dptrain.layers.numerics import flatten_tokens
-from dptrain.testing import clipped_gradient, mismatches, split_batch
+from dptrain.testing import clipped_gradient, mismatches, reference_clipped_gradient, split_batch
 from helpers import (
     CLIPPING_FNS,
     MODES,
@@ -312,6 +312,53 @@ def test_non_finite_losses_are_refused_and_leave_no_trace(mode, bad):
     optimizer.step()
     got = {n: p.grad for n, p in model.named_parameters()}
     assert_matches(got, reference(case, max_grad_norm=1.0), what="batch after a refused one")
+
+
+def _flipped_losses(model, x, y):
+    """Cross-entropy of the logits in reverse order: separable, but the graph proof has no rule for the flip, so the
+    loss check reads the losses' gradient at the model's outputs by tag passes at every step."""
+    return F.cross_entropy(model(x).flip(1), y, reduction="none")
+
+
+@pytest.mark.parametrize("scaled", [False, True], ids=["refused", "grad-scaler"])
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_non_finite_losses_that_the_loss_check_reads_first_are_refused_by_position(float64, mode, scaled):
+    """The loss check's tag passes met a NaN loss before the backward's norms did, and read its NaN sketch as a row
+    index (IndexError). Now: refused naming the position, or, with a GradScaler, an overflow whose step is skipped;
+    then the next batch is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    batches = [(torch.randn(5, 4), torch.randint(0, 3, (5,))) for _ in range(3)]
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaled else None
+    scale = scaler.scale if scaled else (lambda t: t)
+    engine, optimizer = dptrain.testing.attached_engine(model, mode=mode, max_grad_norm=1.0, lr=0.1,
+                                                        grad_scaler=scaler)
+    try:
+        def step(losses):
+            optimizer.zero_grad()
+            engine.backward(scale(losses))
+            if scaled:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+
+        step(_flipped_losses(model, *batches[0]))  # an ordinary step first
+        bad = _flipped_losses(model, *batches[1]) * torch.tensor([1.0, 1.0, float("nan"), 1.0, 1.0])
+        if scaled:
+            scale_before, weights = scaler.get_scale(), copy.deepcopy(model.state_dict())
+            step(bad)
+            assert scaler.get_scale() < scale_before  # an overflow: the scale backs off, the step is skipped
+            assert all(torch.equal(weights[n], t) for n, t in model.state_dict().items())
+        else:
+            with pytest.raises(ValueError, match=r"non-finite per-sample losses at batch positions \[2\]"):
+                engine.backward(bad)
+        want = reference_clipped_gradient(copy.deepcopy(model), _flipped_losses, batches[2], max_grad_norm=1.0)
+        step(_flipped_losses(model, *batches[2]))
+        assert_matches({n: p.grad for n, p in model.named_parameters()}, want,
+                       what=f"{mode}: the batch after a non-finite one")
+    finally:
+        engine.detach()
 
 
 @pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)

@@ -21,7 +21,7 @@ from .config import EngineConfig
 from .pipeline import Overflow
 from .planning import LayerDecision
 from .precision import LossScaling
-from .rows import tag_passes, tag_rows
+from .rows import NonFiniteRows, tag_passes, tag_rows
 from .rows.losses import check_losses
 from .rows.proof import Rows
 from .step import SamplesPerStep
@@ -115,7 +115,12 @@ class BackwardRunner:
         if trained:
             self._refuse_rows_beyond_loader(B, "engine.backward got", "per-sample losses")
             units, step_users = self._units(users) if users is not None else (None, set())
-            proven = self._check_rows(losses, units)
+            try:
+                proven = self._check_rows(losses, units)
+            except NonFiniteRows as err:  # (the loss check's tag passes met them before the backward's norms)
+                if self.scaling is None:
+                    raise _non_finite_losses(losses) or err
+                # with a GradScaler: an overflow, whose step is skipped below
         passes = None  # tag passes (rows.py) agreed by every rank: one more backward each, in which FSDP2 gathers
         needs = trained and (not proven or self._needs_tags())
         if parallel is not None:
@@ -157,11 +162,9 @@ class BackwardRunner:
             self.users_in_step |= step_users
         except FloatingPointError as err:
             self.abort()
-            bad = (~torch.isfinite(losses.detach())).nonzero().flatten().tolist()
-            if bad:
-                raise ValueError(
-                    f"non-finite per-sample losses at batch positions {bad[:10]}: nothing was accumulated"
-                ) from err
+            refusal = _non_finite_losses(losses)
+            if refusal is not None:
+                raise refusal from err
             raise
         except BaseException:
             self.abort()
@@ -395,3 +398,11 @@ class BackwardRunner:
             self.current = None
             self._done(backward)
             self.after_backward(False)
+
+
+def _non_finite_losses(losses: torch.Tensor) -> ValueError | None:
+    """The refusal of a batch whose per-sample losses hold inf or NaN, naming their positions; None if they do not."""
+    bad = (~torch.isfinite(losses.detach())).nonzero().flatten().tolist()
+    if not bad:
+        return None
+    return ValueError(f"non-finite per-sample losses at batch positions {bad[:10]}: nothing was accumulated")

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import RowsMixSamples
+from .errors import NonFiniteRows, RowsMixSamples
 from .layout import IDENTITY
 from .outputs import tensors_in
 from .proof import Rows, marked_edge, prove
@@ -186,6 +186,8 @@ def _tag_check(losses, sources: dict, units, generator, passes, stopped_at) -> N
         return out
 
     real = sketches(None)
+    if not all(r is None or bool(torch.isfinite(r[0]).all()) for r in real):
+        raise NonFiniteRows("the per-sample losses' gradient is inf or NaN where the loss check reads it")
     tagged = [sketches(per_loss(v)) for v in tags]
     for k, edge in enumerate(edges):
         what = sources[edge]

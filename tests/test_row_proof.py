@@ -8,6 +8,7 @@ checked against the Jacobian computed one loss at a time; a chain that mixes sam
 """
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -100,3 +101,22 @@ def test_a_full_sum_over_the_batch_is_never_proven():
     proof = prove([(losses.grad_fn, losses.output_nr, Rows(0))], B)
     leaf = next(e for e in proof.edges if getattr(e[0], "variable", None) is x)
     assert leaf in proof.unproven and not isinstance(proof.edges[leaf], Rows)
+
+
+@pytest.mark.parametrize("sliced,kept", [(lambda t: t[:], True), (lambda t: t[0:B], True),
+                                         (lambda t: t.narrow(0, 0, B), True), (lambda t: t[0:100], True),
+                                         (lambda t: t[1:], False), (lambda t: t[:-1], False),
+                                         (lambda t: t[::2], False)],
+                         ids=["[:]", "[0:B]", "narrow", "[0:100]", "[1:]", "[:-1]", "[::2]"])
+def test_a_slice_of_the_batch_axis_is_proven_only_where_it_keeps_every_row(sliced, kept):
+    """torch 2.8's GPT-2 slices its hidden states whole along the batch axis (``x[:, ...]``): that keeps each row
+    where it is. A slice that drops or skips rows leaves rows that are not the losses' own: never proven."""
+    x = torch.randn(B, D, dtype=torch.float64, requires_grad=True)
+    h = sliced(x * 1.0)
+    losses = h.square().sum(1)
+    proof = prove([(losses.grad_fn, losses.output_nr, Rows(0))], losses.shape[0])
+    leaf = next(((n, nr) for (n, nr) in proof.edges if getattr(n, "variable", None) is x), None)
+    claimed = proof.edges.get(leaf) if leaf is not None else None
+    assert isinstance(claimed, Rows) == kept
+    if kept:
+        assert claimed == Rows(0) and _is_per_sample(x, losses, claimed)

@@ -43,7 +43,8 @@ class LayerHooks:
         """The engine's pre-hook must run last and its forward hook first: a user hook between them and the
         forward could change the output the engine differentiates, or use the weight while autograd does not
         track it (both would make the per-sample gradients silently wrong)."""
-        if (next(reversed(module._forward_pre_hooks), None) == self._pre_ids[id(module)]
+        # (iter: torch.compile in torch 2.8 and earlier traces reversed() of a dict as a tuple)
+        if (next(iter(reversed(module._forward_pre_hooks)), None) == self._pre_ids[id(module)]
                 and next(iter(module._forward_hooks), None) == self._post_ids[id(module)]
                 and not _module_globals._global_forward_hooks):
             return  # the usual case, without building lists on every call

@@ -39,8 +39,8 @@ UNPROVEN = None
 
 
 def _shape(node, nr: int):
-    meta = node._input_metadata
-    return tuple(meta[nr].shape) if nr < len(meta) else None
+    meta = getattr(node, "_input_metadata", None)  # (torch 2.2 has none: nothing is proven, tag passes read the rows)
+    return tuple(meta[nr].shape) if meta is not None and nr < len(meta) else None
 
 
 def _input_shapes(node) -> list:
@@ -170,10 +170,21 @@ def _transpose(node, out, batch):
 
 @_on_rows
 def _slice(node, out, batch):
-    """A slice or narrow along another axis than the batch's (the batch's own rows are picked otherwise)."""
+    """A slice or narrow along another axis than the batch's (the batch's own rows are picked otherwise), or one that
+    keeps the batch's axis whole (``x[:, ...]``, which torch 2.8 records as a slice node)."""
     n = len(_shape(node, 0))
     dim = node._saved_dim % n
-    return UNPROVEN if dim == out.axis else [Rows(out.axis, out.inner, out.outer)]
+    if dim == out.axis and not _whole(node, dim):
+        return UNPROVEN
+    return [Rows(out.axis, out.inner, out.outer)]
+
+
+def _whole(node, dim: int) -> bool:
+    """Whether a slice node keeps every row along ``dim``, in order."""
+    sizes = getattr(node, "_saved_self_sym_sizes", None)
+    start, end, step = (getattr(node, f"_saved_{k}", None) for k in ("start", "end", "step"))
+    return (sizes is not None and start == 0 and step == 1 and isinstance(end, int)
+            and end >= int(sizes[dim]) and _shape(node, 0)[dim] == int(sizes[dim]))
 
 
 @_on_rows

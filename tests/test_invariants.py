@@ -320,12 +320,20 @@ def _flipped_losses(model, x, y):
     return F.cross_entropy(model(x).flip(1), y, reduction="none")
 
 
+def _nan_gradient_losses(model, x, y):
+    """Finite losses whose gradient at the model's output is NaN for sample 2 (sqrt at 0, times 0)."""
+    out = model(x)
+    mask = torch.tensor([1.0, 1.0, 0.0, 1.0, 1.0], dtype=out.dtype)
+    return F.cross_entropy(out.flip(1), y, reduction="none") + torch.sqrt(out[:, 0].square() * mask) * 0
+
+
 @pytest.mark.parametrize("scaled", [False, True], ids=["refused", "grad-scaler"])
+@pytest.mark.parametrize("bad", ["nan-loss", "nan-gradient"])
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
-def test_non_finite_losses_that_the_loss_check_reads_first_are_refused_by_position(float64, mode, scaled):
-    """The loss check's tag passes met a NaN loss before the backward's norms did, and read its NaN sketch as a row
-    index (IndexError). Now: refused naming the position, or, with a GradScaler, an overflow whose step is skipped;
-    then the next batch is exact."""
+def test_non_finite_losses_that_the_loss_check_reads_first_are_refused_by_position(float64, mode, bad, scaled):
+    """The loss check's tag passes met a NaN loss (or a finite loss's NaN gradient) before the backward's norms did,
+    and read its NaN sketch as a row index (IndexError). Now: refused naming the position (or the NaN gradient), or,
+    with a GradScaler, an overflow whose step is skipped; then the next batch is exact."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     batches = [(torch.randn(5, 4), torch.randint(0, 3, (5,))) for _ in range(3)]
@@ -344,15 +352,21 @@ def test_non_finite_losses_that_the_loss_check_reads_first_are_refused_by_positi
                 optimizer.step()
 
         step(_flipped_losses(model, *batches[0]))  # an ordinary step first
-        bad = _flipped_losses(model, *batches[1]) * torch.tensor([1.0, 1.0, float("nan"), 1.0, 1.0])
+        if bad == "nan-loss":
+            losses = _flipped_losses(model, *batches[1]) * torch.tensor([1.0, 1.0, float("nan"), 1.0, 1.0])
+            refusal = (ValueError, r"non-finite per-sample losses at batch positions \[2\]")
+        else:
+            losses = _nan_gradient_losses(model, *batches[1])
+            assert bool(torch.isfinite(losses).all())
+            refusal = (FloatingPointError, "gradient is inf or NaN")
         if scaled:
             scale_before, weights = scaler.get_scale(), copy.deepcopy(model.state_dict())
-            step(bad)
+            step(losses)
             assert scaler.get_scale() < scale_before  # an overflow: the scale backs off, the step is skipped
             assert all(torch.equal(weights[n], t) for n, t in model.state_dict().items())
         else:
-            with pytest.raises(ValueError, match=r"non-finite per-sample losses at batch positions \[2\]"):
-                engine.backward(bad)
+            with pytest.raises(refusal[0], match=refusal[1]):
+                engine.backward(losses)
         want = reference_clipped_gradient(copy.deepcopy(model), _flipped_losses, batches[2], max_grad_norm=1.0)
         step(_flipped_losses(model, *batches[2]))
         assert_matches({n: p.grad for n, p in model.named_parameters()}, want,

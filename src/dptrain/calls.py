@@ -46,8 +46,9 @@ class Call:
     broadcast: bool = False  # a call on one row, its output broadcast over the batch (broadcast.py)
     trace: int | None = None  # the trace record of its model call (rows.Traces): its layout is cached per trace
     #: where its output gradient is read in the graph, for rows.proof (the call does not hold the graph): the edge
-    #: (rows.proof.call_edge: a token in the node's metadata, output index), the shapes where it is read at a reshape's base (base, output), and
-    #: whether the rule sees the output with its first two dimensions swapped (sequence first)
+    #: (rows.proof.call_edge: a token in the node's metadata, and the output index), the shapes where it is read at
+    #: a reshape's base (base, output), and whether the rule sees the output with its first two dimensions swapped
+    #: (sequence first)
     edge: tuple | None = None
     edge_shape: tuple | None = None
     edge_view: tuple | None = None

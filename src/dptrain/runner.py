@@ -117,10 +117,11 @@ class BackwardRunner:
             units, step_users = self._units(users) if users is not None else (None, set())
             try:
                 proven = self._check_rows(losses, units)
-            except NonFiniteRows as err:  # (the loss check's tag passes met them before the backward's norms)
+            except NonFiniteRows as err:  # (the loss check's tag passes met inf or NaN before the backward's norms)
                 if self.scaling is None:
                     raise _non_finite_losses(losses) or err
-                # with a GradScaler: an overflow, whose step is skipped below
+                self.after_backward(True)  # with a GradScaler, an overflow: the step is skipped, the scale backs off
+                return
         passes = None  # tag passes (rows.py) agreed by every rank: one more backward each, in which FSDP2 gathers
         needs = trained and (not proven or self._needs_tags())
         if parallel is not None:

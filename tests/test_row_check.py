@@ -387,20 +387,11 @@ def test_a_verifying_step_keeps_sketches_of_the_tagged_gradients_never_the_gradi
     assert max(held) < 0.02 * sum(delivered), (held, delivered)
 
 
-# ------------------------------------------------------------------------------------------ what is verified once
-def test_a_language_model_with_a_padding_mask_is_verified_once_then_followed(float64):
-    """GPT-2 with an attention mask: Hugging Face builds the mask by indexing with positions expanded from
-    torch.arange (padding_mask[batch_idx, kv_idx]), which picks rows by their place, not by the data. Its forwards
-    are verified once (proven from the graph: no tag pass), then follow the verified trace at every step, with
-    batches and lengths that change."""
-    transformers = pytest.importorskip("transformers")
+@contextlib.contextmanager
+def _tag_passes_counted():
+    """A list that gets an entry for every tag pass the engine runs while it is open."""
     from dptrain import backward
-    from dptrain.losses import sequence_losses
 
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=61, n_positions=32)
-    model = transformers.GPT2LMHeadModel(config).double()
-    engine, opt = attached_engine(model, mode="bk-mixopt", max_grad_norm=1.0)
     passes = []
     original = backward.Backward._tag_pass
 
@@ -410,19 +401,38 @@ def test_a_language_model_with_a_padding_mask_is_verified_once_then_followed(flo
 
     backward.Backward._tag_pass = counted
     try:
-        followed = []
-        for B, T in [(4, 12), (4, 14), (4, 12), (4, 16)]:
-            ids = torch.randint(0, 61, (B, T))
-            attention = torch.ones(B, T, dtype=torch.long)
-            attention[1:, T - 3:] = 0
-            losses = sequence_losses(model(input_ids=ids, attention_mask=attention).logits, ids,
-                                     attention_mask=attention)
-            followed.append(engine._rows.last_followed)
-            engine.backward(losses)
-            opt.step()
-            opt.zero_grad()
+        yield passes
     finally:
         backward.Backward._tag_pass = original
+
+
+# ------------------------------------------------------------------------------------------ what is verified once
+def test_a_language_model_with_a_padding_mask_is_verified_once_then_followed(float64):
+    """GPT-2 with an attention mask: Hugging Face builds the mask by indexing with positions expanded from
+    torch.arange (padding_mask[batch_idx, kv_idx]), which picks rows by their place, not by the data. Its forwards
+    are verified once (proven from the graph: no tag pass), then follow the verified trace at every step, with
+    batches and lengths that change."""
+    transformers = pytest.importorskip("transformers")
+    from dptrain.losses import sequence_losses
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=61, n_positions=32)
+    model = transformers.GPT2LMHeadModel(config).double()
+    engine, opt = attached_engine(model, mode="bk-mixopt", max_grad_norm=1.0)
+    try:
+        with _tag_passes_counted() as passes:
+            followed = []
+            for B, T in [(4, 12), (4, 14), (4, 12), (4, 16)]:
+                ids = torch.randint(0, 61, (B, T))
+                attention = torch.ones(B, T, dtype=torch.long)
+                attention[1:, T - 3:] = 0
+                losses = sequence_losses(model(input_ids=ids, attention_mask=attention).logits, ids,
+                                         attention_mask=attention)
+                followed.append(engine._rows.last_followed)
+                engine.backward(losses)
+                opt.step()
+                opt.zero_grad()
+    finally:
         engine.detach()
     assert followed == [False, True, True, True] and not passes
 
@@ -476,27 +486,15 @@ def test_layer_calls_are_found_in_the_proof_whatever_python_objects_their_nodes_
     at the id, and gave the transformer's head (T == B) the layout of a transposed call, or found none and read
     rows at every step. The two-pass modes were wrong there (benchmarks/results/gpu-notes.md). With node objects
     that live as short as they did: every call is proven, no tag pass, and the step is exact."""
-    from dptrain import backward
     from dptrain.testing import clipped_gradient
     from helpers import get_case, split_max_grad_norm
 
     case = get_case("transformer")
     assert case.batch[0].shape[0] == case.batch[0].shape[1]  # (T == B: a transposed layout fits the shapes)
     R = split_max_grad_norm(case, "all-layer")
-    passes = []
-    original = backward.Backward._tag_pass
-
-    def counted(self, *args, **kwargs):
-        passes.append(1)
-        return original(self, *args, **kwargs)
-
-    backward.Backward._tag_pass = counted
-    try:
-        with _nodes_as_in_torch_2_11():
-            assert isinstance(torch.ones(1, requires_grad=True).exp().grad_fn, _ShortLivedNode)
-            got = clipped_gradient(copy.deepcopy(case.model), case.losses_fn, case.batch, mode=mode, max_grad_norm=R)
-    finally:
-        backward.Backward._tag_pass = original
+    with _tag_passes_counted() as passes, _nodes_as_in_torch_2_11():
+        assert isinstance(torch.ones(1, requires_grad=True).exp().grad_fn, _ShortLivedNode)
+        got = clipped_gradient(copy.deepcopy(case.model), case.losses_fn, case.batch, mode=mode, max_grad_norm=R)
     assert_matches(got, reference_clipped_gradient(case.model, case.losses_fn, case.batch, max_grad_norm=R),
                    rtol=1e-10, what=mode)
     assert not passes

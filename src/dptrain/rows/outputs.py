@@ -7,7 +7,6 @@ tags on its rows (``runner.BackwardRunner.tag_outputs``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
@@ -16,26 +15,9 @@ from .inputs import _InputRowsNode
 
 def gradient_edge(x: torch.Tensor):
     """What a backward from ``x`` starts at, without keeping ``x`` (and its memory) alive: its gradient edge where
-    torch back-propagates from one, else ``x`` itself."""
-    if x.grad_fn is None or not backward_from_edges():
-        return x
-    return torch.autograd.graph.get_gradient_edge(x)
-
-
-@functools.cache
-def backward_from_edges() -> bool:
-    """Whether ``torch.autograd.backward`` starts from a ``GradientEdge``. Torch 2.2 and 2.4 have the type and take it
-    as an input to differentiate for, but not as where a backward starts; asked once, of a graph of its own."""
+    torch has them (2.3 and later), else ``x`` itself."""
     get = getattr(torch.autograd.graph, "get_gradient_edge", None)
-    if get is None:
-        return False
-    with torch._C.DisableTorchFunction(), torch.enable_grad():  # (unseen by a watch that may be on)
-        leaf = torch.ones(1, requires_grad=True)
-        try:
-            torch.autograd.backward(get(leaf * 2), torch.ones(1), inputs=[leaf])
-        except (TypeError, AttributeError, RuntimeError):
-            return False
-    return leaf.grad is not None and float(leaf.grad) == 2.0
+    return get(x) if get is not None and x.grad_fn is not None else x
 
 
 class _TagRows(torch.autograd.Function):

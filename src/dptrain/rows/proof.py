@@ -39,8 +39,8 @@ UNPROVEN = None
 
 
 def _shape(node, nr: int):
-    meta = getattr(node, "_input_metadata", None)  # (torch 2.2 has none: nothing is proven, tag passes read the rows)
-    return tuple(meta[nr].shape) if meta is not None and nr < len(meta) else None
+    meta = node._input_metadata
+    return tuple(meta[nr].shape) if nr < len(meta) else None
 
 
 def _input_shapes(node) -> list:

@@ -75,7 +75,7 @@ def op_key(func, args, kwargs, batch: int) -> tuple:
     for a in args:  # (tensors and integers, the usual arguments, inline: this runs at every operation)
         t = type(a)
         if t is int:
-            key.append("B" if a == batch else a if -8 <= a < 8 else "*")
+            key.append(_size(a, batch))
         elif isinstance(a, torch.Tensor):
             d = a.dim()
             key.append(_TENSOR_KEYS[d] if d < 16 else ("t", d))

@@ -189,15 +189,8 @@ class ForwardWatch(TorchFunctionMode):
         if flags is None:
             flags = _flags_of(func)
         # (dropout keeps each element where it is, in eval() or not: the same trace; a metadata read computes nothing)
-        if not flags & _UNTRACED:  # (note(), inline: this runs at every operation)
-            key = op_key(func, args, kwargs, self.batch)
-            self.keys.append(key)
-            node = self.node
-            if node is not None:
-                node = node.get(key)
-                self.node = node
-                if node is None:  # (its name is made only where it diverges)
-                    self._diverge(getattr(func, "__name__", str(func)))
+        if not flags & _UNTRACED:
+            self.note(op_key(func, args, kwargs, self.batch), func)  # (its name is made only where it diverges)
         if flags & _HOOK:
             self.hooked = True
         if flags & _PICKS and args and not self.seen:

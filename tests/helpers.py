@@ -680,3 +680,22 @@ def one_sample_contributes(losses_fn):
         weights[0] = 1.0
         return out * weights
     return losses
+
+
+@contextlib.contextmanager
+def tag_passes_counted():
+    """A list that gets an entry for every tag pass the engine runs while it is open."""
+    from dptrain import backward
+
+    passes = []
+    original = backward.Backward._tag_pass
+
+    def counted(self, *args, **kwargs):
+        passes.append(1)
+        return original(self, *args, **kwargs)
+
+    backward.Backward._tag_pass = counted
+    try:
+        yield passes
+    finally:
+        backward.Backward._tag_pass = original

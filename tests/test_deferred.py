@@ -209,7 +209,10 @@ def _deferred_reached(losses, engine) -> bool:
     return bool(reached(losses, engine._capture.model))
 
 
-def test_a_replay_that_computes_otherwise_warns(float64):
+@pytest.mark.parametrize("mode", MODES)
+def test_a_replay_that_computes_otherwise_is_refused_and_the_next_step_is_exact(float64, mode):
+    """The losses were computed on the evaluation's output: a replay that computes something else (a forward that
+    reads a counter) cannot stand for it. Refused with nothing applied; a step in train() mode after it is exact."""
     class Counting(Net):
         calls = 0
 
@@ -218,10 +221,15 @@ def test_a_replay_that_computes_otherwise_warns(float64):
             return super().forward(x) + 0.01 * self.calls
 
     torch.manual_seed(0)
-    with _trained("bk-mixopt", model=Counting().double()) as (model, engine, optimizer):
+    with _trained(mode, model=Counting().double()) as (model, engine, optimizer):
         _evaluate(model)
-        with pytest.warns(UserWarning, match="came out different"):
+        with pytest.raises(RuntimeError, match="came out different.*Nothing of this backward was accumulated"):
             _step(engine, optimizer, _losses(model, *_data(5, 61)))
+        optimizer.zero_grad()
+        model.train()  # (as the message says; dropout kept off, as in the oracle's eval() mode)
+        model.drop.p = 0.0
+        # (the counter adds the same to every logit: the cross-entropy's gradient is the oracle's)
+        _assert_the_next_step_is_exact(model, engine, optimizer, seed=62)
 
 
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])

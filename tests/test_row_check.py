@@ -23,7 +23,7 @@ from torch import nn
 
 from dptrain.rows import RowsMixSamples
 from dptrain.testing import attached_engine, reference_clipped_gradient
-from helpers import MODES, SINGLE_BACKWARD_MODES, Opaque, assert_matches, default_dtype
+from helpers import MODES, SINGLE_BACKWARD_MODES, Opaque, assert_matches, default_dtype, tag_passes_counted
 
 R_CLIPS_ALL = 1e-4  # below every per-sample gradient norm of these models
 R_CLIPS_NONE = 1e4  # above every one
@@ -387,31 +387,12 @@ def test_a_verifying_step_keeps_sketches_of_the_tagged_gradients_never_the_gradi
     assert max(held) < 0.02 * sum(delivered), (held, delivered)
 
 
-@contextlib.contextmanager
-def _tag_passes_counted():
-    """A list that gets an entry for every tag pass the engine runs while it is open."""
-    from dptrain import backward
-
-    passes = []
-    original = backward.Backward._tag_pass
-
-    def counted(self, *args, **kwargs):
-        passes.append(1)
-        return original(self, *args, **kwargs)
-
-    backward.Backward._tag_pass = counted
-    try:
-        yield passes
-    finally:
-        backward.Backward._tag_pass = original
-
-
-# ------------------------------------------------------------------------------------------ what is verified once
-def test_a_language_model_with_a_padding_mask_is_verified_once_then_followed(float64):
+# ------------------------------------------------------------------------------------------ proven at every step
+def test_a_language_model_with_a_padding_mask_is_proven_at_every_step_from_its_graph(float64):
     """GPT-2 with an attention mask: Hugging Face builds the mask by indexing with positions expanded from
-    torch.arange (padding_mask[batch_idx, kv_idx]), which picks rows by their place, not by the data. Its forwards
-    are verified once (proven from the graph: no tag pass), then follow the verified trace at every step, with
-    batches and lengths that change."""
+    torch.arange (padding_mask[batch_idx, kv_idx]), outside the autograd graph. Every step's graph is proven (no tag
+    pass), with batches and lengths that change; the proof of a graph whose structure was proven before is taken from
+    the memo (the lengths are not part of the structure), so only the first step proves in full."""
     transformers = pytest.importorskip("transformers")
     from dptrain.losses import sequence_losses
 
@@ -420,21 +401,21 @@ def test_a_language_model_with_a_padding_mask_is_verified_once_then_followed(flo
     model = transformers.GPT2LMHeadModel(config).double()
     engine, opt = attached_engine(model, mode="bk-mixopt", max_grad_norm=1.0)
     try:
-        with _tag_passes_counted() as passes:
-            followed = []
+        with tag_passes_counted() as passes:
             for B, T in [(4, 12), (4, 14), (4, 12), (4, 16)]:
                 ids = torch.randint(0, 61, (B, T))
                 attention = torch.ones(B, T, dtype=torch.long)
                 attention[1:, T - 3:] = 0
                 losses = sequence_losses(model(input_ids=ids, attention_mask=attention).logits, ids,
                                          attention_mask=attention)
-                followed.append(engine._rows.last_followed)
                 engine.backward(losses)
                 opt.step()
                 opt.zero_grad()
+        memo = engine._rows.proofs
     finally:
         engine.detach()
-    assert followed == [False, True, True, True] and not passes
+    assert not passes
+    assert memo.reused >= 3 and memo.made <= 2, (memo.made, memo.reused)  # (the loss check's graph, the model's)
 
 
 class _ShortLivedNode:
@@ -492,7 +473,7 @@ def test_layer_calls_are_found_in_the_proof_whatever_python_objects_their_nodes_
     case = get_case("transformer")
     assert case.batch[0].shape[0] == case.batch[0].shape[1]  # (T == B: a transposed layout fits the shapes)
     R = split_max_grad_norm(case, "all-layer")
-    with _tag_passes_counted() as passes, _nodes_as_in_torch_2_11():
+    with tag_passes_counted() as passes, _nodes_as_in_torch_2_11():
         assert isinstance(torch.ones(1, requires_grad=True).exp().grad_fn, _ShortLivedNode)
         got = clipped_gradient(copy.deepcopy(case.model), case.losses_fn, case.batch, mode=mode, max_grad_norm=R)
     assert_matches(got, reference_clipped_gradient(case.model, case.losses_fn, case.batch, max_grad_norm=R),
@@ -500,10 +481,9 @@ def test_layer_calls_are_found_in_the_proof_whatever_python_objects_their_nodes_
     assert not passes
 
 
-def test_steps_under_torch_profiler_follow_the_verified_trace(float64):
-    """torch's profiler reads each module's parameters' ``.grad`` at every module call (with_stack): a read of a
-    tensor's metadata computes nothing and is not in the trace, so the first profiled step is not verified again (a
-    profile of it would otherwise show the verification), and the steps stay exact."""
+def test_steps_under_torch_profiler_are_proven_and_exact(float64):
+    """torch's profiler reads each module's parameters' ``.grad`` at every module call (with_stack): profiled steps are
+    proven from their graphs as the others are (no tag pass), and stay exact."""
     transformers = pytest.importorskip("transformers")
     from torch.profiler import ProfilerActivity, profile
 
@@ -522,17 +502,16 @@ def test_steps_under_torch_profiler_follow_the_verified_trace(float64):
     model = make()
     engine, opt = attached_engine(model, mode="bk-mixopt", max_grad_norm=1.0)
     try:
-        followed = []
         batches = [torch.randint(0, 31, (3, 8), generator=torch.Generator().manual_seed(k)) for k in range(4)]
-        for k, ids in enumerate(batches):
-            with profile(activities=[ProfilerActivity.CPU], with_stack=True) if k >= 2 else contextlib.nullcontext():
-                losses = losses_fn(model, ids)
-                followed.append(engine._rows.last_followed)
-                engine.backward(losses)
-                opt.step()
-                got = {n: p.grad.clone() for n, p in model.named_parameters()}
-                opt.zero_grad()
-        assert followed == [False, True, True, True]
+        with tag_passes_counted() as passes:
+            for k, ids in enumerate(batches):
+                with profile(activities=[ProfilerActivity.CPU], with_stack=True) if k >= 2 else contextlib.nullcontext():
+                    losses = losses_fn(model, ids)
+                    engine.backward(losses)
+                    opt.step()
+                    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+                    opt.zero_grad()
+        assert not passes
         assert_matches(got, reference_clipped_gradient(make(), losses_fn, (batches[-1],), max_grad_norm=1.0),
                        rtol=1e-9)
     finally:

@@ -18,7 +18,7 @@ from torch import nn
 import dptrain
 from dptrain import plan, rows
 from dptrain.testing import clipped_gradient, reference_clipped_gradient
-from helpers import MODES, SINGLE_BACKWARD_MODES, Opaque, assert_matches, one_sample_update
+from helpers import MODES, SINGLE_BACKWARD_MODES, Opaque, assert_matches, one_sample_update, tag_passes_counted
 from test_engine import RUN, R, _backward, _engine
 
 PATHS = [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES]
@@ -108,15 +108,29 @@ def test_one_sample_in_another_layout_moves_the_model_by_at_most_R(float64, mode
 
 
 def test_a_data_dependent_layout_is_read_at_every_step(float64):
-    """The sort's layout is never cached: a batch that happens to be in order does not fix it for the next."""
+    """The sort picks rows by the data: a batch that happens to be in order (the identity this time) proves nothing
+    about the next, which is read again, and exact."""
     torch.manual_seed(0)
     model = SortsTheBatch().double()
-    engine = _engine(model, "bk-mixopt", loss_reduction="sum")
-    engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
-    x, y = _data(4, 3, seed=1)
-    x[:, 0, 0] = torch.arange(4.0)  # already sorted: the identity this time
-    engine.backward(_losses(model, x, y))
-    assert not engine._rows.has_layout(model.inp)
+    trained = copy.deepcopy(model)
+    engine = _engine(trained, "bk-mixopt", loss_reduction="sum")
+    opt = torch.optim.SGD(trained.parameters(), lr=0.0)
+    engine.attach(opt)
+    try:
+        with tag_passes_counted() as passes:
+            x, y = _data(4, 3, seed=1)
+            x[:, 0, 0] = torch.arange(4.0)  # already sorted
+            engine.backward(_losses(trained, x, y))
+            opt.zero_grad()
+            first = len(passes)
+            x, y = _data(4, 3, seed=2)
+            engine.backward(_losses(trained, x, y))
+            opt.step()
+            got = {n: p.grad.clone() for n, p in trained.named_parameters()}
+    finally:
+        engine.detach()
+    assert first > 0 and len(passes) == 2 * first
+    assert_matches(got, _reference(model, [(x, y)]), what="sorted batch, second step")
 
 
 class PositionalIndex(nn.Module):
@@ -137,20 +151,16 @@ class PositionalIndex(nn.Module):
 
 
 @pytest.mark.parametrize("reversed_", [False, True])
-def test_positions_made_by_torch_arange_keep_a_layout_cacheable(float64, reversed_):
-    """An index made by torch.arange picks rows by their place, as a slice does: the layouts are cached (before,
-    any index on an axis as long as a multiple of B made every step read its rows). Other indices still count as
-    picked by the data. Exact either way."""
+def test_an_index_along_the_positions_is_proven_whatever_its_values(float64, reversed_):
+    """An index on another axis than the batch's picks positions within each sample, whatever it holds (made by
+    torch.arange, or reversed): the graph proves it (no tag pass), and the step is exact."""
     torch.manual_seed(0)
     model = PositionalIndex(reversed_).double()
     batches = [_data(3, 6, seed=1)]
-    got = clipped_gradient(copy.deepcopy(model), _losses, *batches, mode="bk-mixopt", max_grad_norm=R)
+    with tag_passes_counted() as passes:
+        got = clipped_gradient(copy.deepcopy(model), _losses, *batches, mode="bk-mixopt", max_grad_norm=R)
     assert_matches(got, _reference(model, batches), what=f"reversed={reversed_}")
-    engine = _engine(model, "bk-mixopt", loss_reduction="sum")
-    engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
-    engine.backward(_losses(model, *_data(3, 6, seed=2)))
-    cached = engine._rows.has_layout(model.head)  # (the layer after the index)
-    assert cached is not reversed_
+    assert not passes
 
 
 # ------------------------------------------------------------------------------------------ rows that mix samples
@@ -299,26 +309,35 @@ class SequenceFirstInsideOpaque(SequenceFirstInside):
         return self.head(h.mean(1))
 
 
-def test_a_layout_read_by_tags_is_cached_once_every_sample_showed_its_rows(float64):
-    """Rows read from tag passes show where a sample sits only if its loss had a gradient: a layout read while one
-    had none is used for that step only."""
+def test_rows_read_by_tags_are_read_again_at_every_step(float64):
+    """Rows read from tag passes show where a sample sits only as far as its loss had a gradient, and only for the
+    values of that step: nothing read by tags is kept. A step where one sample has no gradient, then an ordinary one:
+    both read their rows, and the second is exact."""
     torch.manual_seed(0)
     model = SequenceFirstInsideOpaque().double()
-    engine = _engine(model, "bk-mixopt", loss_reduction="sum")
-    engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    trained = copy.deepcopy(model)
+    engine = _engine(trained, "bk-mixopt", loss_reduction="sum")
+    opt = torch.optim.SGD(trained.parameters(), lr=0.0)
+    engine.attach(opt)
     try:
-        x, y = _data(4, 3, seed=1)
-        engine.backward(_losses(model, x, y) * torch.tensor([1.0, 1.0, 0.0, 1.0]))
-        assert not engine._rows.has_layout(model.mid)
-        engine.backward(_losses(model, x, y))
-        assert engine._rows.has_layout(model.mid)
+        with tag_passes_counted() as passes:
+            x, y = _data(4, 3, seed=1)
+            engine.backward(_losses(trained, x, y) * torch.tensor([1.0, 1.0, 0.0, 1.0]))
+            opt.zero_grad()
+            first = len(passes)
+            x, y = _data(4, 3, seed=2)
+            engine.backward(_losses(trained, x, y))
+            opt.step()
+            got = {n: p.grad.clone() for n, p in trained.named_parameters()}
     finally:
         engine.detach()
+    assert first > 0 and len(passes) == 2 * first
+    assert_matches(got, _reference(model, [(x, y)]), what="read again")
 
 
 def test_a_layout_proven_from_the_graph_does_not_depend_on_the_losses_values(float64):
     """Where the graph proves the layout (rows.proof: a transpose keeps the batch on the other axis), it holds for
-    every sample, whatever the losses weigh: cached from the first step, exact at the next."""
+    every sample, whatever the losses weigh: no tag pass, exact at the next step."""
     torch.manual_seed(0)
     model = SequenceFirstInside().double()
     trained = copy.deepcopy(model)
@@ -326,16 +345,17 @@ def test_a_layout_proven_from_the_graph_does_not_depend_on_the_losses_values(flo
     opt = torch.optim.SGD(trained.parameters(), lr=0.0)
     engine.attach(opt)
     try:
-        x, y = _data(4, 3, seed=1)
-        engine.backward(_losses(trained, x, y) * torch.tensor([1.0, 1.0, 0.0, 1.0]))
-        assert engine._rows.has_layout(trained.mid)
-        opt.zero_grad()
-        x, y = _data(4, 3, seed=2)
-        engine.backward(_losses(trained, x, y))
-        opt.step()
-        got = {n: p.grad.clone() for n, p in trained.named_parameters()}
+        with tag_passes_counted() as passes:
+            x, y = _data(4, 3, seed=1)
+            engine.backward(_losses(trained, x, y) * torch.tensor([1.0, 1.0, 0.0, 1.0]))
+            opt.zero_grad()
+            x, y = _data(4, 3, seed=2)
+            engine.backward(_losses(trained, x, y))
+            opt.step()
+            got = {n: p.grad.clone() for n, p in trained.named_parameters()}
     finally:
         engine.detach()
+    assert not passes
     assert_matches(got, _reference(model, [(x, y)]), what="proven layout")
 
 

@@ -58,12 +58,9 @@ class BackwardSetup:
     overflow_skippable: bool
 
 
-def needs_tags(trainable: TrainableSet, rows: RowReader, forward_batch: int | None) -> bool:
-    """Whether a call waiting for its gradient has a pattern whose rows were not read yet."""
-    recomputed = rows.recomputed_batches
-    if recomputed is not None and forward_batch not in recomputed:
-        return True
-    return any(call.unread and call.rowmap is None for state in trainable.layers for call in state.calls)
+def needs_tags(trainable: TrainableSet, rows: RowReader) -> bool:
+    """Whether a call waiting for its gradient has rows not proven yet (or calls will be recomputed)."""
+    return rows.recomputes or any(call.rowmap is None for state in trainable.layers for call in state.calls)
 
 
 class Backward:
@@ -147,8 +144,7 @@ class Backward:
         capture = self.setup.capture
         objective = losses.sum() if factor == 1.0 else (losses * factor).sum()
         if passes is None:
-            passes = tag_passes(losses.shape[0]) if needs_tags(self.trainable, self.setup.rows,
-                                                               capture.forward_batch) else 0
+            passes = tag_passes(losses.shape[0]) if needs_tags(self.trainable, self.setup.rows) else 0
         if passes:
             self._tag_pass(losses if self.tag_losses is None else self.tag_losses, factor, passes)
         capture.new_pass()

@@ -152,20 +152,15 @@ def rows_of(t):
     return t
 
 
-def shared_use_marker(call, capture) -> Callable[[str], None]:
+def shared_use_marker(call) -> Callable[[str], None]:
     """A callback that marks ``call`` as used without broadcasting: its rows are read (tag passes) in its backward,
-    never taken from a cached layout. Both are held weakly."""
-    call_ref, capture_ref = weakref.ref(call), weakref.ref(capture)
+    never proven from the graph. Held weakly."""
+    call_ref = weakref.ref(call)
 
     def mark(operation: str) -> None:
         c = call_ref()
-        if c is None:
-            return
-        c.shared_use = c.shared_use or operation
-        c.unread, c.cacheable = True, False
-        cap = capture_ref()
-        if cap is not None:
-            cap.note_unread_call()
+        if c is not None:
+            c.shared_use = c.shared_use or operation
 
     return mark
 

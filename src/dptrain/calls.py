@@ -37,14 +37,11 @@ class Call:
     shape: tuple = ()  # the shape of the output (the gradient) as the rule sees it
     key: tuple = ()  # rows.pattern_key: the shape relative to the batch size
     ordinal: int | None = None  # which call of its layer in the model call (or the recomputation); None: neither
-    cacheable: bool = False  # its layout may be cached (a watched model call, no reordering op before it)
-    unread: bool = False  # no layout was known for its pattern when it was recorded: a tag pass reads it
     tagged: torch.Tensor | None = None  # its output gradient in a tag pass
     tags: torch.Tensor | None = None  # the per-sample tags of that pass
     rowmap: Any = None  # rows.RowMap, once read
     precision: torch.dtype | None = None  # the lowest precision its model call computed in (rows.computing_precision)
     broadcast: bool = False  # a call on one row, its output broadcast over the batch (broadcast.py)
-    trace: int | None = None  # the trace record of its model call (rows.Traces): its layout is cached per trace
     #: where its output gradient is read in the graph, for rows.proof (the call does not hold the graph): the edge
     #: (rows.proof.call_edge: a token in the node's metadata, and the output index), the shapes where it is read at
     #: a reshape's base (base, output), and whether the rule sees the output with its first two dimensions swapped
@@ -53,7 +50,6 @@ class Call:
     edge_shape: tuple | None = None
     edge_view: tuple | None = None
     edge_swapped: bool = False
-    provable: bool = True  # nothing outside the graph acts on its gradient (no user hook in its forward)
     shared_use: str | None = None  # an operation that used its output of batch size 1 without broadcasting it
 
 

@@ -35,7 +35,8 @@ from .graph_nodes import EngineHook, guard_written_base
 from .hooks_aside import HooksAside
 from .layer_hooks import LayerHooks
 from .layers.fallback import in_replay
-from .rows import ForwardWatch, RowReader, computing_precision, tensors_in
+from .rows import InputRows, RowReader, computing_precision, map_tensors, tensors_in
+from .rows.inputs import _InputRowsNode
 from .rows.losses import mark_outputs
 from .state_writes import StateWrites
 
@@ -69,8 +70,15 @@ class Capture(LayerHooks):
         self.rows = rows if rows is not None else RowReader()
         self._ordinals: dict[int, int] = {}  # per layer: how many calls it made in this model call / recomputation
         self._recomputed_ordinals: dict[int, int] = {}
-        self._watch: ForwardWatch | None = None
-        self._forward_calls: list = []  # (layer state, call) of the open model call
+        #: the open model call's tensors that carry its input's rows (``rows.InputRows``): id(copy) -> (copy, the
+        #: tensor it copies, the copy's version when made); a covered layer given one directly gets the original
+        self._carried: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
+        self._readings = 0  # how many the open model call made
+        self._from_input: set[int] = set()  # covered layers called on the model's input as it is (``_uncarried``)
+        #: the storages of the open model call's integer inputs with the batch (ids): an untrained embedding of them,
+        #: or of a view of them, is carried too (``_embedding_hook``)
+        self._input_ids: set[int] = set()
+        self._embeddings: dict[int, nn.Module] = {}  # the embeddings hooked for their output (``_embedding_hook``)
         #: the open model call's input depends on trainable parameters outside the model (a GAN's generated samples):
         #: the model is a function for it, not trained (``_outside_parameters``)
         self._passthrough: str | None = None
@@ -79,10 +87,9 @@ class Capture(LayerHooks):
         self._outside_groups = 0
         #: the graph task of the last backward that went through such a call's output
         self.passthrough_task = -1
-        self._forward_needs_tags = False
-        #: set by the engine: replaces a model call's outputs by tagging ones (plain backward of new patterns);
-        #: (outputs, patterns not read yet, the input's rows can be followed through the graph)
-        self.on_tag_outputs: Callable[[Any, bool, bool], Any] | None = None
+        #: set by the engine: replaces a model call's outputs by tagging ones, for a plain backward (outputs, whether
+        #: the input's rows can be followed through the graph)
+        self.on_tag_outputs: Callable[[Any, bool], Any] | None = None
         #: set by the engine: a gradient reached a scalar output of the model (a loss computed inside it)
         self.on_scalar_output_grad: Callable[[], None] | None = None
         #: set by the engine: the gradient of a tensor carrying the model input's rows (``rows.InputRows``)
@@ -182,17 +189,23 @@ class Capture(LayerHooks):
                         keep(site.source.register_forward_hook(EngineHook(self._make_source_hook(module, k, False))))
                     keep(site.target.register_forward_pre_hook(
                         EngineHook(self._make_input_hook(module, k, site.source is not None))))
+        if not self.dry:
+            for module in self.model.modules():
+                if isinstance(module, nn.Embedding) and self._embeddings.get(id(module)) is not module:
+                    self._embeddings[id(module)] = module
+                    self._keep(module.register_forward_hook(EngineHook(self._embedding_hook)))
         self._aside.forget_modules()
 
     def remove(self) -> None:
         self._aside.put_back()
-        self._end_watch()
+        self._end_carrying()
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._own_ids.clear()
         self._hooked.clear()
         self._checked.clear()
+        self._embeddings.clear()
         self.restore_switched()
         for state in self.layers:
             state.calls.clear()
@@ -229,21 +242,84 @@ class Capture(LayerHooks):
         dim = 0 if self.batch_first else 1
         self.forward_batch = batch_size_of((args, kwargs), dim)
         self._ordinals.clear()
-        self._forward_needs_tags = False
         self._view_outputs = []
-        self._end_watch()
+        self._end_carrying()
         device = next((t.device for t in tensors_in((args, kwargs))), None)
         self.forward_precision = (computing_precision(device, self._param_dtypes)
                                   if device is not None and not self.dry else None)
-        self._forward_calls = []
         self._passthrough = None if self.dry else _outside_parameters((args, kwargs), self.model)
         if torch.is_grad_enabled() and not self.dry:
             self.state_writes.before()
-        if self._passthrough is None and not self.dry and self.forward_batch:  # (last: it watches the forward alone)
-            inputs = [t for t in tensors_in((args, kwargs)) if t.dim() > dim and t.shape[dim] == self.forward_batch]
-            self._watch = _start_watch(self.forward_batch, inputs, dim, self._anchor, self.on_input_grad,
-                                       self.forward_precision, self.rows.traces)
+        if self._passthrough is None and not self.dry and self.forward_batch and torch.is_grad_enabled():
+            return self._carry_inputs(args, kwargs, dim)
         return None
+
+    # ------------------------------------------------------------------ the rows of the model's input
+    def _carry_inputs(self, args, kwargs, axis: int):
+        """The model call's floating-point inputs with the batch along ``axis`` (in any container), each replaced by a
+        copy that carries its rows (``_carry``); None if there is none. So whatever the forward computes from them
+        before a trainable layer (a normalisation, a mixup, a frozen part of the model) is in the autograd graph,
+        where the row check proves or reads it at every step."""
+        batch = self.forward_batch
+
+        def carry(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() <= axis or t.shape[axis] != batch:
+                return t
+            if not t.is_floating_point():
+                if not t.is_complex() and t.numel():  # ids: an embedding of them (or of a view) is carried
+                    self._input_ids.add(t.untyped_storage().data_ptr())
+                return t
+            return self._carry(t, (axis,))
+
+        carried = map_tensors((args, kwargs), carry)
+        return None if carried is (args, kwargs) else carried
+
+    def _carry(self, t: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
+        """A copy of ``t`` through ``_InputRowsNode``: it requires gradients, and its gradient is read (as
+        ``InputRows``) wherever the graph does not prove its rows apart."""
+        reading = InputRows(self.forward_batch, axes, self.forward_precision)
+        self._readings += 1
+        copy = _InputRowsNode.apply(self._anchor(t.device), t, reading, self.on_input_grad)
+        self._carried[id(copy)] = (copy, t, copy._version)
+        return copy
+
+    def _uncarried(self, args: tuple, kwargs: dict | None):
+        """A covered layer's arguments with each copy made by ``_carry`` (not modified since) replaced by the tensor
+        it copies: the layer's rows are its samples, read from its output's gradient, and nothing is back-propagated
+        into the model's input for it (a first layer costs what it costs without the engine). None if none."""
+        carried = self._carried
+
+        def original(a):
+            got = carried.get(id(a)) if isinstance(a, torch.Tensor) else None
+            return got[1] if got is not None and got[0] is a and a._version == got[2] else a
+
+        new_args = tuple(original(a) for a in args)
+        new_kwargs = {k: original(v) for k, v in kwargs.items()} if kwargs else kwargs
+        if all(a is b for a, b in zip(new_args, args)) and (
+                not kwargs or all(new_kwargs[k] is v for k, v in kwargs.items())):
+            return None
+        return new_args, new_kwargs if new_kwargs is not None else {}
+
+    def _embedding_hook(self, module, args, output):
+        """The output of an embedding that is not trained (a frozen one, as in LoRA), of the model's ids (or a view of
+        them): carried as the model's input is (``_carry``), since what the forward computes from it before a
+        trainable layer is part of the input's rows."""
+        if (self._open_forward is None or self.paused or self.dry or self._passthrough is not None
+                or id(module) in self._state_of or not torch.is_grad_enabled() or in_backward() or in_replay()):
+            return None
+        axis = 0 if self.batch_first else 1
+        ids = args[0] if args else None
+        if (not isinstance(output, torch.Tensor) or not output.is_floating_point() or output.requires_grad
+                or not isinstance(ids, torch.Tensor) or ids.dim() <= axis or ids.shape[axis] != self.forward_batch
+                or ids.untyped_storage().data_ptr() not in self._input_ids):
+            return None  # (ids the forward made, such as relative positions, do not carry the input's rows)
+        return self._carry(output, (axis,))
+
+    def _end_carrying(self) -> None:
+        self._carried.clear()
+        self._from_input.clear()
+        self._input_ids.clear()
+        self._readings = 0
 
     def _defers(self, module, args, kwargs) -> bool:
         """Whether this model call is deferred (``deferred.py``): in eval() mode with gradients enabled, right after
@@ -262,31 +338,6 @@ class Capture(LayerHooks):
         self._aside.set_aside(self.model, self._layer_hook_ids)
         return True
 
-    def _settle_calls(self, watch, forward_id: int) -> None:
-        """The model call returned: its calls' layouts are the verified trace's it followed to its end, or are read
-        in its backward (a verifying forward: its trace is kept once that backward has read every row)."""
-        record = watch.verified_record()
-        # A forward compiled whole (torch.compile) runs its operations where the watch does not see them: its trace
-        # shows nothing of what it computed, so it is verified at every step (proofs from its graph, tag passes).
-        unseen = watch.operations == 0 and bool(self._forward_calls)
-        verifying = record is None or unseen
-        if verifying:
-            record = self.rows.traces.new_record()
-            if not watch.seen and not unseen:  # a trace that picked rows by the data is read at every step, never kept
-                self.rows.pending_trace(forward_id, watch.keys, record)
-        self.rows.forward_clean = not watch.seen
-        self.rows.last_followed = not verifying
-        self.rows.last_trace = record
-        self.rows.last_divergence = watch.diverged_at
-        for state, call in self._forward_calls:
-            call.trace = record
-            call.cacheable = not watch.seen
-            call.provable = not watch.hooked
-            if self.rows.needs_tags(state, call):
-                call.unread = True
-            self._forward_needs_tags |= call.unread
-        self._forward_calls = []
-
     def _forward_of_outside_call(self) -> int:
         """The model call a layer call made outside any belongs to: the last one since the last backward (a head applied
         to the model's output), or a group of its own (negative ids) that the other calls outside it join until the
@@ -302,20 +353,6 @@ class Capture(LayerHooks):
         self._last_forward = None
         self._eval_run = False
         self.deferred_calls = 0
-
-    def note_unread_call(self) -> None:
-        """A call of the open model call became one whose rows must be read (a table of batch size 1 used without
-        broadcasting it, broadcast.py): its model outputs are tagged for a plain backward."""
-        if self._open_forward is not None:
-            self._forward_needs_tags = True
-
-    def _end_watch(self) -> bool:
-        """Stop watching the model call; whether it was watched."""
-        watch, self._watch = self._watch, None
-        if watch is None:
-            return False
-        watch.__exit__(None, None, None)
-        return True
 
     def _check_view_outputs(self) -> None:
         """A covered layer's output that is a view of part of another tensor, modified in place afterwards: its
@@ -343,10 +380,8 @@ class Capture(LayerHooks):
             return wrap_outputs(output, deferred, self._anchor)
         if in_backward() or self._open_forward is None or in_replay() or self.paused:
             return None
-        watch = self._watch  # (the forward ended: what the checks below compute is not the forward's)
-        self._watch = None
-        if watch is not None:
-            watch.__exit__(None, None, None)
+        carried = self._readings > 0  # the input's rows can be followed through the graph
+        self._end_carrying()
         self.state_writes.check()  # (a refusal: the always-called hook drops this call)
         self._check_view_outputs()
         self._finished_forward = True
@@ -358,13 +393,10 @@ class Capture(LayerHooks):
                 if t.requires_grad:
                     t.register_hook(self._passthrough_grad_hook)
             return None
-        carried = watch is not None and bool(watch.readings)  # the input's rows can be followed
-        if watch is not None:
-            self._settle_calls(watch, forward_id)
         replaced = None
         if torch.is_grad_enabled() and not self.dry:
-            if self.on_tag_outputs is not None:  # a plain backward reads new patterns' rows from tagged outputs
-                replaced = self.on_tag_outputs(output, self._forward_needs_tags, carried)
+            if self.on_tag_outputs is not None:  # a plain backward proves its rows, or reads them, from its outputs
+                replaced = self.on_tag_outputs(output, carried)
             returned = replaced if replaced is not None else output
             for t in tensors_in(returned):
                 if t.requires_grad:
@@ -389,7 +421,7 @@ class Capture(LayerHooks):
         self._deferred = None
         self._view_outputs = []
         if not self._finished_forward:
-            self._end_watch()
+            self._end_carrying()
         if self._open_forward is not None and not self._finished_forward and not in_backward():
             self.drop_forward(self._open_forward)  # the forward raised: nothing of it is kept
             self._open_forward = None
@@ -398,14 +430,13 @@ class Capture(LayerHooks):
     def drop_forward(self, forward_id: int) -> None:
         self.restore_switched()
         self._sources.clear()
-        self._forward_calls = []  # (the dropped call's own: they hold its activations, the whole batch's)
         for state in self.layers:
             state.calls = [c for c in state.calls if c.forward_id != forward_id]
 
     def settle_open_forward(self) -> None:
         """Outside any model call: a model call still open never returned (Ctrl-C in its forward)."""
         if self._open_forward is not None:
-            self._end_watch()  # (its watch too: a mode left active would see every later torch call)
+            self._end_carrying()
             self.drop_forward(self._open_forward)
             self._open_forward = None
 
@@ -420,15 +451,6 @@ class Capture(LayerHooks):
 
 
 _GRADIENT_EDGE = getattr(torch.autograd.graph, "GradientEdge", None)  # (torch 2.3 and later: deferral needs it)
-
-
-@torch._dynamo.disable
-def _start_watch(batch: int, inputs: list, axis: int, anchor, record, precision, traces) -> ForwardWatch:
-    """A model call's watch (``rows.ForwardWatch``), entered; run eagerly under torch.compile, whose
-    tracing would rebuild the mode without its state."""
-    watch = ForwardWatch(batch, inputs, axis, anchor, record, precision, traces)
-    watch.__enter__()
-    return watch
 
 
 def _outside_parameters(inputs, model: nn.Module, limit: int = 100_000) -> str | None:

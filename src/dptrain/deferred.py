@@ -14,8 +14,8 @@ gradients would be neither clipped nor noised: it is freed at once) and pass thr
 the call's inputs and random state and gives no gradient. When ``engine.backward(losses)`` reaches one (``reached``),
 ``replay``:
 
-1. calls the model again on the same inputs under the same random state - an ordinary training forward, watched and
-   recorded, whose rows are checked like any other -
+1. calls the model again on the same inputs under the same random state - an ordinary training forward, recorded,
+   whose rows are checked like any other -
 2. and back-propagates, instead of the losses, ``L_i + s_i - s_i.detach()`` with ``s_i = <G_i, new_i>``: ``G`` the
    gradient of the summed losses at the deferred outputs, ``new`` the replay's outputs. Its value is ``L_i``, and
    the step's loss check (``rows.losses``) reads it down to the deferred outputs, marked as model outputs: a loss
@@ -24,14 +24,12 @@ the call's inputs and random state and gives no gradient. When ``engine.backward
    the step is exact.
 
 The replay must compute what the deferred call did, as with activation checkpointing: an input modified in place
-since is refused; a replay whose outputs differ (a forward that changes state it reads, nondeterministic kernels)
-warns, and the step is the replay's gradient. Refused too: a backward that reaches a deferred output other than
+since is refused, and so is a replay whose outputs differ (a forward that changes state it reads, nondeterministic
+kernels): the losses were computed on the deferred output. Refused too: a backward that reaches a deferred output other than
 through ``engine.backward``, or a second time (each sample is clipped once a step), and losses that reach an output of
 a deferred call that is not per-sample (a loss computed inside the model).
 """
 from __future__ import annotations
-
-import warnings
 
 import torch
 
@@ -200,12 +198,16 @@ def _replayed(losses, tag_losses, deferred: list, calls: list, pausing):
                 "state it changes. Call model.train() between evaluating and training in eval() mode. Nothing of "
                 "this backward was accumulated")
         if not torch.equal(new.detach(), old):
-            warnings.warn(
+            # The losses were computed on the deferred output: moved onto another computation, their gradient is no
+            # longer the losses' gradient, and nothing bounds what one sample does to the step.
+            raise RuntimeError(
                 "engine.backward replayed a model call made in eval() mode after an evaluation (dptrain/deferred.py) "
                 f"and its output of shape {tuple(old.shape)} came out different (largest difference "
-                f"{float((new.detach() - old).abs().max()):.3g}): the forward changes state it reads, runs "
-                "nondeterministic kernels, or the parameters changed since. The step's gradient is the replay's. Call "
-                "model.train() between evaluating and training in eval() mode to avoid the replay", stacklevel=5)
+                f"{float((new.detach() - old).abs().max()):.3g}): the forward changes state it reads (a counter, its "
+                "own random generator), runs nondeterministic kernels, or the parameters changed since. The losses "
+                "were computed on the evaluation's output, so the step cannot be taken from the replay. Call "
+                "model.train() between evaluating and training in eval() mode, or evaluate under torch.no_grad(). "
+                "Nothing of this backward was accumulated")
         pairs.append((new, axis))
 
     def moved(objective: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,6 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.nn.modules import module as _module_globals
-from torch._C import (_get_function_stack_at, _len_torch_function_stack, _pop_torch_function_stack,
-                       _push_on_torch_function_stack)
 from torch.utils import _pytree as pytree
 
 from .broadcast import BroadcastRows, broadcast_rows, rows_of, shared_use_marker
@@ -21,6 +19,7 @@ from .layers.fallback import in_replay
 from .layers.numerics import swap01
 from .layers.protocol import LayerDims, OutputLeaves
 from .rows import pattern_key
+from .rows.outputs import FROM_INPUT
 from .rows.proof import call_edge
 
 
@@ -83,36 +82,24 @@ class LayerHooks:
             for p in switched:
                 p.requires_grad_(False)
             self._switched.setdefault(id(module), []).append(switched)
-            return None
+            if not self._carried:
+                return None
+            uncarried = self._uncarried(inputs, kwargs)
+            if uncarried is not None:
+                self._from_input.add(id(module))
+            return uncarried
 
         return self._quietly(pre_hook)
 
     def _quietly(self, hook):
-        """A layer hook of the engine's: what it computes is not the forward's (the model call's watch does not
-        see it, nor pays for it)."""
+        """A layer hook of the engine's, which does nothing in evaluation (the hooks then cost this test alone)."""
         capture = weakref.ref(self)
 
         def quiet(*args, **kwargs):
             alive = capture()
             if alive is None or not (alive.dry or torch.is_grad_enabled()):
-                return None  # (evaluation: nothing to record; the hooks cost this test alone)
-            watch = alive._watch
-            if watch is None:
-                return hook(*args, **kwargs)
-            depth = _len_torch_function_stack()
-            if depth and _get_function_stack_at(depth - 1) is watch:
-                # (the usual case: out of the way altogether, at no cost per operation; torch's own calls, without
-                # the context manager that wraps them, at two model-layer hooks per layer call)
-                _pop_torch_function_stack()
-                try:
-                    return hook(*args, **kwargs)
-                finally:
-                    _push_on_torch_function_stack(watch)
-            watch.quiet += 1  # (a mode of the program's own above it: the watch lets operations through unrecorded)
-            try:
-                return hook(*args, **kwargs)
-            finally:
-                watch.quiet -= 1
+                return None
+            return hook(*args, **kwargs)
 
         return quiet
 
@@ -257,6 +244,9 @@ class LayerHooks:
             tensor = tensor.detach().view_as(tensor)
         if not tensor.requires_grad and not self.dry:
             tensor = _Origin.apply(self._anchor(tensor.device), tensor)
+            if self._from_input and id(module) in self._from_input:  # (given the model's input as it is)
+                self._from_input.discard(id(module))
+                tensor.grad_fn.metadata[FROM_INPUT] = True
         seen = swap01(tensor) if output_swapped else tensor
         if seen.dim() and seen.shape[0] == 1 and forward_batch is not None and forward_batch != 1:
             if not self.batch_first:
@@ -275,7 +265,7 @@ class LayerHooks:
             return tensor
         if broadcast:  # the model gets the layer's own [1, ...] output; the engine hooks its rows over the batch
             call.broadcast = True
-            returned = broadcast_rows(tensor, shared_use_marker(call, self), f"{state.path} ({type(module).__name__})")
+            returned = broadcast_rows(tensor, shared_use_marker(call), f"{state.path} ({type(module).__name__})")
         else:
             returned = tensor
         call.edge_swapped = output_swapped
@@ -301,15 +291,8 @@ class LayerHooks:
             call.ordinal = ordinals.get(id(state.module), 0)
             ordinals[id(state.module)] = call.ordinal + 1
             call.key = pattern_key(call.shape, forward_batch)
-            if recomputed:  # (a recomputation of the last model call: its trace, and its cacheability)
-                call.trace, call.cacheable = self.rows.last_trace, self.rows.forward_clean
-        if not self.dry and not recomputed:
-            watch = self._watch
-            if watch is not None and call.ordinal is not None:
-                watch.note(("call", id(state.module), call.ordinal, call.key), state.path)
-                self._forward_calls.append((state, call))
-            elif self.rows.needs_tags(state, call):  # (outside a watched model call: read at every step)
-                call.unread = self._forward_needs_tags = True
+        if recomputed and not self.dry:
+            self.rows.recomputes = True  # (its calls are only known in the backward: their rows are read there)
         state.calls.append(call)
         if self.dry:  # sizes are all a plan needs; nothing holds the call but this list
             call.activation = None

@@ -22,7 +22,7 @@ from .pipeline import Overflow
 from .planning import LayerDecision
 from .precision import LossScaling
 from .rows import NonFiniteRows, tag_passes, tag_rows
-from .rows.losses import check_losses
+from .rows.losses import OutputMark, check_losses
 from .rows.proof import Rows
 from .step import SamplesPerStep
 from .trainable import TrainableSet
@@ -85,7 +85,6 @@ class BackwardRunner:
         # evaluations in eval() mode may be deferred once the backwards go through engine.backward (which replays a
         # deferred call it reaches), in one process
         self.capture.defer_evaluations = backward.phase is not Phase.PLAIN and self.parallel is None
-        self.setup.rows.verified(backward.forwards)
         self.decisions = backward.decisions
         self.samples_per_step.add_backward(backward.batch)
 
@@ -197,10 +196,16 @@ class BackwardRunner:
         try:
             calls = [(s, c) for s in self.trainable().layers for c in s.calls]
             with self.capture.pausing():  # (its passes are not training: no hook records them)
-                check_losses(losses, units, self.setup.rows.generator, calls, model=self.capture.model)
+                reading = check_losses(losses, units, self.setup.rows.generator, calls, model=self.capture.model)
             if losses.grad_fn is None:
                 return True
-            return self.setup.rows.prove([(losses.grad_fn, losses.output_nr, Rows(0))], losses.shape[0], calls)
+            roots = [(losses.grad_fn, losses.output_nr, Rows(0))]
+            marks = [(edge, what) for edge, what in reading.sources.items() if isinstance(what, OutputMark)]
+            if not reading.proven and marks and len(marks) == len(reading.sources):
+                # The loss check read each output row's gradient to be its own sample's (or, per user, its own
+                # user's): the model's rows are proven from its outputs, whatever the loss did above them.
+                roots = [(node, nr, Rows(what.axis)) for (node, nr), what in marks]
+            return self.setup.rows.prove(roots, losses.shape[0], calls)
         except BaseException:
             self.forget_calls()
             raise
@@ -254,7 +259,7 @@ class BackwardRunner:
             self.current = None
 
     def _needs_tags(self) -> bool:
-        return needs_tags(self.trainable(), self.setup.rows, self.capture.forward_batch)
+        return needs_tags(self.trainable(), self.setup.rows)
 
     # ------------------------------------------------------------------ what the hooks report
     def on_output_grad(self, state, call: Call, grad: torch.Tensor) -> None:
@@ -310,40 +315,49 @@ class BackwardRunner:
                 "engine.backward(losses)"
             )
 
-    def tag_outputs(self, output, needs: bool, from_input: bool = False):
-        """A model call with patterns not read yet: its per-sample outputs tag a plain backward (``tag_rows``);
-        ``from_input``: only the outputs computed from the model's input are per-sample.
+    def tag_outputs(self, output, from_input: bool = False):
+        """A model call's per-sample outputs, made the roots of a plain backward's row check (``tag_rows``): when the
+        backward reaches them, the graph below them is proven (``rows.proof``, through its memo), and what it leaves
+        unproven is read by tag passes from there. ``from_input``: only the outputs computed from the model's input
+        are per-sample.
 
-        Under data parallelism every rank agrees (an empty rank too): the tagged pass is one more backward,
-        in which FSDP2 gathers the parameters.
+        Under data parallelism every rank agrees, at the backward, whether tag passes run and how many (an empty rank
+        too): each is one more backward, in which FSDP2 gathers the parameters.
         """
         batch = self.capture.forward_batch
-        passes = tag_passes(batch or 0)
-        if self.parallel is not None:
-            flag, most = self.parallel.maximum([float(needs), float(batch or 0)],
-                                               next(iter(self.trainable().users)).device)
-            needs, passes = bool(flag), tag_passes(int(most))
-        if not needs or self.recipe.two_pass or batch is None:
+        if self.recipe.two_pass or batch is None:
             return None  # (two-pass modes refuse a plain backward at its first output gradient)
         runner = weakref.ref(self)
-        tagged = []  # the outputs tagged: one alone may be the root of a proof (rows.proof)
-        all_tags = []  # (drawn at the first tag pass: a forward never back-propagated draws none)
+        tagged = []  # (gradient edge, batch axis) of each output tagged: the roots of the proof
+        decided = {}  # the backward that decided, and how many tag passes it runs (0: proven)
 
         def tagged_pass(raw, grad: torch.Tensor, axis: int) -> None:
             alive = runner()
             backward = alive.current if alive is not None else None
             if backward is None or backward.phase is not Phase.PLAIN or backward.rows.tagging:
                 return  # engine.backward tags its losses instead
-            if len(tagged) == 1 and alive.parallel is None:
-                node, nr = (raw.node, raw.output_nr) if not isinstance(raw, torch.Tensor) else (raw.grad_fn, raw.output_nr)
-                calls = [(s, c) for s in alive.trainable().layers for c in s.calls]
-                if node is not None and alive.setup.rows.prove([(node, nr, Rows(axis))], batch, calls):
-                    return  # every row the tag passes would read is proven by the graph
-            if not all_tags:
-                all_tags.extend(alive.setup.rows.new_tags(batch, passes))
-            backward.tag_plain(raw, grad, axis, all_tags)
+            if decided.get("backward") is not backward:
+                decided["backward"], decided["passes"] = backward, alive._plain_tag_passes(tagged, batch, grad.device)
+            passes = decided["passes"]
+            if passes:
+                if "tags" not in decided:  # (drawn at the first tag pass of this backward)
+                    decided["tags"] = alive.setup.rows.new_tags(batch, passes)
+                backward.tag_plain(raw, grad, axis, decided["tags"])
 
         return tag_rows(output, batch, 0 if self.config.batch_first else 1, tagged_pass, from_input, tagged)
+
+    def _plain_tag_passes(self, tagged: list, batch: int, device) -> int:
+        """How many tag passes a plain backward runs from a model call's outputs (``tagged``): none where the graph
+        below them proves every row, else one per base-4 digit of the batch (of the largest rank's, under data
+        parallelism, where every rank runs as many)."""
+        roots = [(edge.node, edge.output_nr, Rows(axis)) if not isinstance(edge, torch.Tensor)
+                 else (edge.grad_fn, edge.output_nr, Rows(axis)) for edge, axis in tagged]
+        calls = [(s, c) for s in self.trainable().layers for c in s.calls]
+        needs = not all(node is not None for node, _, _ in roots) or not self.setup.rows.prove(roots, batch, calls)
+        if self.parallel is None:
+            return tag_passes(batch) if needs else 0
+        flag, most = self.parallel.maximum([float(needs), float(batch)], device)
+        return tag_passes(int(most)) if flag else 0
 
     # ------------------------------------------------------------------ a plain loss.backward()
     def _begin_plain(self, from_layer: Call | None) -> Backward:

@@ -1,8 +1,10 @@
 """The rows of the model's input: a tensor that carries them, read in the real backward and in the tag passes.
 
-Row i of a model input is sample i by definition, so its gradient must come from sample i's loss alone. The forward's
-watch (``watch.ForwardWatch``) passes each tensor that carries the input's rows without requiring gradients through
-``_InputRowsNode`` once the forward verifies; its backward hands the gradient to ``InputRows``, kept as sketches.
+Row i of a model input is sample i by definition, so its gradient must come from sample i's loss alone. At every
+training forward the capture passes each floating-point input with the batch (and each untrained embedding's output
+of ids with the batch) through ``_InputRowsNode``: what the forward computes from it is then in the autograd graph,
+where the proof follows it (``proof.py``), and where the proof cannot, its backward hands the gradient to
+``InputRows``, kept as sketches, which the tag passes read.
 """
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from .sketch import Projections, sketch_rows
 
 class InputRows:
     """The gradient of one tensor that carries the model input's rows (the input itself, or the embedding of
-    its ids), in the real backward and in each tag pass of a verifying step, kept as per-row sketches along each
-    axis where the batch may sit.
+    its ids), in the real backward and in each tag pass of a step whose graph does not prove its rows apart, kept as
+    per-row sketches along each axis where the batch may sit.
 
     Row i of a model input is sample i by definition, so its gradient must come from sample i's loss alone:
     a row whose gradient mixes samples shows a forward that mixes samples (a statistic over the batch, rows

@@ -6,7 +6,9 @@ tags on its rows (``runner.BackwardRunner.tag_outputs``).
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 
@@ -36,17 +38,23 @@ class _TagRows(torch.autograd.Function):
         return grad, None, None
 
 
+#: how many containers deep the tensors of a model's input or output are looked for (a model call's (args, kwargs)
+#: count as one)
+DEPTH = 6
+
+
 def tensors_in(obj, depth: int = 0, whole: tuple[type, ...] = ()):
-    """The tensors in a model's input or output (a tensor, tuple/list, dict, Hugging Face ModelOutput or
-    dataclass), in order; objects of the types ``whole`` are yielded as they are, not looked into."""
+    """The tensors in a model's input or output (a tensor, tuple/list/named tuple, dict or any other ``Mapping``
+    (``UserDict``, a tokenizer's ``BatchEncoding``), Hugging Face ModelOutput or dataclass), in order, up to
+    ``DEPTH`` containers deep; objects of the types ``whole`` are yielded as they are, not looked into."""
     if isinstance(obj, torch.Tensor) or whole and isinstance(obj, whole):
         yield obj
-    elif depth >= 4:
+    elif depth >= DEPTH:
         return
     elif isinstance(obj, (tuple, list)):
         for item in obj:
             yield from tensors_in(item, depth + 1, whole)
-    elif isinstance(obj, dict):
+    elif isinstance(obj, Mapping):
         for item in obj.values():
             yield from tensors_in(item, depth + 1, whole)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
@@ -54,15 +62,60 @@ def tensors_in(obj, depth: int = 0, whole: tuple[type, ...] = ()):
             yield from tensors_in(getattr(obj, f.name), depth + 1, whole)
 
 
+def map_tensors(obj, fn, depth: int = 0):
+    """``obj`` with ``fn(t)`` in place of each tensor ``t`` found as ``tensors_in`` finds them. A container in which
+    nothing changed is returned as it is; one in which something did is a new one of its type (a named tuple, a
+    ``Mapping`` or a dataclass copied, then its entries set): the caller's objects are never modified."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if depth >= DEPTH:
+        return obj
+    if isinstance(obj, (tuple, list)):
+        items = [map_tensors(x, fn, depth + 1) for x in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+            return type(obj)(*items)
+        return type(obj)(items)
+    if isinstance(obj, Mapping):
+        items = {k: map_tensors(v, fn, depth + 1) for k, v in obj.items()}
+        if all(items[k] is v for k, v in obj.items()):
+            return obj
+        if type(obj) is dict:
+            return items
+        try:
+            new = copy.copy(obj)
+            for k, v in items.items():
+                if v is not obj[k]:
+                    new[k] = v
+            return new
+        except TypeError:  # (a read-only mapping)
+            return items
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_tensors(getattr(obj, f.name), fn, depth + 1) for f in dataclasses.fields(obj)}
+        if all(v is getattr(obj, k) for k, v in changes.items()):
+            return obj
+        new = copy.copy(obj)
+        for k, v in changes.items():
+            object.__setattr__(new, k, v)
+        return new
+    return obj
+
+
+#: the key in an autograd node's ``metadata`` that marks a layer call's output as computed from the model's input
+#: (its input was a copy that carries the input's rows, handed over as the original: ``Capture._uncarried``)
+FROM_INPUT = "dptrain.from_input"
+
+
 def carries_input_rows(t: torch.Tensor) -> bool:
     """Whether ``t`` is computed from the model's input: its autograd graph reaches a tensor that carries the
-    input's rows (``_InputRowsNode``, made on verifying forwards)."""
+    input's rows (``_InputRowsNode``), or a layer call that was given one (``FROM_INPUT``)."""
     seen, stack = set(), [t.grad_fn]
     while stack:
         node = stack.pop()
         if node is None or node in seen:
             continue
-        if isinstance(node, _InputRowsNode._backward_cls):
+        if isinstance(node, _InputRowsNode._backward_cls) or node.metadata.get(FROM_INPUT):
             return True
         seen.add(node)
         stack.extend(next_node for next_node, _ in node.next_functions)
@@ -76,10 +129,10 @@ def tag_rows(output, batch: int | None, axis: int, run, from_input: bool = False
     ``from_input``: only tensors computed from the model's input are per-sample (``carries_input_rows``): a
     table returned next to the features, whatever its number of rows, is not. Where no output can be followed
     to the input (a compiled model's graph hides the copy), every output of ``batch`` rows is tagged. ``tagged``
-    (a list) gets the axis of each tensor tagged."""
+    (a list) gets the gradient edge and the batch axis of each tensor tagged."""
     def tag(t: torch.Tensor, found: int) -> torch.Tensor:
         if tagged is not None:
-            tagged.append(found)
+            tagged.append((gradient_edge(t), found))
         return _TagRows.apply(t, run, found)
 
     return map_per_sample(output, batch, axis, tag, from_input)
@@ -94,7 +147,8 @@ def map_per_sample(output, batch: int | None, axis: int, fn, from_input: bool = 
         return None
     if from_input:
         outputs = [t for t in tensors_in(output) if t.requires_grad and t.is_floating_point()]
-        from_input = any(carries_input_rows(t) for t in outputs)
+        # (one output is per-sample or refused anyway: the graph is walked only to tell several apart)
+        from_input = len(outputs) > 1 and any(carries_input_rows(t) for t in outputs)
 
     def wrap(obj, depth=0):
         if isinstance(obj, torch.Tensor):

@@ -16,13 +16,15 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
+
+import torch
 
 
-@dataclass(frozen=True)
-class Rows:
+class Rows(NamedTuple):
     """Where the batch sits in a tensor: along ``axis``, of ``outer * B * inner`` rows, row ``r`` of sample
-    ``(r // inner) % B`` (``inner``: a sample's rows in consecutive blocks; ``outer``: the batch repeated)."""
+    ``(r // inner) % B`` (``inner``: a sample's rows in consecutive blocks; ``outer``: the batch repeated). (A named
+    tuple: a walk makes one per edge.)"""
 
     axis: int
     inner: int = 1
@@ -38,13 +40,33 @@ FREE = "free"
 UNPROVEN = None
 
 
+# What one walk reads of each node, read once: reading a node's metadata makes new Python objects each time, and the
+# rules ask for the same shapes several times (``prove`` fills these and empties them when it returns).
+_SHAPES: dict = {}  # node -> the shapes of its outputs
+_NEXT: dict = {}  # node -> its next_functions
+
+
+def _shapes(node) -> tuple:
+    got = _SHAPES.get(node)
+    if got is None:
+        got = _SHAPES[node] = tuple(m.shape for m in node._input_metadata)
+    return got
+
+
+def _next(node) -> tuple:
+    got = _NEXT.get(node)
+    if got is None:
+        got = _NEXT[node] = node.next_functions
+    return got
+
+
 def _shape(node, nr: int):
-    meta = node._input_metadata
-    return tuple(meta[nr].shape) if nr < len(meta) else None
+    shapes = _shapes(node)
+    return shapes[nr] if nr < len(shapes) else None
 
 
 def _input_shapes(node) -> list:
-    return [None if nxt is None else _shape(nxt, nr) for nxt, nr in node.next_functions]
+    return [None if nxt is None else _shape(nxt, nr) for nxt, nr in _next(node)]
 
 
 def _fits(rows: Rows, shape, batch: int) -> bool:
@@ -64,7 +86,7 @@ def _on_rows(rule):
         if out is UNPROVEN:
             return UNPROVEN
         if out is FREE:
-            return [FREE] * len(node.next_functions)
+            return [FREE] * len(_next(node))
         return rule(node, out, batch)
 
     wrapped.__doc__ = rule.__doc__
@@ -80,6 +102,9 @@ def _same(node, out, batch):
         if shape is None:
             result.append(FREE)
             continue
+        if shape == oshape:  # (the usual case)
+            result.append(out)
+            continue
         axis = out.axis - (len(oshape) - len(shape))
         if axis < 0 or shape[axis] == 1 != oshape[out.axis]:
             result.append(FREE)  # broadcast over the batch
@@ -92,6 +117,9 @@ def _same(node, out, batch):
 
 def _one(outs):
     """The single output's Rows (UNPROVEN for a node with several outputs that disagree)."""
+    if len(outs) == 1:
+        for value in outs.values():
+            return value
     values = list(outs.values())
     if not values or any(v != values[0] for v in values):
         return UNPROVEN
@@ -125,7 +153,7 @@ def _reduction(node, out, batch):
     axis = out.axis if keep else (kept[out.axis] if out.axis < len(kept) else None)
     if axis is None or axis in dims:
         return UNPROVEN
-    return [Rows(axis, out.inner, out.outer)] + [FREE] * (len(node.next_functions) - 1)
+    return [Rows(axis, out.inner, out.outer)] + [FREE] * (len(_next(node)) - 1)
 
 
 @_on_rows
@@ -188,6 +216,40 @@ def _whole(node, dim: int) -> bool:
 
 
 @_on_rows
+def _index_select(node, out, batch):
+    """index_select along another axis than the batch's: it picks positions within each sample, whatever the index."""
+    dim = node._saved_dim % max(1, len(_shape(node, 0)))
+    return UNPROVEN if dim == out.axis else [Rows(out.axis, out.inner, out.outer)]
+
+
+def index_pattern(node) -> tuple | None:
+    """Which leading dimensions an advanced index (``x[:, idx]``) leaves whole, as the positions of its index tensors
+    (a boolean mask covers as many dimensions as it has); None where they are not adjacent (their dimensions then move
+    to the front)."""
+    positions, at = [], 0
+    for index in node._saved_indices:
+        if index is None:
+            at += 1
+            continue
+        span = index.dim() if index.dtype == torch.bool else 1
+        positions.extend(range(at, at + span))
+        at += span
+    if positions and positions != list(range(positions[0], positions[-1] + 1)):
+        return None
+    return tuple(positions)
+
+
+@_on_rows
+def _index(node, out, batch):
+    """Advanced indexing on dimensions after the batch's (``x[:, idx]``, a mask over positions): positions picked
+    within each sample, whatever the index."""
+    positions = index_pattern(node)
+    if not positions or out.axis >= positions[0]:
+        return UNPROVEN
+    return [Rows(out.axis, out.inner, out.outer)]
+
+
+@_on_rows
 def _select(node, out, batch):
     ishape = _input_shapes(node)[0]
     dim = node._saved_dim % len(ishape)
@@ -201,7 +263,7 @@ def _nll(node, out, batch):
     if getattr(node, "_saved_reduction", 0) != 0:
         return UNPROVEN
     axis = out.axis if out.axis == 0 else out.axis + 1
-    return [Rows(axis, out.inner, out.outer)] + [FREE] * (len(node.next_functions) - 1)
+    return [Rows(axis, out.inner, out.outer)] + [FREE] * (len(_next(node)) - 1)
 
 
 def _pointwise_loss(node, outs, batch):
@@ -219,9 +281,14 @@ def _matmul(node, out, batch):
     shapes = _input_shapes(node)
     oshape = _shape(node, 0)
     if name.startswith("Bmm"):
-        if out.axis != 0:
-            return UNPROVEN
-        return [Rows(0, out.inner, out.outer) if s is not None else FREE for s in shapes]
+        if out.axis == 0:
+            return [Rows(0, out.inner, out.outer) if s is not None else FREE for s in shapes]
+        # along the rows of the left factor (or the columns of the right one): the other factor is the same for each,
+        # so it holds no batch (FREE: whatever lies below it with a batch is left unproven)
+        if len(shapes) == 2 and out.axis in (1, 2):
+            rows = Rows(out.axis, out.inner, out.outer)
+            return [rows, FREE] if out.axis == 1 else [FREE, rows]
+        return UNPROVEN
     # mm (self, mat2) or addmm (bias, mat1, mat2): the rows are the left factor's
     if out.axis != 0:
         return UNPROVEN
@@ -239,6 +306,33 @@ def _matmul(node, out, batch):
     return result if UNPROVEN not in result else UNPROVEN
 
 
+@_on_rows
+def _attention(node, out, batch):
+    """Fused scaled dot-product attention (flash, memory-efficient, cuDNN): each query attends over the keys of its own
+    leading indices (the batch, the heads), so rows along a leading axis stay apart in the query, key and value; an
+    attention bias (a fourth input) broadcasts over the leading axes."""
+    oshape = _shape(node, 0)
+    if oshape is None or out.axis >= len(oshape) - 2:
+        return UNPROVEN  # (along the positions: a query meets every key)
+    result = []
+    for k, shape in enumerate(_input_shapes(node)):
+        if shape is None:
+            result.append(FREE)
+        elif k < 3:
+            if len(shape) != len(oshape) or shape[out.axis] != oshape[out.axis]:
+                return UNPROVEN
+            result.append(out)
+        else:
+            axis = out.axis - (len(oshape) - len(shape))
+            if axis < 0 or shape[axis] == 1 != oshape[out.axis]:
+                result.append(FREE)
+            elif shape[axis] == oshape[out.axis]:
+                result.append(Rows(axis, out.inner, out.outer))
+            else:
+                return UNPROVEN
+    return result
+
+
 def _leading_only(spatial: int):
     """Convolutions, pooling, per-sample normalisations: the batch must be in the first dimension."""
 
@@ -246,7 +340,7 @@ def _leading_only(spatial: int):
     def rule(node, out, batch):
         if out.axis != 0:
             return UNPROVEN
-        return [Rows(0, out.inner, out.outer) if k == 0 else FREE for k in range(len(node.next_functions))]
+        return [Rows(0, out.inner, out.outer) if k == 0 else FREE for k in range(len(_next(node)))]
 
     return rule
 
@@ -257,7 +351,7 @@ def _layer_norm(node, out, batch):
     normalized = len(getattr(node, "_saved_normalized_shape", ()))
     if out.axis >= len(oshape) - normalized:
         return UNPROVEN
-    return [Rows(out.axis, out.inner, out.outer)] + [FREE] * (len(node.next_functions) - 1)
+    return [Rows(out.axis, out.inner, out.outer)] + [FREE] * (len(_next(node)) - 1)
 
 
 @_on_rows
@@ -289,14 +383,14 @@ def _shifted(leading: int):
     """An engine Function whose backward passes output k's gradient to input ``leading + k`` (after anchors)."""
 
     def rule(node, outs, batch):
-        return [outs.get(k - leading, FREE) for k in range(len(node.next_functions))]
+        return [outs.get(k - leading, FREE) for k in range(len(_next(node)))]
 
     return rule
 
 
 def _stops(node, outs, batch):
     """An engine Function whose backward passes nothing on (``capture._Origin``)."""
-    return [FREE] * len(node.next_functions)
+    return [FREE] * len(_next(node))
 
 
 _ELEMENTWISE = {
@@ -333,7 +427,7 @@ for _name in ("Softmax", "LogSoftmax", "SafeSoftmax", "Cumsum", "Cumprod", "Logc
 RULES.update({
     "NllLoss": _nll, "NllLoss2D": _nll, "NllLoss2d": _nll,
     "Transpose": _transpose, "Permute": _transpose, "T": _transpose,
-    "Slice": _slice, "Narrow": _slice, "Select": _select,
+    "Slice": _slice, "Narrow": _slice, "Select": _select, "IndexSelect": _index_select, "Index": _index,
     "Mm": _matmul, "Addmm": _matmul, "Bmm": _matmul,
     "NativeLayerNorm": _layer_norm, "NativeGroupNorm": _leading_only(0),
     "Convolution": _leading_only(0), "MaxPool2DWithIndices": _leading_only(2), "MaxPool1DWithIndices": _leading_only(1),
@@ -342,14 +436,27 @@ RULES.update({
     "AdaptiveAvgPool3D": _leading_only(3), "AdaptiveMaxPool2D": _leading_only(2), "UpsampleNearest2D": _leading_only(2),
     "UpsampleBilinear2D": _leading_only(2), "ConstantPadNd": _leading_only(0), "ReflectionPad2D": _leading_only(2),
     "Cat": _cat, "Split": _split, "SplitWithSizes": _split, "Unbind": _split, "Chunk": _split,
+    "ScaledDotProductFlashAttentionForCpu": _attention, "ScaledDotProductFlashAttention": _attention,
+    "ScaledDotProductEfficientAttention": _attention, "ScaledDotProductCudnnAttention": _attention,
 })
+
+
+_RULE_BY_NAME: dict[str, Callable | None] = {}
 
 
 def rule_of(node) -> Callable | None:
     """The rule of a node's type: its name without the ``Backward<n>`` suffix."""
-    name = node.name()
-    base = name[: name.find("Backward")] if "Backward" in name else name
-    return RULES.get(base)
+    return rule_of_name(node.name())
+
+
+def rule_of_name(name: str) -> Callable | None:
+    """The rule of the node type named ``name``."""
+    try:
+        return _RULE_BY_NAME[name]
+    except KeyError:
+        base = name[: name.find("Backward")] if "Backward" in name else name
+        rule = _RULE_BY_NAME[name] = RULES.get(base)
+        return rule
 
 
 # the engine's own Functions (capture, rows.outputs, rows.inputs), by name
@@ -377,19 +484,27 @@ def prove(roots: list[tuple[object, int, Rows]], batch: int, stop: Callable[[obj
     stop = stop or (lambda node, nr: False)
     if batch <= 0:
         return Proof({}, set(), set(), "an empty batch")
+    try:
+        return _walk(roots, batch, stop, limit)
+    finally:
+        _SHAPES.clear()
+        _NEXT.clear()
+
+
+def _walk(roots, batch: int, stop, limit: int) -> Proof:
     # the nodes below the roots and how many gradients each receives (its consumers), for a walk in order
     consumers: dict[object, int] = {}
     stops: set = set()
     stack = [node for node, _, _ in roots if node is not None]
-    seen = set()
+    nexts = _NEXT
     while stack:
         node = stack.pop()
-        if node in seen:
+        if node in nexts:
             continue
-        seen.add(node)
-        if len(seen) > limit:
-            return Proof({}, {(n, 0) for n in seen}, set(), "a graph too large to walk")
-        for nxt, nr in node.next_functions:
+        following = nexts[node] = node.next_functions
+        if len(nexts) > limit:
+            return Proof({}, {(n, 0) for n in nexts}, set(), "a graph too large to walk")
+        for nxt, nr in following:
             if nxt is None:
                 continue
             if stop(nxt, nr):
@@ -413,14 +528,15 @@ def prove(roots: list[tuple[object, int, Rows]], batch: int, stop: Callable[[obj
             continue
         done.add(node)
         outs = incoming.get(node, {})
+        following = nexts[node]
         if any(v is UNPROVEN for v in outs.values()):
             result = UNPROVEN
         else:
             rule = rule_of(node)
             result = rule(node, outs, batch) if rule is not None else UNPROVEN
-            if rule is None and stopped is None and node.next_functions:
+            if rule is None and stopped is None and following:
                 stopped = node.name()
-        for k, (nxt, nr) in enumerate(node.next_functions):
+        for k, (nxt, nr) in enumerate(following):
             if nxt is None:
                 continue
             value = UNPROVEN if result is UNPROVEN or k >= len(result) else result[k]

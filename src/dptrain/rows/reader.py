@@ -1,94 +1,52 @@
-"""What the row check keeps: across steps (``RowReader``: the layouts verified so far, the tags' generator) and for
-one backward (``BackwardRows``: the sketches its tag passes deliver, the maps it reads)."""
+"""What the row check keeps: across steps (``RowReader``: the tags' generator and the proofs' memo, never a verdict
+on values) and for one backward (``BackwardRows``: the sketches its tag passes deliver, the maps it reads)."""
 from __future__ import annotations
 
 import torch
 
 from .errors import NonFiniteRows, RowsMixSamples
 from .layout import RowMap, _describe, can_regroup, map_from_layout
+from .memo import ProofMemo
 from .reading import make_tags, read_sketches, tolerance
 from .sketch import Projections, sketch_rows
-from .proof import Rows, call_layout, edges_by_call, prove
+from .proof import Rows, call_layout, edges_by_call
 from .inputs import InputRows, _add, _one_sample_per_row
-from .traces import Traces
 
 
 class RowReader:
-    """What row reading keeps across steps: the forwards verified so far (``Traces``) and the layouts their calls were
-    read to have, the tags' generator. Each backward reads its maps through its own ``BackwardRows``."""
+    """What row reading keeps across steps: the tags' generator and the proofs' memo (``memo.ProofMemo``: what the
+    graph's structure proves holds for every value in it). No layout read from values is kept: every backward's
+    rows are proven from its own graph, or read by its own tag passes. Each backward reads its maps through its own
+    ``BackwardRows``."""
 
     def __init__(self, seed: int | None = None):
-        #: (trace record, call pattern) -> the layout its rows were read to have
-        self.layouts: dict[tuple, object] = {}
-        self.traces = Traces()
-        #: verifying forwards whose backward has not completed yet: forward id -> (trace, record)
-        self._pending: dict[int, tuple[list, int]] = {}
+        self.proofs = ProofMemo()
         # The tags need no secrecy: their random order only keeps a structured mixture of rows (a mean of
         # two samples' gradients) from landing on a third sample's tag.
         self.generator = torch.Generator()
         self.generator.manual_seed(0x5EED if seed is None else seed + 1)
-        #: the trace record of the last model call, and whether it picked no rows by the data: its recomputations
-        #: (activation checkpointing) are its calls again
-        self.last_trace: int | None = None
-        self.forward_clean = False
-        #: where the last model call left the verified traces (None: it followed one, or nothing was verified yet),
-        #: and whether it followed one to its end (nothing in it to verify)
-        self.last_divergence: str | None = None
-        self.last_followed = False
-        #: batch sizes whose recomputed calls (activation checkpointing) were verified: a backward of another
-        #: batch size runs a tag pass, as recomputed calls are only known once they are recomputed
-        self.recomputed_batches: set[int] | None = None
-
-    def has_layout(self, module) -> bool:
-        """Whether a layout of some call of ``module`` is cached (for tests and reports)."""
-        return any(key[1] == id(module) for key in self.layouts)
-
-    def pending_trace(self, forward_id: int, keys: list, record: int) -> None:
-        """A verifying forward's trace, kept once its backward has read every row (``verified``)."""
-        self._pending[forward_id] = (keys, record)
-        while len(self._pending) > 16:  # (forwards never back-propagated)
-            self._pending.pop(next(iter(self._pending)))
-
-    def verified(self, forward_ids) -> None:
-        """A backward completed over these model calls: their traces are verified."""
-        for forward_id in forward_ids:
-            got = self._pending.pop(forward_id, None)
-            if got is not None:
-                self.traces.insert(*got)
+        #: layer calls were recomputed in a backward (reentrant activation checkpointing): such calls are only known
+        #: once recomputed, after any proof, so every backward reads rows by tag passes
+        self.recomputes = False
 
     @staticmethod
     def pattern(state, call) -> tuple | None:
-        """The cache key of a call: the verified trace of its forward, its layer, which of the layer's calls it is,
-        its shape relative to B."""
-        if call.ordinal is None or call.trace is None:
+        """A recomputed call's key within one backward (its tag passes and its real pass recompute it as different
+        calls): its layer, which of the layer's calls it is, its shape relative to B."""
+        if call.ordinal is None:
             return None
-        return (call.trace, id(state.module), call.recomputed, call.ordinal, call.key)
-
-    def cached(self, state, call):
-        pattern = self.pattern(state, call)
-        return self.layouts.get(pattern) if pattern is not None else None
-
-    def needs_tags(self, state, call) -> bool:
-        """Whether this call's layout must be read from a tag pass (it is not known for its pattern)."""
-        if call.rowmap is not None:
-            return False
-        layout = self.cached(state, call)
-        return layout is None or call.batch_size is None or not layout.fits(call.shape, call.batch_size)
+        return (id(state.module), call.recomputed, call.ordinal, call.key)
 
     def prove(self, roots: list, batch: int, calls: list) -> bool:
         """Read the layouts of the unread calls (``calls``: (layer state, call)) that the graph below ``roots`` proves
-        (``proof.py``), and whether nothing is left for a tag pass (every unread call, and every reading of the model
-        input's rows reached, proven)."""
-        unread = [(s, c) for s, c in calls if c.unread and c.rowmap is None]
-        if not unread:
-            return True
+        (``proof.py``, through the memo), and whether nothing is left for a tag pass (every unread call, and every
+        reading of the model input's rows reached, proven)."""
+        unread = [(s, c) for s, c in calls if c.rowmap is None]
         if batch <= 0:  # (an empty batch: no row belongs to a sample; its maps are empty, BackwardRows.resolve)
-            return False
-        if not all(c.provable for _, c in unread):
-            return False
-        proof = prove(roots, batch)
+            return not unread
+        proof = self.proofs.prove(roots, batch)
         by_edge = edges_by_call(proof)
-        complete = True
+        complete = not self.recomputes
         for state, call in unread:
             layout = None
             if call.shared_use is None and not call.recomputed and call.batch_size == batch:
@@ -99,9 +57,6 @@ class RowReader:
                 complete = False
                 continue
             call.rowmap = rowmap
-            pattern = self.pattern(state, call)
-            if call.cacheable and pattern is not None:
-                self.layouts[pattern] = layout
         for (node, _), value in proof.edges.items():
             reading = getattr(node, "reading", None) if node.name() == "_InputRowsNodeBackward" else None
             if isinstance(reading, InputRows):
@@ -186,7 +141,7 @@ class BackwardRows:
                 continue
             if not any(_one_sample_per_row(reading, axis, tags, real, tagged, self.padded) for axis in reading.axes):
                 raise RowsMixSamples(
-                    f"the forward mixes samples before its trainable layers{self._where()}: a row of the model's "
+                    "the forward mixes samples before its trainable layers: a row of the model's "
                     "input reaches other samples' losses (a mixup of the input, a statistic over the batch such as a "
                     "mean or a BatchNorm in training mode, or rows of one sample fed to another, in a frozen part of "
                     "the model), so every "
@@ -225,13 +180,7 @@ class BackwardRows:
             call.rowmap = RowMap(1, torch.full((rows,), -1, dtype=torch.long), 0, rows == 0, None)
             return call.rowmap
         name = f"{state.path} ({type(state.module).__name__})"
-        # (a table of batch size 1 used without broadcasting it is read at every step: broadcast.py)
-        layout = self.reader.cached(state, call) if call.shared_use is None else None
-        rowmap = map_from_layout(layout, call.shape, batch) if layout is not None else None
-        if rowmap is None:
-            rowmap = self._read(state, call, batch, name)
-            if rowmap.layout is not None and call.cacheable and rowmap.complete:
-                self.reader.layouts[self.reader.pattern(state, call)] = rowmap.layout
+        rowmap = self._read(state, call, batch, name)
         if not rowmap.identity and not can_regroup(state.rule, call.activation, call.grad, rowmap.axes):
             raise RowsMixSamples(
                 f"{name}: its rows are samples in another order or layout ({_describe(rowmap)}, output of shape "
@@ -242,7 +191,6 @@ class BackwardRows:
         call.tagged = None
         if call.recomputed and self.reader.pattern(state, call) is not None:
             self.resolved[self.reader.pattern(state, call)] = rowmap
-            self.reader.recomputed_batches = (self.reader.recomputed_batches or set()) | {batch}
         return rowmap
 
     def _read_around_padding(self, real, tagged, tags, batch, shape, axes, eps, rel, bad: torch.Tensor) -> RowMap:
@@ -255,11 +203,6 @@ class BackwardRows:
         if samples is None or bool((samples[bad] < 0).any()) or not bool(self.padded[samples[bad]].all()):
             raise NonFiniteRows("a layer's output gradient is inf or NaN in rows that are not padding")
         return rowmap
-
-    def _where(self) -> str:
-        """Where the last forward left the steps verified before, in words (empty if it did not)."""
-        where = self.reader.last_divergence
-        return f" (this forward left the ones verified before at `{where}`)" if where else ""
 
     def _read(self, state, call, batch: int, name: str) -> RowMap:
         """A call's map read from its tag passes' sketches and its real output gradient."""
@@ -304,7 +247,7 @@ class BackwardRows:
                 "layer per-sample ids (ids.expand(B, -1)), or freeze it"
             ) from None
         raise RowsMixSamples(
-            f"{name}: {err} (output of shape {tuple(call.grad.shape)}, batch of {batch}){self._where()}: per-sample "
+            f"{name}: {err} (output of shape {tuple(call.grad.shape)}, batch of {batch}): per-sample "
             "clipping cannot split such rows. Typical causes: an operation over the batch axis after this layer "
             "(a mixup or CutMix of hidden features, h.roll(1, 0)), a table broadcast over the batch (position "
             "embeddings looked up on [T] ids), per-class or pooled vectors, an input of the model concatenated "

@@ -1,0 +1,201 @@
+"""Proofs memoised by the structure of the graph they were made on (``ProofMemo``).
+
+A proof (``proof.prove``) reads every node's shapes and applies a rule to each: on a 12-layer GPT-2 it costs twenty
+times a plain walk of the graph. What it proves depends on the graph alone, never on the values in it: the node types,
+how they connect, the attributes and shapes the rules read. So the engine proves each backward's graph from a memo
+keyed by exactly that, read in one walk:
+
+- every node's type, which edges lead where (by position in the walk), where the walk stopped (the model's outputs, for
+  the loss check), and whether a layer call reads its gradient there;
+- for each node whose rule reads shapes or attributes (views, reductions, products, slices, transposes, ...), those
+  attributes and its shapes, each size written as the batch (``"B"``), 1, or another size (``"*"``). Element-wise
+  operations, convolutions, poolings and per-sample normalisations read only where the batch sits: their key is their
+  type;
+- whether the batch has one sample (every size of 1 is then the batch's).
+
+A key seen before gives the proof made on it (which layer calls and input readings were proven, in which layout);
+any other graph is proven in full and remembered. A layer call's layout taken from the memo is still checked against
+the call's own shape (``layout.map_from_layout``): a layout that does not fit is read by tag passes.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from . import proof as _proof
+from .proof import CALL_EDGE, Proof, prove
+
+# The attributes each rule reads (by node type). The sizes the rules read are not in the key: they follow from the
+# node types and attributes of a code path but for the batch's own size (sequence lengths and widths change from
+# batch to batch without changing which rows meet), and a layout taken from the memo must fit each call's shape.
+_DIM = ("_saved_dim",)
+_ATTRIBUTES: dict[str, tuple[str, ...]] = {
+    **{name: ("_saved_dim", "_saved_keepdim") for name in _proof._REDUCTIONS},
+    **{name: _DIM for name in ("Softmax", "LogSoftmax", "SafeSoftmax", "Cumsum", "Cumprod", "Logcumsumexp", "Cummax",
+                                "Cummin", "Sort", "Topk", "Gather", "Select", "Cat", "Split", "SplitWithSizes",
+                                "Unbind", "Chunk", "IndexSelect")},
+    **{name: ("_saved_reduction",) for name in (*_proof._POINTWISE_LOSSES, "NllLoss", "NllLoss2D", "NllLoss2d")},
+    "Permute": ("_saved_dims",), "Transpose": ("_saved_dim0", "_saved_dim1"),
+    "NativeLayerNorm": ("_saved_normalized_shape",),
+}
+_MISSING = object()
+
+
+class _Reads:
+    """What the key holds of one node type (made once per type name)."""
+
+    __slots__ = ("attributes", "is_slice", "is_index")
+
+    def __init__(self, name: str):
+        base = name[: name.find("Backward")] if "Backward" in name else name
+        ruled = _proof.rule_of_name(name) is not None
+        self.attributes = _ATTRIBUTES.get(base, ()) if ruled else ()
+        self.is_slice = base in ("Slice", "Narrow")
+        self.is_index = base == "Index"
+
+
+_READS: dict[str, _Reads] = {}
+
+
+def _facts(node, reads: _Reads) -> tuple:
+    facts = [getattr(node, a, _MISSING) for a in reads.attributes]
+    facts = [None if f is _MISSING else tuple(f) if isinstance(f, list) else f for f in facts]
+    if reads.is_slice:  # whether it keeps every row of its axis depends on its bounds and sizes
+        dim = node._saved_dim % max(1, len(_proof._shape(node, 0)))
+        facts.append((dim, _proof._whole(node, dim)))
+    if reads.is_index:  # which dimensions it indexes (not by which values)
+        facts.append(_proof.index_pattern(node))
+    return tuple(facts)
+
+
+class ProofMemo:
+    """The proofs of the graphs seen so far, by structure (see the module docstring); at most ``limit`` kept."""
+
+    def __init__(self, limit: int = 128):
+        self.limit = limit
+        self._entries: OrderedDict[tuple, tuple] = OrderedDict()
+        #: how many proofs were made in full, and how many were taken from the memo (for tests and benchmarks)
+        self.made = self.reused = 0
+
+    def prove(self, roots: list, batch: int, stop=None) -> Proof:
+        """``proof.prove``'s answer for the edges the engine reads (layer calls' outputs, the model input's readings,
+        parameters, the edges it stopped at), and whether anything was left unproven."""
+        if batch <= 0:
+            return Proof({}, set(), set(), "an empty batch")
+        try:
+            nexts, key = _structure(roots, batch, stop)
+        finally:
+            _proof._SHAPES.clear()
+            _proof._NEXT.clear()
+        try:
+            return self._proof(key, roots, batch, stop, nexts)
+        finally:
+            _proof._SHAPES.clear()
+
+    def _proof(self, key: tuple, roots: list, batch: int, stop, nexts: list) -> Proof:
+        entry = self._entries.get(key)
+        if entry is None:
+            self.made += 1
+            found = prove(roots, batch, stop)
+            entry = _remember(found, nexts)
+            self._entries[key] = entry
+            if len(self._entries) > self.limit:
+                self._entries.popitem(last=False)
+            return found
+        self.reused += 1
+        self._entries.move_to_end(key)
+        values, unproven, stopped_at = entry
+        edges = {(node, nr): rows for node, nr, rows in roots if node is not None}
+        for i, k, value in values:
+            edge = nexts[i][k]
+            edges[edge] = _concrete(value, _proof._shape(*edge), batch) if type(value) is tuple else value
+        stops = {nexts[i][k] for i, k, _ in values if stop is not None and stop(*nexts[i][k])}
+        return Proof(edges, {nexts[i][k] for i, k in unproven}, stops, stopped_at)
+
+
+def _interesting(node) -> bool:
+    """An edge into a node whose value the engine reads: a layer call's output, a reading of the model's input, a
+    parameter (the loss check refuses parameters outside the model)."""
+    if node.metadata.get(CALL_EDGE) is not None:
+        return True
+    name = node.name()
+    return name == "torch::autograd::AccumulateGrad" or name == "_InputRowsNodeBackward"
+
+
+def _structure(roots, batch: int, stop):
+    """The walk's next edges of each node in order, and the key of the graph (see the module docstring), flat. Nodes
+    are numbered as the walk discovers them; each one's entry names the numbers its edges lead to."""
+    index: dict = {}
+    nexts: list = []
+    key = [batch == 1]
+    stack = []
+    for node, nr, rows in roots:
+        if node is not None and node not in index:
+            index[node] = len(index)
+            stack.append((node, index[node]))
+        key.extend((index.get(node), nr, rows))
+    stack.reverse()
+    reads_of = _READS
+    while stack:
+        node, at = stack.pop()
+        following = node.next_functions
+        nexts.append(following)
+        name = node.name()
+        reads = reads_of.get(name)
+        if reads is None:
+            reads = reads_of[name] = _Reads(name)
+        key.extend((at, name, len(following), CALL_EDGE in node.metadata,
+                    _facts(node, reads) if reads.attributes or reads.is_slice or reads.is_index else None))
+        for nxt, nr in following:
+            if nxt is None:
+                key.append(None)
+                continue
+            if stop is not None and stop(nxt, nr):
+                key.append(-1 - nr)  # (the walk stops there: a model output)
+                continue
+            to = index.get(nxt)
+            if to is None:
+                to = index[nxt] = len(index)
+                stack.append((nxt, to))
+            key.append(to)
+            key.append(nr)
+    return nexts, tuple(key)
+
+
+def _remember(found: Proof, nexts: list) -> tuple:
+    """What the memo keeps of a full proof: no node, only positions in the walk (the graph is not held)."""
+    values, unproven = [], []
+    for i, following in enumerate(nexts):
+        for k, (nxt, nr) in enumerate(following):
+            if nxt is None:
+                continue
+            edge = (nxt, nr)
+            if edge in found.unproven:
+                unproven.append((i, k))
+            if edge in found.stops or _interesting(nxt):
+                values.append((i, k, _abstract(found.edges.get(edge, _proof.UNPROVEN))))
+    return values, unproven, found.stopped_at
+
+
+def _abstract(value):
+    """A proven ``Rows`` as the memo keeps it: where the batch sits, and how a sample's rows are laid out along that
+    axis (each its own row, in blocks, interleaved), not how many rows it has (a sequence length)."""
+    if not isinstance(value, _proof.Rows):
+        return value
+    if value.inner == 1 and value.outer == 1:
+        return (value.axis, "identity")
+    if value.outer == 1:
+        return (value.axis, "blocks")
+    if value.inner == 1:
+        return (value.axis, "interleaved")
+    return value  # (both: kept as it is, it fits only the sizes it was proven at)
+
+
+def _concrete(value: tuple, shape, batch: int):
+    """``_abstract``'s form as the ``Rows`` of an edge of ``shape``; unproven where it does not fit."""
+    axis, kind = value
+    if shape is None or axis >= len(shape) or shape[axis] % batch:
+        return _proof.UNPROVEN
+    count = shape[axis] // batch
+    if kind == "identity":
+        return _proof.Rows(axis) if count == 1 else _proof.UNPROVEN
+    return _proof.Rows(axis, count, 1) if kind == "blocks" else _proof.Rows(axis, 1, count)

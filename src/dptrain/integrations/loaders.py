@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .. import accounting, checks
-from ..data import DPDataLoader, FixedShapeBatch, PoissonSampler, _EmptyBatchCollate, _FixedShapeCollate, batch_len
+from ..data import DPDataLoader, FixedShapeBatch, PoissonSampler, _EmptyBatchCollate, _FixedShapeCollate
 
 __all__ = ["MASK_KEY", "ShardedPoissonLoader", "ShardedPoissonSampler", "fixed_shape_rows", "sharded_poisson_loader"]
 
@@ -164,7 +164,7 @@ class ShardedPoissonLoader(DPDataLoader):
         self._consumed = start
         for batch in super(DPDataLoader, self).__iter__():
             self._consumed += 1
-            self._recent_rows.append(batch_len(batch) or 0)
+            self._note_batch(batch)
             yield batch
         self._consumed = None
 
@@ -225,7 +225,9 @@ def sharded_poisson_loader(dataset, batch_size: int, *, max_batch_size: int | No
         collate = _LazyRows(collate_fn, dataset[0], sampler)
         if mask_key is not None:
             collate = _MaskInDict(collate, mask_key)
-    return ShardedPoissonLoader(dataset, sampler, collate_fn=collate, num_workers=num_workers, pin_memory=pin_memory)
+    loader = ShardedPoissonLoader(dataset, sampler, collate_fn=collate, num_workers=num_workers, pin_memory=pin_memory)
+    loader.mask_key = mask_key
+    return loader
 
 
 class _LazyRows:

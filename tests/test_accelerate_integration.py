@@ -133,6 +133,69 @@ def test_one_sample_moves_the_step_by_at_most_the_clipping_norm():
     assert grad_norm_difference(*sums) == pytest.approx(R, rel=1e-9)
 
 
+def _padded_run(n, path, *, hazard_step=2, max_batch_size=12, accumulation=2, R=1e-3):
+    """Steps on q = 1 of ``n`` examples in ``accumulation`` micro-batches (K = 12: padding rows), through the
+    documented call until ``hazard_step``, then through ``path`` (refused: that micro-batch again through the
+    documented call). The last step's clipped sum (p.grad times n), and the refusals."""
+    x, y = columns(8)
+    accelerator, prepared, optimizer, private = _setup(build_model(), (x[:n], y[:n]), batch_size=n,
+                                                       max_grad_norm=R, max_batch_size=max_batch_size,
+                                                       steps=hazard_step + 1, accumulation=accumulation)
+    refusals = []
+    while private.engine.steps_taken <= hazard_step:
+        for batch in private.loader:
+            (xb, yb), mask = send_to_device(batch, accelerator.device)
+            with accelerator.accumulate(prepared):
+                losses = losses_fn(prepared, xb, yb)
+                try:
+                    if private.engine.steps_taken < hazard_step or path == "private.backward(losses, mask)":
+                        private.backward(losses, mask)
+                    elif path == "accelerator.backward(loss)":
+                        accelerator.backward(losses.mean())
+                    else:
+                        private.backward(losses)
+                except ValueError as err:
+                    refusals.append(str(err))
+                    private.backward(losses_fn(prepared, xb, yb), mask)
+                optimizer.step()
+                if private.engine.steps_taken == hazard_step + 1 and accelerator.sync_gradients:
+                    grads = {k: p.grad * n for k, p in prepared.named_parameters()}
+                optimizer.zero_grad()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return grads, refusals
+
+
+@pytest.mark.parametrize("path", ["private.backward(losses, mask)", "accelerator.backward(loss)",
+                                  "private.backward(losses)"])
+def test_a_padded_step_is_exact_with_its_mask_and_refused_without(path):
+    """Ordinary steps, then the hazard: only the documented call carries the mask; the others are refused before
+    anything is applied (the step then taken the documented way is exact), and one sample moves the step by R."""
+    full, full_refusals = _padded_run(8, path)
+    smaller, smaller_refusals = _padded_run(7, path)
+    if path == "private.backward(losses, mask)":
+        assert full_refusals == smaller_refusals == []
+    else:
+        for refusals, real in ((full_refusals, 4), (smaller_refusals, 3)):  # micro-batch 1 of 2: 6 rows
+            assert len(refusals) == 2 and f"batch has {real} real samples" in refusals[0], refusals
+            assert all("Give the mask: private.backward(losses, mask) with the batch's mask" in r for r in refusals)
+        documented, _ = _padded_run(8, "private.backward(losses, mask)")
+        assert_matches(full, documented, rtol=1e-12, what=f"after refusing {path}")
+    assert grad_norm_difference(full, smaller) / 1e-3 == pytest.approx(1.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("path", ["accelerator.backward(loss)", "private.backward(losses)"])
+def test_a_step_without_padding_works_without_the_mask(path):
+    """K = n and q = 1: no padding row, so the usual idiom is private too (one sample moves the step by R)."""
+    runs = [_padded_run(n, path, max_batch_size=n, accumulation=1) for n in (8, 7)]
+    assert runs[0][1] == runs[1][1] == []
+    x, y = columns(8)
+    full = {k: g / 8 for k, g in runs[0][0].items()}
+    assert_matches(full, oracle_step(build_model(), losses_fn, (x, y), list(range(8)), 1e-3, 8), what=path)
+    assert grad_norm_difference(runs[0][0], runs[1][0]) / 1e-3 == pytest.approx(1.0, rel=1e-9)
+    _, refusals = _padded_run(7, path, max_batch_size=8, accumulation=1)  # 7 real rows of 8: the same path refused
+    assert len(refusals) == 1 and "batch has 7 real samples" in refusals[0]
+
+
 def test_save_and_load_state_continue_epsilon_steps_and_batches_with_fresh_noise(tmp_path):
     def run(resume=None, save=None):
         model = build_model()

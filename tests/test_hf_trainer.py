@@ -26,6 +26,7 @@ from helpers import Case, assert_matches, reference, split_max_grad_norm
 
 T = pytest.importorskip("transformers")
 from dptrain.integrations.hf_trainer import STATE_FILE, DPTrainer, per_sample_losses  # noqa: E402
+from dptrain.integrations.loaders import MASK_KEY  # noqa: E402
 
 N, L, V = 8, 6, 30
 
@@ -182,6 +183,29 @@ def test_one_sample_moves_the_step_by_at_most_the_clipping_norm(tmp_path):
         trainer.train()
         sums.append({k: g * n for k, g in snapshot.grads.items()})
     assert grad_norm_difference(*sums) == pytest.approx(R, rel=1e-9)
+
+
+class _MaskDroppingTrainer(DPTrainer):
+    """A training_step of one's own from step 2 on, which forgets the batch's fixed-shape mask."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.state.global_step < 2:
+            return super().training_step(model, inputs, num_items_in_batch)
+        inputs = dict(self._prepare_inputs(inputs))
+        inputs.pop(MASK_KEY)
+        losses = self.compute_per_sample_losses(model, inputs)
+        self.privacy_engine.backward(losses)
+        return losses.detach().mean()
+
+
+def test_a_training_step_that_drops_the_mask_is_refused_naming_it(tmp_path):
+    """q = 1 of 8 examples in micro-batches of K / 2 rows (K > 8: padding): two ordinary steps, then refused."""
+    trainer = _trainer(_MaskDroppingTrainer, model=_gpt2(), args=_args(tmp_path, max_steps=3),
+                       train_dataset=_dataset(_lm_data()), noise_multiplier=0.0)
+    with pytest.raises(ValueError, match=r"has \d real samples.*DPTrainer.training_step passes the batch's "
+                                         r"'dptrain_mask' entry to engine.backward"):
+        trainer.train()
+    assert trainer.privacy_engine.steps_taken == 2 and trainer.privacy_engine.max_batch_size > N
 
 
 # --------------------------------------------------------------------------- checkpoints

@@ -31,7 +31,8 @@ What goes where::
 * **The backward** is ``private.backward(losses, mask)``: per-sample losses, not divided by the accumulation
   steps (the engine divides the noisy sum by the expected batch size), through the loss scaler when there is
   one. ``accelerator.accumulate(model)`` decides when ``optimizer.step()`` steps, as usual; a step that does
-  not fall on the loader's logical batches is refused.
+  not fall on the loader's logical batches is refused. ``accelerator.backward(loss)``, or ``private.backward``
+  without the mask, of a batch with padding rows is refused (it would clip them as samples).
 * **Checkpoints.** ``make_private`` registers ``private`` with ``accelerator.register_for_checkpointing``:
   ``save_state`` / ``load_state`` carry the engine's state (step count, accountant history, noise state; the
   noise after loading is fresh) and the sampler's, and the loader resumes where it stopped (do not skip
@@ -107,7 +108,7 @@ class PrivateTraining:
 
     def backward(self, losses: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Back-propagate this micro-batch's per-sample losses ``[B]`` (with the fixed-shape ``mask``)."""
-        accumulation = self.loader.micro_batches
+        accumulation, before = self.loader.micro_batches, self._micro
         self._micro = self._micro % accumulation + 1
         at_step = self._micro == accumulation
         if accumulation > 1 and self.accelerator.sync_gradients != at_step:
@@ -118,7 +119,11 @@ class PrivateTraining:
                 "wrap each micro-batch in `with accelerator.accumulate(model):`, and start iterating "
                 "private.loader at the start of a logical batch. Nothing of this micro-batch was accumulated")
         scaler = self.accelerator.scaler
-        self.engine.backward(scaler.scale(losses) if scaler is not None else losses, mask=mask)
+        try:
+            self.engine.backward(scaler.scale(losses) if scaler is not None else losses, mask=mask)
+        except BaseException:
+            self._micro = before  # a refused micro-batch was not back-propagated: it may come again
+            raise
 
     def state_dict(self) -> dict:
         """The engine's and the sampler's state (``accelerator.save_state`` saves it)."""
@@ -165,6 +170,7 @@ def make_private(accelerator: accelerate.Accelerator, model: nn.Module, optimize
                                     micro_batches=micro, num_replicas=accelerator.num_processes,
                                     rank=accelerator.process_index, generator=generator, collate_fn=collate_fn,
                                     num_workers=num_workers, pin_memory=accelerator.device.type == "cuda")
+    loader.mask_call = "private.backward(losses, mask) with the batch's mask (accelerator.backward(loss) has none)"
     engine = PrivacyEngine(model, **settings)
     engine.attach(inner_optimizer(optimizer), data_loader=loader, grad_scaler=accelerator.scaler)
     private = PrivateTraining(accelerator, engine, loader)

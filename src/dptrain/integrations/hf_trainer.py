@@ -296,6 +296,8 @@ class DPTrainer(Trainer):
             rank=self.args.process_index, generator=generator, collate_fn=collator,
             num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
             mask_key=MASK_KEY)
+        loader.mask_call = (f"DPTrainer.training_step passes the batch's {MASK_KEY!r} entry to engine.backward(losses, "
+                            "mask=...): keep it in the batch (a training_step of your own: pop it and pass it so)")
         loader.poisson_sampler.resolve()  # the process group is up: agree on the seed now, with every process
         self._train_loader = loader
         return loader

@@ -360,11 +360,25 @@ def test_missing_labels_and_unknown_models_ask_for_a_per_sample_loss():
         per_sample_losses(torch.nn.Linear(2, 2), {"labels": torch.zeros(1)}, {"logits": torch.zeros(1, 2)})
 
 
-def test_missing_transformers_names_the_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "transformers", None)  # what an absent package looks like to import
+@pytest.mark.parametrize("absent", ["transformers", "accelerate"])
+def test_a_missing_package_is_named_with_the_extra_that_installs_it(monkeypatch, absent):
+    monkeypatch.setitem(sys.modules, absent, None)  # what an absent package looks like to import
     monkeypatch.delitem(sys.modules, "dptrain.integrations.hf_trainer")
-    with pytest.raises(ImportError, match=r"pip install 'dptrain\[transformers\]'"):
+    with pytest.raises(ImportError, match=rf"and '{absent}' is not installed: pip install 'dptrain\[transformers\]' "
+                                          "installs both"):
         importlib.import_module("dptrain.integrations.hf_trainer")
+
+
+def test_the_transformers_extra_installs_accelerate_too():
+    """The Trainer needs accelerate; an extra without it would leave DPTrainer's error unfixable by its own advice."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    extra = {Requirement(r).name for r in project["optional-dependencies"]["transformers"]}
+    assert {"transformers", "accelerate"} <= extra
 
 
 

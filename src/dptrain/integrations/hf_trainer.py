@@ -63,10 +63,13 @@ try:
     from transformers import Trainer
     from transformers.models.auto import modeling_auto
     from transformers.utils import logging as hf_logging
+
+    import accelerate  # noqa: F401  (the Trainer trains through it, and installing transformers does not bring it)
 except ImportError as err:  # pragma: no cover - exercised only without the extra
+    missing = (err.name or "a module").split(".")[0]
     raise ImportError(
-        "dptrain.integrations.hf_trainer needs Hugging Face transformers: pip install 'dptrain[transformers]'"
-    ) from err
+        f"dptrain.integrations.hf_trainer needs Hugging Face transformers and accelerate (the Trainer trains through "
+        f"it), and {missing!r} is not installed: pip install 'dptrain[transformers]' installs both") from err
 
 from .. import checks
 from ..algorithms import DEFAULT_CLIPPING_MODE

@@ -220,6 +220,52 @@ def test_save_and_load_state_continue_epsilon_steps_and_batches_with_fresh_noise
     assert any(not torch.equal(p, q) for p, q in zip(full_model.parameters(), resumed_model.parameters()))
 
 
+def _longer_run(folder, *, planned, resume=False, steps=6, accumulation=2, **privacy):
+    """16 examples, expected batch 4 (4 steps per epoch), ``planned`` steps for the calibration (K "auto": 12 for
+    3 steps, 14 for 30); a checkpoint at step 2 (the middle of an epoch), or resumed from it. (private, the batches
+    drawn after step 2.)"""
+    model = build_model()
+    privacy = {"target_epsilon": 8.0, "noise_multiplier": None, "lr": 0.1, "engine_kwargs": {"seed": 0}, **privacy}
+    accelerator, prepared, optimizer, private = _setup(model, columns(), batch_size=4, steps=planned,
+                                                       accumulation=accumulation, **privacy)
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the resume note: the noise multiplier was calibrated for another plan)
+        if resume:
+            accelerator.load_state(str(folder))
+        else:
+            _train(accelerator, prepared, optimizer, private, 2)
+            accelerator.save_state(str(folder))
+        _train(accelerator, prepared, optimizer, private, steps, seen)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return private, seen
+
+
+def test_resuming_with_a_longer_plan_keeps_the_checkpoints_max_batch_size(tmp_path):
+    """3 planned steps, a checkpoint at step 2, resumed for 30: the automatic K would be 14, the run keeps 12 (the
+    interrupted epoch draws the batches an uninterrupted run with K = 12 draws), recalibrates the noise to the new
+    plan with it, and composes the checkpoint's steps with the new ones."""
+    first, _ = _longer_run(tmp_path / "step2", planned=3, steps=2)
+    assert first.engine.max_batch_size == 12
+    resumed, seen = _longer_run(tmp_path / "step2", planned=30, resume=True)
+    reference, reference_seen = _longer_run(tmp_path / "reference", planned=30, max_batch_size=12)
+    engine = resumed.engine
+    assert engine.steps_taken == 6 and engine.max_batch_size == resumed.loader.max_batch_size == 12
+    assert len(seen) == len(reference_seen) == 8 and all(torch.equal(a, b) for a, b in zip(seen, reference_seen))
+    assert engine.noise_multiplier == reference.engine.noise_multiplier != first.engine.noise_multiplier
+    history = engine.privacy_report()["history"]
+    assert [(h["noise_multiplier"], h["max_batch_size"], h["steps"]) for h in history] == [
+        (first.engine.noise_multiplier, 12, 2), (engine.noise_multiplier, 12, 4)]
+    with pytest.raises(ValueError, match=r"drawn with max_batch_size=12, but this run draws them with "
+                                         r"max_batch_size=14.*Pass max_batch_size=12 to make_private"):
+        _longer_run(tmp_path / "step2", planned=30, resume=True, max_batch_size=14)
+    with pytest.raises(ValueError, match="max_batch_size=12, which does not split into 8 pieces"):
+        _longer_run(tmp_path / "step2", planned=30, resume=True, accumulation=8)
+    with pytest.raises(ValueError, match="keeps this checkpoint's max_batch_size=12 .* over the 3000 planned steps "
+                                         "it truncates too often"):
+        _longer_run(tmp_path / "step2", planned=3000, resume=True)
+
+
 def test_a_step_off_the_logical_batches_is_refused():
     accelerator, prepared, optimizer, private = _setup(build_model(), columns())
     (x, y), mask = next(iter(private.loader))

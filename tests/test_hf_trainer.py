@@ -255,6 +255,48 @@ def test_resuming_continues_epsilon_steps_and_batches_with_fresh_noise(tmp_path,
     assert logged[-1]["epsilon"] == pytest.approx(full.privacy_engine.get_epsilon())
 
 
+class _StopAt(T.TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.step
+
+
+def _planned_run(folder, seen, *, max_steps, stop, resume=None, **kwargs):
+    """16 examples, expected batch 4, ``max_steps`` planned (K "auto": 12 for 3, 14 for 30), a checkpoint every 2
+    steps, stopped after step ``stop``."""
+    def losses(model, inputs):
+        seen.append(inputs["input_ids"].clone())
+        return _lm_losses(model, inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
+
+    args = _args(folder, per_device_train_batch_size=2, max_steps=max_steps, learning_rate=1e-2,
+                 save_strategy="steps", save_steps=2)
+    trainer = _trainer(model=_gpt2(), args=args, train_dataset=_dataset(_lm_data(n=16)), noise_multiplier=1.0,
+                       per_sample_loss=losses, engine_kwargs={"seed": 0}, callbacks=[_StopAt(stop)], **kwargs)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_resuming_with_a_longer_plan_keeps_the_checkpoints_max_batch_size(tmp_path):
+    """A checkpoint at step 2 of max_steps=3, resumed with max_steps=30 (alone, K would be 14): the run keeps 12, and
+    draws what an uninterrupted run with K = 12 draws. (The noise recalibrated to the new plan with the checkpoint's
+    K: tests/test_accelerate_integration.py.)"""
+    first = _planned_run(tmp_path / "first", [], max_steps=3, stop=2)
+    assert first.privacy_engine.max_batch_size == 12
+    seen, reference_seen = [], []
+    resumed = _planned_run(tmp_path / "resumed", seen, max_steps=30, stop=6,
+                           resume=str(tmp_path / "first" / "checkpoint-2"))
+    _planned_run(tmp_path / "reference", reference_seen, max_steps=30, stop=6, max_batch_size=12)
+    engine = resumed.privacy_engine
+    assert engine.steps_taken == 6 and engine.max_batch_size == 12
+    assert len(seen) == 8 and all(torch.equal(a, b) for a, b in zip(seen, reference_seen[4:]))
+    assert [(h["max_batch_size"], h["steps"]) for h in engine.privacy_report()["history"]] == [(12, 6)]
+    with pytest.raises(ValueError, match="Pass max_batch_size=12 to DPTrainer"):
+        _planned_run(tmp_path / "explicit", [], max_steps=30, stop=6, max_batch_size=14,
+                     resume=str(tmp_path / "first" / "checkpoint-2"))
+
+
 def test_a_checkpoint_without_privacy_state_is_refused(tmp_path):
     ids, mask, labels = _lm_data(n=16)
     args = _args(tmp_path, per_device_train_batch_size=2, max_steps=2, save_strategy="steps", save_steps=2)

@@ -185,3 +185,23 @@ def test_find_padding_mask_reads_the_batch_whatever_its_type():
         find_padding_mask((data, ~mask), [mask], where)
     with pytest.raises(ValueError, match=r"holds 2 different fixed-shape masks"):
         find_padding_mask([FixedShapeBatch(data, mask), FixedShapeBatch(data, other)], [mask, other], where)
+
+
+def test_set_max_batch_size_redraws_with_the_new_k_and_refuses_what_cannot_change():
+    data = torch.utils.data.TensorDataset(torch.arange(N, dtype=torch.float32))
+
+    def loader(K):
+        return sharded_poisson_loader(data, 10, max_batch_size=K, micro_batches=2, num_replicas=1, rank=0,
+                                      generator=torch.Generator().manual_seed(0))
+
+    resized = loader(24)
+    resized.set_max_batch_size(12)
+    assert resized.max_batch_size == 12 and [b.mask.tolist() for b in resized] == [b.mask.tolist() for b in loader(12)]
+    with pytest.raises(ValueError, match="does not split into 2 micro-batch"):
+        resized.set_max_batch_size(13)
+    assert resized.max_batch_size == resized.poisson_sampler.max_batch_size == 12  # unchanged
+    with pytest.raises(RuntimeError, match="while the loader is being iterated"):
+        for _ in resized:
+            resized.set_max_batch_size(24)
+    with pytest.raises(ValueError, match="batches of varying size"):
+        sharded_poisson_loader(data, 10, num_replicas=1, rank=0).set_max_batch_size(12)

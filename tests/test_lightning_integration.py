@@ -247,6 +247,41 @@ def test_resuming_continues_epsilon_steps_and_batches_with_fresh_noise(uninterru
     assert any(not torch.equal(p, q) for p, q in zip(module.parameters(), resumed.parameters()))  # fresh noise
 
 
+class FixedK(Lit):
+    """Lit whose loader has ``max_batch_size=k`` ("auto" by default)."""
+
+    def __init__(self, *args, k="auto", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.k = k
+
+    def train_dataloader(self):
+        return DPCallback.of(self.trainer).train_loader(torch.utils.data.TensorDataset(*self.data), self.batch_size,
+                                                        max_batch_size=self.k, generator=torch.Generator().manual_seed(7))
+
+
+def test_resuming_with_a_longer_plan_keeps_the_checkpoints_max_batch_size(tmp_path):
+    """A checkpoint at step 2 of 3 planned steps (K "auto": 12), resumed for 30 (alone, K would be 14): the run keeps
+    12, and draws what an uninterrupted run with K = 12 draws. (The noise recalibrated to the new plan with the
+    checkpoint's K: tests/test_accelerate_integration.py.)"""
+    first = DPCallback(noise_multiplier=1.0, steps=3, engine_kwargs={"seed": 0})
+    _fit(FixedK(classifier_columns(), batch_size=4, lr=0.1), first, steps=2,
+         callbacks=[ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)])
+    path = next(os.path.join(tmp_path, f) for f in os.listdir(tmp_path) if f.endswith("step=2.ckpt"))
+    assert first.engine.max_batch_size == 12
+    seen, reference_seen = [], []
+    resumed = DPCallback(noise_multiplier=1.0, steps=30)
+    _fit(FixedK(classifier_columns(), batch_size=4, lr=0.1, seen=seen), resumed, steps=6, ckpt_path=path)
+    reference = DPCallback(noise_multiplier=1.0, steps=30)
+    _fit(FixedK(classifier_columns(), batch_size=4, lr=0.1, seen=reference_seen, k=12), reference, steps=6)
+    engine = resumed.engine
+    assert engine.steps_taken == 6 and engine.max_batch_size == 12
+    assert len(seen) == 8 and all(torch.equal(a, b) for a, b in zip(seen, reference_seen[4:]))
+    assert [(h["max_batch_size"], h["steps"]) for h in engine.privacy_report()["history"]] == [(12, 6)]
+    with pytest.raises(ValueError, match="Pass max_batch_size=12 to DPCallback.train_loader"):
+        _fit(FixedK(classifier_columns(), batch_size=4, k=14), DPCallback(noise_multiplier=1.0, steps=30), steps=6,
+             ckpt_path=path)
+
+
 class PlainLoader(Lit):
     def train_dataloader(self):
         return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(*self.data), batch_size=4, shuffle=True)

@@ -116,6 +116,57 @@ def check_run_state(state: Any, where: str) -> dict:
     return dict(state)
 
 
+_UNKNOWN = object()
+
+
+def checkpoint_max_batch_size(state: Mapping) -> Any:
+    """The K a private run's checkpoint (``run_state``) drew its batches with: its sampler's, else that of its last
+    step in the engine's ledger; ``_UNKNOWN`` for a checkpoint of no step and no sampler."""
+    sampler = state.get("sampler")
+    if isinstance(sampler, Mapping) and "max_batch_size" in sampler:
+        return sampler["max_batch_size"]
+    segments = ((state.get("engine") or {}).get("ledger") or {}).get("segments") or []
+    return segments[-1][3] if segments else _UNKNOWN
+
+
+def resumed_settings(settings: Mapping[str, Any], requested: Any, state: Mapping, shares: int,
+                     where: str) -> dict[str, Any]:
+    """The engine's settings for a run resumed from ``state``, with the checkpoint's K.
+
+    A longer plan changes the automatic K, but the interrupted epoch's batches are drawn again only with the K they
+    were drawn with: ``requested="auto"`` keeps the checkpoint's (the noise is calibrated to the new plan with it,
+    and the accounting composes every step with it); a K given explicitly must be the checkpoint's. ``where``: what
+    the user gives K to, named in the refusal. Refused where the checkpoint's K does not split into ``shares``
+    pieces, or truncates too often over the new plan."""
+    saved = checkpoint_max_batch_size(state)
+    if saved is _UNKNOWN or saved == settings["max_batch_size"]:
+        return dict(settings)
+    if requested != "auto" or saved is None or settings["max_batch_size"] is None:
+        raise ValueError(
+            f"this checkpoint's batches were drawn with max_batch_size={saved!r}, but this run draws them with "
+            f"max_batch_size={settings['max_batch_size']!r}: the interrupted epoch can only be drawn again with the same "
+            f"K. Pass max_batch_size={saved!r} to {where}" + (" (or 'auto', which keeps the checkpoint's)"
+                                                              if saved is not None else ""))
+    if saved % shares:
+        raise ValueError(
+            f"this checkpoint's batches were drawn with max_batch_size={saved}, which does not split into {shares} "
+            "pieces of equal rows (micro-batches times processes): resume with micro-batches times processes "
+            f"dividing {saved}, as the checkpoint's run did")
+    resumed = {**settings, "max_batch_size": saved}
+    steps = resumed.get("steps")
+    if steps is not None and resumed.get("target_epsilon") is not None:
+        n = resumed["sample_size"]
+        delta = accounting.default_delta(n) if resumed.get("target_delta") is None else resumed["target_delta"]
+        try:
+            accounting.poisson_delta(delta, n, resumed["batch_size"] / n, saved, steps)
+        except ValueError as err:
+            raise ValueError(
+                f"resuming keeps this checkpoint's max_batch_size={saved} (the interrupted epoch is drawn again with "
+                f"it; the new plan alone would take a larger one), but over the {steps} planned steps it truncates "
+                f"too often for delta={delta:.3g}: plan fewer steps, or give a larger target_delta ({err})") from err
+    return resumed
+
+
 def find_padding_mask(batch: Any, known: list[torch.Tensor], where: str) -> torch.Tensor | None:
     """The fixed-shape mask of ``batch`` as a framework hands it to the training step, whatever a user's hooks made
     of the loader's ``FixedShapeBatch`` (a tuple, a list, a dict, a dataclass): the mask of a ``FixedShapeBatch``

@@ -35,7 +35,7 @@ What the callback does:
   ``use_distributed_sampler=False``: the loader samples for every process itself) adds the noise once.
 * **Checkpoints.** Lightning's checkpoints carry the engine's state (step count, accountant history, noise
   state: the callback's ``state_dict``) and the sampler's; ``fit(ckpt_path=...)`` resumes both, with fresh
-  noise (``PrivacyEngine.load_state_dict``).
+  noise (``PrivacyEngine.load_state_dict``); a longer plan keeps the checkpoint's K (``max_batch_size="auto"``).
 * **The progress bar** shows ``epsilon`` after every optimizer step (``log_epsilon=False`` turns it off).
 
 Refused with the reason: ``gradient_clip_val`` (clipping the batch gradient has no role: the per-sample
@@ -60,7 +60,8 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 
 from ..algorithms import DEFAULT_CLIPPING_MODE
 from ..engine import PrivacyEngine
-from .common import check_run_state, engine_on, engine_settings, find_padding_mask, inner_optimizer, run_state
+from .common import (check_run_state, engine_on, engine_settings, find_padding_mask, inner_optimizer,
+                     resumed_settings, run_state)
 from .loaders import ShardedPoissonLoader, sharded_poisson_loader
 
 __all__ = ["DPCallback"]
@@ -175,6 +176,9 @@ class DPCallback(pl.Callback):
         self._settings = engine_settings(
             sample_size=len(dataset), batch_size=batch_size, shares=shares, steps=steps, epochs=epochs,
             max_batch_size=max_batch_size, engine_kwargs=self._engine_kwargs, **self._privacy)
+        if self._pending is not None:  # fit(ckpt_path=...): the checkpoint's K, whatever the new plan would take
+            self._settings = resumed_settings(self._settings, max_batch_size, self._pending, shares,
+                                              "DPCallback.train_loader")
         self.loader = sharded_poisson_loader(
             dataset, batch_size, max_batch_size=self._settings["max_batch_size"],
             micro_batches=trainer.accumulate_grad_batches, num_replicas=trainer.world_size, rank=trainer.global_rank,

@@ -120,16 +120,16 @@ def test_a_batch_without_padding_works_on_every_path(mode, path):
     assert grad_norm_difference(*sums) / R == pytest.approx(1.0, rel=1e-9)
 
 
-def _physical_run(data, masked: tuple[bool, ...]):
-    """One step of q = 1 over K = 12 rows, in physical batches of 4, each with or without its mask."""
+def _physical_run(data, paths: tuple[str, ...]):
+    """One step of q = 1 over K = 12 rows, in physical batches of 4, each through one of ``PATHS``."""
     model, n = _model(), len(data)
     engine, optimizer = _engine(model, n, K, "bk-mixopt")
     loader = poisson_loader(data, batch_size=n, max_batch_size=K, steps=1, generator=torch.Generator().manual_seed(1))
     engine.attach(optimizer, data_loader=loader)
     try:
         for logical in split_batches(loader, 4):
-            for ((x, y), mask), with_mask in zip(logical, masked):
-                engine.backward(_losses(model, x, y), mask=mask if with_mask else None)
+            for ((x, y), mask), path in zip(logical, paths):
+                PATHS[path](engine, _losses(model, x, y), mask)
             optimizer.step()
         return {name: p.grad * n for name, p in model.named_parameters()}
     finally:
@@ -139,12 +139,13 @@ def _physical_run(data, masked: tuple[bool, ...]):
 def test_physical_batches_of_one_batch_add_up():
     """6 real rows of 12 in physical batches of 4: the first is all real and needs no mask; the second holds 2 real
     rows and 2 of padding, which no backward without the mask may take, whatever came before it."""
-    assert grad_norm_difference(_physical_run(_data(6), (False, True, True)),
-                                _physical_run(_data(6, removed=2), (False, True, True))) / R == pytest.approx(1.0)
-    for masked in ((False, False, True), (True, False, True)):
+    paths = ("no mask", "mask=", "masked_losses")
+    assert grad_norm_difference(_physical_run(_data(6), paths), _physical_run(_data(6, removed=2), paths)) / R == \
+        pytest.approx(1.0, rel=1e-9)
+    for first in ("no mask", "mask=", "masked_losses"):  # 4 real rows, whichever way they came
         with pytest.raises(ValueError, match="got 4 per-sample losses after 4 rows of the same batch in earlier "
                                              "backwards, but the attached loader's batch has 6 real samples"):
-            _physical_run(_data(6), masked)
+            _physical_run(_data(6), (first, "no mask", "mask="))
 
 
 @pytest.mark.parametrize("path", ["engine", "plain"])

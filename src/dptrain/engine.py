@@ -358,14 +358,14 @@ class PrivacyEngine:
                              f"got {type(users).__name__}{tuple(users.shape) if isinstance(users, torch.Tensor) else ''}")
         tag_losses = real = padded = real_rows = None
         if masked_already is not None:  # (losses from masked_losses: the rows its mask kept are the real ones)
-            real_rows = int(masked_already.sum())
+            real_rows = masked_already
         elif mask is not None:
             masked = data.masked_losses(losses, mask)  # (checks the mask)
             # a padded row's loss tags its rows, unless it is not finite (zero inputs can give that)
             tag_losses = torch.where(losses.detach().isfinite(), losses, masked)
             losses = masked
             real = _real_units(mask, users)
-            real_rows = real if users is None else int(mask.sum())
+            real_rows = real if users is None else mask
             padded = ~mask.detach().cpu()
             if not bool(padded.any()):
                 padded = None

@@ -62,7 +62,7 @@ class BackwardRunner:
         # the running backward adds once it is done
         self._batch_mark: int | None = None
         self._rows_of_batch = 0
-        self._pending_rows = 0
+        self._pending_rows: int | torch.Tensor = 0  # (a mask: its real rows, counted only where a loader needs them)
         #: samples reaching each step, against the batch size the accounting assumes (a warning when far off)
         self.samples_per_step = SamplesPerStep(
             config.batch_size, config.sample_rate, max_batch_size=config.max_batch_size,
@@ -98,16 +98,18 @@ class BackwardRunner:
         self.decisions = backward.decisions
         self.samples_per_step.add_backward(backward.batch)
         if self._loader_batch() is not None:
-            self._rows_of_batch += self._pending_rows
+            rows = self._pending_rows
+            self._rows_of_batch += int(rows.sum()) if isinstance(rows, torch.Tensor) else rows
         self._pending_rows = 0
 
     # ------------------------------------------------------------------ engine.backward
     def run(self, losses: torch.Tensor, users: torch.Tensor | None = None,
             tag_losses: torch.Tensor | None = None, padded: torch.Tensor | None = None,
-            real_rows: int | None = None) -> None:
+            real_rows: int | torch.Tensor | None = None) -> None:
         """``engine.backward(losses[, users])``, the losses checked and ``[B]`` (``users``: each row's user id;
         ``tag_losses``: what the tag passes weight, the unmasked losses of a fixed-shape batch; ``real_rows``: the
-        rows a fixed-shape mask keeps, None without a mask: every row counts as a sample)."""
+        rows a fixed-shape mask keeps, or the mask (counted only where a loader needs the count), None without a
+        mask: every row counts as a sample)."""
         self.settle()
         self.capture.settle_open_forward()
         replayed = []
@@ -120,7 +122,7 @@ class BackwardRunner:
                 call.state = deferred.DeferredCall.CONSUMED
 
     def _run(self, losses: torch.Tensor, users: torch.Tensor | None, tag_losses: torch.Tensor | None,
-             padded: torch.Tensor | None, real_rows: int | None) -> None:
+             padded: torch.Tensor | None, real_rows: int | torch.Tensor | None) -> None:
         parallel = self.parallel
         B = losses.shape[0]
         forward_batch = self.capture.forward_batch

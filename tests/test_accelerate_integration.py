@@ -133,6 +133,69 @@ def test_one_sample_moves_the_step_by_at_most_the_clipping_norm():
     assert grad_norm_difference(*sums) == pytest.approx(R, rel=1e-9)
 
 
+def _padded_run(n, path, *, hazard_step=2, max_batch_size=12, accumulation=2, R=1e-3):
+    """Steps on q = 1 of ``n`` examples in ``accumulation`` micro-batches (K = 12: padding rows), through the
+    documented call until ``hazard_step``, then through ``path`` (refused: that micro-batch again through the
+    documented call). The last step's clipped sum (p.grad times n), and the refusals."""
+    x, y = columns(8)
+    accelerator, prepared, optimizer, private = _setup(build_model(), (x[:n], y[:n]), batch_size=n,
+                                                       max_grad_norm=R, max_batch_size=max_batch_size,
+                                                       steps=hazard_step + 1, accumulation=accumulation)
+    refusals = []
+    while private.engine.steps_taken <= hazard_step:
+        for batch in private.loader:
+            (xb, yb), mask = send_to_device(batch, accelerator.device)
+            with accelerator.accumulate(prepared):
+                losses = losses_fn(prepared, xb, yb)
+                try:
+                    if private.engine.steps_taken < hazard_step or path == "private.backward(losses, mask)":
+                        private.backward(losses, mask)
+                    elif path == "accelerator.backward(loss)":
+                        accelerator.backward(losses.mean())
+                    else:
+                        private.backward(losses)
+                except ValueError as err:
+                    refusals.append(str(err))
+                    private.backward(losses_fn(prepared, xb, yb), mask)
+                optimizer.step()
+                if private.engine.steps_taken == hazard_step + 1 and accelerator.sync_gradients:
+                    grads = {k: p.grad * n for k, p in prepared.named_parameters()}
+                optimizer.zero_grad()
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return grads, refusals
+
+
+@pytest.mark.parametrize("path", ["private.backward(losses, mask)", "accelerator.backward(loss)",
+                                  "private.backward(losses)"])
+def test_a_padded_step_is_exact_with_its_mask_and_refused_without(path):
+    """Ordinary steps, then the hazard: only the documented call carries the mask; the others are refused before
+    anything is applied (the step then taken the documented way is exact), and one sample moves the step by R."""
+    full, full_refusals = _padded_run(8, path)
+    smaller, smaller_refusals = _padded_run(7, path)
+    if path == "private.backward(losses, mask)":
+        assert full_refusals == smaller_refusals == []
+    else:
+        for refusals, real in ((full_refusals, 4), (smaller_refusals, 3)):  # micro-batch 1 of 2: 6 rows
+            assert len(refusals) == 2 and f"batch has {real} real samples" in refusals[0], refusals
+            assert all("Give the mask: private.backward(losses, mask) with the batch's mask" in r for r in refusals)
+        documented, _ = _padded_run(8, "private.backward(losses, mask)")
+        assert_matches(full, documented, rtol=1e-12, what=f"after refusing {path}")
+    assert grad_norm_difference(full, smaller) / 1e-3 == pytest.approx(1.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("path", ["accelerator.backward(loss)", "private.backward(losses)"])
+def test_a_step_without_padding_works_without_the_mask(path):
+    """K = n and q = 1: no padding row, so the usual idiom is private too (one sample moves the step by R)."""
+    runs = [_padded_run(n, path, max_batch_size=n, accumulation=1) for n in (8, 7)]
+    assert runs[0][1] == runs[1][1] == []
+    x, y = columns(8)
+    full = {k: g / 8 for k, g in runs[0][0].items()}
+    assert_matches(full, oracle_step(build_model(), losses_fn, (x, y), list(range(8)), 1e-3, 8), what=path)
+    assert grad_norm_difference(runs[0][0], runs[1][0]) / 1e-3 == pytest.approx(1.0, rel=1e-9)
+    _, refusals = _padded_run(7, path, max_batch_size=8, accumulation=1)  # 7 real rows of 8: the same path refused
+    assert len(refusals) == 1 and "batch has 7 real samples" in refusals[0]
+
+
 def test_save_and_load_state_continue_epsilon_steps_and_batches_with_fresh_noise(tmp_path):
     def run(resume=None, save=None):
         model = build_model()
@@ -155,6 +218,52 @@ def test_save_and_load_state_continue_epsilon_steps_and_batches_with_fresh_noise
     assert len(resumed_seen) == len(full_seen) - 6 and all(
         torch.equal(a, b) for a, b in zip(full_seen[6:], resumed_seen))  # the same batches: 4 steps per epoch
     assert any(not torch.equal(p, q) for p, q in zip(full_model.parameters(), resumed_model.parameters()))
+
+
+def _longer_run(folder, *, planned, resume=False, steps=6, accumulation=2, **privacy):
+    """16 examples, expected batch 4 (4 steps per epoch), ``planned`` steps for the calibration (K "auto": 12 for
+    3 steps, 14 for 30); a checkpoint at step 2 (the middle of an epoch), or resumed from it. (private, the batches
+    drawn after step 2.)"""
+    model = build_model()
+    privacy = {"target_epsilon": 8.0, "noise_multiplier": None, "lr": 0.1, "engine_kwargs": {"seed": 0}, **privacy}
+    accelerator, prepared, optimizer, private = _setup(model, columns(), batch_size=4, steps=planned,
+                                                       accumulation=accumulation, **privacy)
+    seen = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the resume note: the noise multiplier was calibrated for another plan)
+        if resume:
+            accelerator.load_state(str(folder))
+        else:
+            _train(accelerator, prepared, optimizer, private, 2)
+            accelerator.save_state(str(folder))
+        _train(accelerator, prepared, optimizer, private, steps, seen)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    return private, seen
+
+
+def test_resuming_with_a_longer_plan_keeps_the_checkpoints_max_batch_size(tmp_path):
+    """3 planned steps, a checkpoint at step 2, resumed for 30: the automatic K would be 14, the run keeps 12 (the
+    interrupted epoch draws the batches an uninterrupted run with K = 12 draws), recalibrates the noise to the new
+    plan with it, and composes the checkpoint's steps with the new ones."""
+    first, _ = _longer_run(tmp_path / "step2", planned=3, steps=2)
+    assert first.engine.max_batch_size == 12
+    resumed, seen = _longer_run(tmp_path / "step2", planned=30, resume=True)
+    reference, reference_seen = _longer_run(tmp_path / "reference", planned=30, max_batch_size=12)
+    engine = resumed.engine
+    assert engine.steps_taken == 6 and engine.max_batch_size == resumed.loader.max_batch_size == 12
+    assert len(seen) == len(reference_seen) == 8 and all(torch.equal(a, b) for a, b in zip(seen, reference_seen))
+    assert engine.noise_multiplier == reference.engine.noise_multiplier != first.engine.noise_multiplier
+    history = engine.privacy_report()["history"]
+    assert [(h["noise_multiplier"], h["max_batch_size"], h["steps"]) for h in history] == [
+        (first.engine.noise_multiplier, 12, 2), (engine.noise_multiplier, 12, 4)]
+    with pytest.raises(ValueError, match=r"drawn with max_batch_size=12, but this run draws them with "
+                                         r"max_batch_size=14.*Pass max_batch_size=12 to make_private"):
+        _longer_run(tmp_path / "step2", planned=30, resume=True, max_batch_size=14)
+    with pytest.raises(ValueError, match="max_batch_size=12, which does not split into 8 pieces"):
+        _longer_run(tmp_path / "step2", planned=30, resume=True, accumulation=8)
+    with pytest.raises(ValueError, match="keeps this checkpoint's max_batch_size=12 .* over the 3000 planned steps "
+                                         "it truncates too often"):
+        _longer_run(tmp_path / "step2", planned=3000, resume=True)
 
 
 def test_a_step_off_the_logical_batches_is_refused():

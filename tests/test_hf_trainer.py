@@ -26,6 +26,7 @@ from helpers import Case, assert_matches, reference, split_max_grad_norm
 
 T = pytest.importorskip("transformers")
 from dptrain.integrations.hf_trainer import STATE_FILE, DPTrainer, per_sample_losses  # noqa: E402
+from dptrain.integrations.loaders import MASK_KEY  # noqa: E402
 
 N, L, V = 8, 6, 30
 
@@ -184,6 +185,29 @@ def test_one_sample_moves_the_step_by_at_most_the_clipping_norm(tmp_path):
     assert grad_norm_difference(*sums) == pytest.approx(R, rel=1e-9)
 
 
+class _MaskDroppingTrainer(DPTrainer):
+    """A training_step of one's own from step 2 on, which forgets the batch's fixed-shape mask."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.state.global_step < 2:
+            return super().training_step(model, inputs, num_items_in_batch)
+        inputs = dict(self._prepare_inputs(inputs))
+        inputs.pop(MASK_KEY)
+        losses = self.compute_per_sample_losses(model, inputs)
+        self.privacy_engine.backward(losses)
+        return losses.detach().mean()
+
+
+def test_a_training_step_that_drops_the_mask_is_refused_naming_it(tmp_path):
+    """q = 1 of 8 examples in micro-batches of K / 2 rows (K > 8: padding): two ordinary steps, then refused."""
+    trainer = _trainer(_MaskDroppingTrainer, model=_gpt2(), args=_args(tmp_path, max_steps=3),
+                       train_dataset=_dataset(_lm_data()), noise_multiplier=0.0)
+    with pytest.raises(ValueError, match=r"has \d real samples.*DPTrainer.training_step passes the batch's "
+                                         r"'dptrain_mask' entry to engine.backward"):
+        trainer.train()
+    assert trainer.privacy_engine.steps_taken == 2 and trainer.privacy_engine.max_batch_size > N
+
+
 # --------------------------------------------------------------------------- checkpoints
 def _resumable_run(tmp_path, seen, resume=None, **overrides):
     """16 examples, expected batch 4 (round(1/q) = 4 steps per epoch), 6 steps; a checkpoint every 2 steps."""
@@ -229,6 +253,48 @@ def test_resuming_continues_epsilon_steps_and_batches_with_fresh_noise(tmp_path,
     assert any(not torch.equal(p, final[n]) for n, p in full.model.named_parameters())
     logged = [e for e in resumed.state.log_history if "epsilon" in e and "loss" in e]
     assert logged[-1]["epsilon"] == pytest.approx(full.privacy_engine.get_epsilon())
+
+
+class _StopAt(T.TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        control.should_training_stop = state.global_step >= self.step
+
+
+def _planned_run(folder, seen, *, max_steps, stop, resume=None, **kwargs):
+    """16 examples, expected batch 4, ``max_steps`` planned (K "auto": 12 for 3, 14 for 30), a checkpoint every 2
+    steps, stopped after step ``stop``."""
+    def losses(model, inputs):
+        seen.append(inputs["input_ids"].clone())
+        return _lm_losses(model, inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
+
+    args = _args(folder, per_device_train_batch_size=2, max_steps=max_steps, learning_rate=1e-2,
+                 save_strategy="steps", save_steps=2)
+    trainer = _trainer(model=_gpt2(), args=args, train_dataset=_dataset(_lm_data(n=16)), noise_multiplier=1.0,
+                       per_sample_loss=losses, engine_kwargs={"seed": 0}, callbacks=[_StopAt(stop)], **kwargs)
+    trainer.train(resume_from_checkpoint=resume)
+    return trainer
+
+
+def test_resuming_with_a_longer_plan_keeps_the_checkpoints_max_batch_size(tmp_path):
+    """A checkpoint at step 2 of max_steps=3, resumed with max_steps=30 (alone, K would be 14): the run keeps 12, and
+    draws what an uninterrupted run with K = 12 draws. (The noise recalibrated to the new plan with the checkpoint's
+    K: tests/test_accelerate_integration.py.)"""
+    first = _planned_run(tmp_path / "first", [], max_steps=3, stop=2)
+    assert first.privacy_engine.max_batch_size == 12
+    seen, reference_seen = [], []
+    resumed = _planned_run(tmp_path / "resumed", seen, max_steps=30, stop=6,
+                           resume=str(tmp_path / "first" / "checkpoint-2"))
+    _planned_run(tmp_path / "reference", reference_seen, max_steps=30, stop=6, max_batch_size=12)
+    engine = resumed.privacy_engine
+    assert engine.steps_taken == 6 and engine.max_batch_size == 12
+    assert len(seen) == 8 and all(torch.equal(a, b) for a, b in zip(seen, reference_seen[4:]))
+    assert [(h["max_batch_size"], h["steps"]) for h in engine.privacy_report()["history"]] == [(12, 6)]
+    with pytest.raises(ValueError, match="Pass max_batch_size=12 to DPTrainer"):
+        _planned_run(tmp_path / "explicit", [], max_steps=30, stop=6, max_batch_size=14,
+                     resume=str(tmp_path / "first" / "checkpoint-2"))
 
 
 def test_a_checkpoint_without_privacy_state_is_refused(tmp_path):
@@ -336,11 +402,25 @@ def test_missing_labels_and_unknown_models_ask_for_a_per_sample_loss():
         per_sample_losses(torch.nn.Linear(2, 2), {"labels": torch.zeros(1)}, {"logits": torch.zeros(1, 2)})
 
 
-def test_missing_transformers_names_the_extra(monkeypatch):
-    monkeypatch.setitem(sys.modules, "transformers", None)  # what an absent package looks like to import
+@pytest.mark.parametrize("absent", ["transformers", "accelerate"])
+def test_a_missing_package_is_named_with_the_extra_that_installs_it(monkeypatch, absent):
+    monkeypatch.setitem(sys.modules, absent, None)  # what an absent package looks like to import
     monkeypatch.delitem(sys.modules, "dptrain.integrations.hf_trainer")
-    with pytest.raises(ImportError, match=r"pip install 'dptrain\[transformers\]'"):
+    with pytest.raises(ImportError, match=rf"and '{absent}' is not installed: pip install 'dptrain\[transformers\]' "
+                                          "installs both"):
         importlib.import_module("dptrain.integrations.hf_trainer")
+
+
+def test_the_transformers_extra_installs_accelerate_too():
+    """The Trainer needs accelerate; an extra without it would leave DPTrainer's error unfixable by its own advice."""
+    import tomllib
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
+    extra = {Requirement(r).name for r in project["optional-dependencies"]["transformers"]}
+    assert {"transformers", "accelerate"} <= extra
 
 
 

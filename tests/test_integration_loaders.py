@@ -138,3 +138,70 @@ def test_the_position_a_framework_gives_wins_over_what_was_prefetched():
     other.load_state_dict(state)
     merged = [sorted(a + b) for a, b in zip(got, other)]
     assert drawn == spec and merged == spec_rest
+
+
+def test_the_loader_records_the_real_rows_of_its_last_two_batches():
+    """What the engine checks a backward without the mask against: the fewest real rows of the last two pieces that
+    carry padding, the dict batch's mask included (``mask_key``)."""
+    data = torch.utils.data.TensorDataset(torch.arange(N, dtype=torch.float32))
+    for mask_key in (None, MASK_KEY):
+        collate = (lambda items: {"x": torch.stack([x for (x,) in items])}) if mask_key else None
+        loader = sharded_poisson_loader(data, 10, max_batch_size=24, micro_batches=2, num_replicas=1, rank=0,
+                                        generator=torch.Generator().manual_seed(0), mask_key=mask_key,
+                                        collate_fn=collate)
+        assert loader.recent_real_rows is None and loader.batches_handed_out == 0
+        reals = []
+        for batch in loader:
+            mask = batch[MASK_KEY] if mask_key else batch.mask
+            reals.append(int(mask.sum()))
+            assert loader.recent_masks[-1] is mask and loader.batches_handed_out == len(reals)
+            padded = [r for r in reals[-2:] if r < 12]
+            assert loader.recent_real_rows == (min(padded) if padded else None)
+
+
+def test_find_padding_mask_reads_the_batch_whatever_its_type():
+    import dataclasses
+
+    from dptrain.integrations.common import find_padding_mask
+
+    mask, other = torch.arange(6) < 4, torch.arange(6) < 2
+    data = (torch.zeros(6, 3), torch.zeros(6))
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        real: torch.Tensor
+
+    where = "the batch"
+    assert find_padding_mask(FixedShapeBatch(data, mask), [mask], where) is mask
+    assert find_padding_mask({"a": [data, {"m": mask}]}, [other, mask], where) is mask
+    assert find_padding_mask(Batch(data[0], mask.clone()), [mask], where).equal(mask)
+    looped = [data, mask]
+    looped.append(looped)  # a structure that contains itself
+    assert find_padding_mask(looped, [mask], where) is mask
+    assert find_padding_mask((data, ~mask, mask), [mask], where) is mask  # ~mask is no mask the loader made
+    assert find_padding_mask(data, [torch.ones(6, dtype=torch.bool)], where) is None  # no padding: none needed
+    with pytest.raises(ValueError, match=r"the batch \(a tuple\) holds no fixed-shape mask"):
+        find_padding_mask((data, ~mask), [mask], where)
+    with pytest.raises(ValueError, match=r"holds 2 different fixed-shape masks"):
+        find_padding_mask([FixedShapeBatch(data, mask), FixedShapeBatch(data, other)], [mask, other], where)
+
+
+def test_set_max_batch_size_redraws_with_the_new_k_and_refuses_what_cannot_change():
+    data = torch.utils.data.TensorDataset(torch.arange(N, dtype=torch.float32))
+
+    def loader(K):
+        return sharded_poisson_loader(data, 10, max_batch_size=K, micro_batches=2, num_replicas=1, rank=0,
+                                      generator=torch.Generator().manual_seed(0))
+
+    resized = loader(24)
+    resized.set_max_batch_size(12)
+    assert resized.max_batch_size == 12 and [b.mask.tolist() for b in resized] == [b.mask.tolist() for b in loader(12)]
+    with pytest.raises(ValueError, match="does not split into 2 micro-batch"):
+        resized.set_max_batch_size(13)
+    assert resized.max_batch_size == resized.poisson_sampler.max_batch_size == 12  # unchanged
+    with pytest.raises(RuntimeError, match="while the loader is being iterated"):
+        for _ in resized:
+            resized.set_max_batch_size(24)
+    with pytest.raises(ValueError, match="batches of varying size"):
+        sharded_poisson_loader(data, 10, num_replicas=1, rank=0).set_max_batch_size(12)

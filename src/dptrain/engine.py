@@ -27,7 +27,8 @@ from .correlated.privacy import CorrelatedAccountant
 from .correlated.streaming import CorrelatedNoise
 from .layers.fallback import FallbackRule, fallback_warning
 from .ledger import Ledger
-from .loader_checks import check_cyclic_step, check_loader, no_cyclic_loader_warning, not_poisson_warning
+from .loader_checks import (check_cyclic_step, check_loader, loader_padding, no_cyclic_loader_warning,
+                            not_poisson_warning)
 from .noise import GaussianNoise
 from .pipeline import StepSums
 from .planning import DEFAULT_DECISION_RULE, LayerDecision
@@ -276,6 +277,7 @@ class PrivacyEngine:
         if data.is_poisson_loader(data_loader):
             loader = weakref.ref(data_loader)
             runner.loader_rows = lambda: getattr(loader(), "recent_batch_rows", None)
+            runner.loader_padding = lambda: loader_padding(loader())
             self._cyclic_loader = loader if self.cyclic_groups > 1 else None
         self._step.attach(optimizer, self._scaling, runner, self._prepare_step)
         attached.add(self.model, self._step)
@@ -331,6 +333,9 @@ class PrivacyEngine:
         ``mask`` (a ``FixedShapeBatch``'s ``[B]`` bool mask): the padded rows' losses count as 0, exactly as
         ``masked_losses(losses, mask)``; given this way, the engine still reads the padded rows' layout
         (their unmasked losses tag them), so a structural layout is cached once instead of read every step.
+        Attached to a fixed-shape loader (``attach(optimizer, data_loader=...)``), a backward without the mask
+        (losses not from ``masked_losses``, or a plain ``loss.backward()``) over more rows than the batch's real
+        ones is refused before anything is applied: it would clip the padding rows as samples.
         """
         if self._runner is None:
             raise RuntimeError("call engine.attach(optimizer) before engine.backward(losses)")
@@ -340,6 +345,7 @@ class PrivacyEngine:
                 "F.cross_entropy(logits, y, reduction='none'); got a scalar. For a scalar loss use loss.backward() "
                 "in a single-backward mode"
             )
+        masked_already = data.fixed_shape.mask_of_masked_losses(losses) if mask is None else None
         losses = losses.flatten(1).sum(1) if losses.dim() > 1 else losses
         if (users is None) != (self.privacy_unit == "example"):
             raise ValueError(
@@ -350,18 +356,21 @@ class PrivacyEngine:
                                   or users.is_floating_point()):
             raise ValueError(f"users must be an integer tensor of shape [{losses.shape[0]}] (one user id per loss), "
                              f"got {type(users).__name__}{tuple(users.shape) if isinstance(users, torch.Tensor) else ''}")
-        tag_losses = real = padded = None
-        if mask is not None:
+        tag_losses = real = padded = real_rows = None
+        if masked_already is not None:  # (losses from masked_losses: the rows its mask kept are the real ones)
+            real_rows = masked_already
+        elif mask is not None:
             masked = data.masked_losses(losses, mask)  # (checks the mask)
             # a padded row's loss tags its rows, unless it is not finite (zero inputs can give that)
             tag_losses = torch.where(losses.detach().isfinite(), losses, masked)
             losses = masked
             real = _real_units(mask, users)
+            real_rows = real if users is None else mask
             padded = ~mask.detach().cpu()
             if not bool(padded.any()):
                 padded = None
         with self._runner.samples_per_step.real_count(real):  # the sampling check counts real samples, not rows
-            self._runner.run(losses, users, tag_losses, padded)
+            self._runner.run(losses, users, tag_losses, padded, real_rows)
 
     def _on_model_call(self) -> None:
         self._runner.settle()

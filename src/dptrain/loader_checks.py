@@ -1,6 +1,7 @@
 """Does the loader given to ``attach`` sample what the engine accounts for? Its unit, cyclic groups, rate and
 truncation are checked once, at ``attach``; with cyclic Poisson sampling, each step is checked to train on the
-loader's batch of that step. (What the batches actually hold, step after step, is ``sampling``'s test.)"""
+loader's batch of that step; the padding of its fixed-shape batches is read at every backward (``loader_padding``).
+(What the batches actually hold, step after step, is ``sampling``'s test.)"""
 from __future__ import annotations
 
 import math
@@ -78,3 +79,11 @@ def check_cyclic_step(loader: Any, step: int, groups: int) -> None:
             "optimizer step per batch of the loader, in order (split a batch into physical batches with "
             "dptrain.data.split_batches), and resume the loader's state_dict with the engine's. Nothing was "
             "applied")
+
+
+def loader_padding(loader: Any) -> tuple[int, int | None, str] | None:
+    """(batches handed out, the fewest real rows of the last ones that carry padding or None, the call that gives the
+    engine their masks) of a loader that records them (``DPDataLoader``); None for one that does not (or is gone)."""
+    if not hasattr(loader, "recent_real_rows"):
+        return None
+    return loader.batches_handed_out, loader.recent_real_rows, loader.mask_call

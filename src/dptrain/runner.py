@@ -55,6 +55,14 @@ class BackwardRunner:
         self.decisions: list[LayerDecision] = []
         #: the most rows an attached Poisson loader handed out in its last batches (None: no loader attached)
         self.loader_rows: Callable[[], int | None] = lambda: None
+        #: the attached loader's padding: (batches handed out, the fewest real rows of its last batches with padding
+        #: or None, the call that gives the engine their masks), or None (no loader that records it)
+        self.loader_padding: Callable[[], tuple[int, int | None, str] | None] = lambda: None
+        # rows back-propagated from the loader's last batch (physical batches of one batch add up), and the rows
+        # the running backward adds once it is done
+        self._batch_mark: int | None = None
+        self._rows_of_batch = 0
+        self._pending_rows: int | torch.Tensor = 0  # (a mask: its real rows, counted only where a loader needs them)
         #: samples reaching each step, against the batch size the accounting assumes (a warning when far off)
         self.samples_per_step = SamplesPerStep(
             config.batch_size, config.sample_rate, max_batch_size=config.max_batch_size,
@@ -65,6 +73,7 @@ class BackwardRunner:
         """Drop the running backward whole (a failed or abandoned one); the step's earlier sums stay
         (or go as a whole, never in part: see ``StepSums``)."""
         backward, self.current = self.current, None
+        self._pending_rows = 0
         if backward is not None:
             backward.abort()
         self.capture.restore_switched()
@@ -87,25 +96,32 @@ class BackwardRunner:
         self.capture.defer_evaluations = backward.phase is not Phase.PLAIN and self.parallel is None
         self.decisions = backward.decisions
         self.samples_per_step.add_backward(backward.batch)
+        if self._loader_batch() is not None:
+            rows = self._pending_rows
+            self._rows_of_batch += int(rows.sum()) if isinstance(rows, torch.Tensor) else rows
+        self._pending_rows = 0
 
     # ------------------------------------------------------------------ engine.backward
     def run(self, losses: torch.Tensor, users: torch.Tensor | None = None,
-            tag_losses: torch.Tensor | None = None, padded: torch.Tensor | None = None) -> None:
+            tag_losses: torch.Tensor | None = None, padded: torch.Tensor | None = None,
+            real_rows: int | torch.Tensor | None = None) -> None:
         """``engine.backward(losses[, users])``, the losses checked and ``[B]`` (``users``: each row's user id;
-        ``tag_losses``: what the tag passes weight, the unmasked losses of a fixed-shape batch)."""
+        ``tag_losses``: what the tag passes weight, the unmasked losses of a fixed-shape batch; ``real_rows``: the
+        rows a fixed-shape mask keeps, or the mask (counted only where a loader needs the count), None without a
+        mask: every row counts as a sample)."""
         self.settle()
         self.capture.settle_open_forward()
         replayed = []
         if self.capture.deferred_calls and losses.grad_fn is not None:
             (losses, tag_losses), replayed = self._replay_deferred(losses, tag_losses)
         try:
-            self._run(losses, users, tag_losses, padded)
+            self._run(losses, users, tag_losses, padded, real_rows)
         finally:
             for call in replayed:  # (a backward of its own, done or failed: never again)
                 call.state = deferred.DeferredCall.CONSUMED
 
     def _run(self, losses: torch.Tensor, users: torch.Tensor | None, tag_losses: torch.Tensor | None,
-             padded: torch.Tensor | None) -> None:
+             padded: torch.Tensor | None, real_rows: int | torch.Tensor | None) -> None:
         parallel = self.parallel
         B = losses.shape[0]
         forward_batch = self.capture.forward_batch
@@ -113,6 +129,9 @@ class BackwardRunner:
         units, step_users, proven = None, set(), True
         if trained:
             self._refuse_rows_beyond_loader(B, "engine.backward got", "per-sample losses")
+            if real_rows is None:
+                self._refuse_unmasked_padding(B, "engine.backward(losses) without mask= got", "per-sample losses")
+            self._pending_rows = B if real_rows is None else real_rows
             units, step_users = self._units(users) if users is not None else (None, set())
             try:
                 proven = self._check_rows(losses, units)
@@ -241,6 +260,32 @@ class BackwardRunner:
             "per view and give engine.backward one loss per sample (the sum of its views' losses). Nothing of "
             "this backward was accumulated"
         )
+
+    def _refuse_unmasked_padding(self, rows: int | None, what: str, unit: str) -> None:
+        """A backward without a fixed-shape mask over more rows than the attached loader's batch has real ones: the
+        padding rows would be clipped as samples, and since their number is K minus the real ones, removing one
+        sample would move the step by up to 2R. (A loop may fetch the next batch before this backward: the fewest
+        real rows of the last two batches count. Physical batches of one batch add up.)"""
+        padding = self._loader_batch()
+        if rows is None or padding is None or padding[1] is None or self._rows_of_batch + rows <= padding[1]:
+            return
+        _, real, call = padding
+        self.forget_calls()
+        earlier = (f" after {self._rows_of_batch} rows of the same batch in earlier backwards"
+                   if self._rows_of_batch else "")
+        raise ValueError(
+            f"{what} {rows} {unit}{earlier}, but the attached loader's batch has {real} real samples: it is a "
+            "fixed-shape batch whose other rows are padding. Without the batch's mask the engine would clip the "
+            "padding rows as samples, and as their number depends on the real ones, removing one sample could move "
+            f"the step by up to 2 x max_grad_norm. Give the mask: {call}. Nothing of this backward was accumulated"
+        )
+
+    def _loader_batch(self) -> tuple[int, int | None, str] | None:
+        """``loader_padding()``, the rows counted for the loader's batch restarting at each batch it hands out."""
+        padding = self.loader_padding()
+        if padding is not None and padding[0] != self._batch_mark:
+            self._batch_mark, self._rows_of_batch = padding[0], 0
+        return padding
 
     def new_step(self) -> None:
         """The optimizer stepped: model calls and users start afresh."""
@@ -379,6 +424,8 @@ class BackwardRunner:
                 "engine.backward(per_sample_losses), or checkpoint with use_reentrant=False"
             )
         self._refuse_rows_beyond_loader(self.capture.forward_batch, "loss.backward() over a model call of", "rows")
+        self._refuse_unmasked_padding(self.capture.forward_batch, "loss.backward() over a model call of", "rows")
+        self._pending_rows = self.capture.forward_batch or 0
         self.before_backward()
         backward = self.current = Backward(self.setup, self.trainable(), Phase.PLAIN)
         backward.task = task

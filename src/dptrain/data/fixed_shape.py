@@ -9,8 +9,13 @@ from __future__ import annotations
 from typing import Any, Callable, NamedTuple
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .batches import _batch_size, _EmptyBatchCollate, _map_batch
+
+# The outputs of masked_losses still alive, with their masks: engine.backward(masked_losses(losses, mask)) comes with
+# its mask although no mask= is given (a weak map owned here: nothing is hung on the user's tensor).
+_MASKS_OF_MASKED_LOSSES = WeakIdKeyDictionary()
 
 
 class FixedShapeBatch(NamedTuple):
@@ -31,7 +36,10 @@ class FixedShapeBatch(NamedTuple):
     step.) Padded rows are never counted as samples: the engine divides the noisy sum
     by the *expected* batch size, ``q * len(dataset)``, not by a number of rows. (For a
     plain ``loss.backward()`` with ``loss_reduction="mean"``, take the mean over all K
-    rows, ``masked_losses(losses, mask).mean()``, not over the real ones.)
+    rows, ``masked_losses(losses, mask).mean()``, not over the real ones.) Attached to
+    the loader (``engine.attach(optimizer, data_loader=loader)``), the engine refuses a
+    backward of a padded batch that does not carry the mask: losses not returned by
+    ``masked_losses`` itself, or a plain ``loss.backward()``.
     """
 
     data: Any
@@ -58,7 +66,16 @@ def masked_losses(losses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             "use reduction='none'"
         )
     keep = mask.to(losses.device).view(-1, *([1] * (losses.dim() - 1)))
-    return torch.where(keep, losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
+    masked = torch.where(keep, losses, torch.zeros((), dtype=losses.dtype, device=losses.device))
+    if not torch.compiler.is_compiling():  # (a compiled function returns other tensors: nothing to note there)
+        _MASKS_OF_MASKED_LOSSES[masked] = mask
+    return masked
+
+
+def mask_of_masked_losses(losses: Any) -> torch.Tensor | None:
+    """The mask that made ``losses``, if they are exactly what :func:`masked_losses` returned (not a tensor computed
+    from them), else None."""
+    return _MASKS_OF_MASKED_LOSSES.get(losses) if isinstance(losses, torch.Tensor) else None
 
 
 def _zero_value(value: Any) -> Any:

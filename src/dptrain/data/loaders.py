@@ -8,6 +8,7 @@ draws its batches by Poisson sampling.
 from __future__ import annotations
 
 import collections
+import collections.abc
 from typing import Any, Callable, Iterator
 
 import torch
@@ -40,6 +41,11 @@ class DPDataLoader(DataLoader):
     (None: all of a user's examples), and ``dataset`` wraps the given dataset (its ``dataset``
     attribute) to pair each example with its user. For ``"example"``, ``num_users`` and
     ``max_examples_per_user`` are None.
+
+    What the engine reads at every backward (``attach(optimizer, data_loader=loader)``): ``batches_handed_out``, and
+    ``recent_real_rows``, the fewest real rows of the last two batches handed out that carry padding. A backward
+    without the mask over more rows is refused, naming ``mask_call`` (how this loader's masks reach the engine: a
+    framework integration names its own call). ``mask_key``: where a dict batch keeps its mask.
     """
 
     def __init__(self, dataset: Dataset, sampler: PoissonSampler, **kwargs: Any):
@@ -55,8 +61,17 @@ class DPDataLoader(DataLoader):
         self.num_users = getattr(sampler, "num_users", None)
         self.max_examples_per_user = getattr(sampler, "max_examples_per_user", None)
         self._consumed: int | None = None  # batches handed out in the current epoch
-        # rows of the last two batches handed out (two: a loop may fetch the next batch before the last backward)
+        #: the key of a dict batch's fixed-shape mask (integrations.loaders' ``mask_key``; None: not a dict batch)
+        self.mask_key: str | None = None
+        #: the call that gives the engine this loader's masks, named when a backward without the mask is refused
+        self.mask_call = "engine.backward(losses, mask=mask)"
+        #: batches handed out so far, over every epoch
+        self.batches_handed_out = 0
+        # rows, real rows (None: no padding) and masks of the last two batches handed out (two: a loop may fetch
+        # the next batch before the last backward)
         self._recent_rows: collections.deque[int] = collections.deque(maxlen=2)
+        self._recent_real: collections.deque[int | None] = collections.deque(maxlen=2)
+        self._recent_masks: collections.deque[torch.Tensor | None] = collections.deque(maxlen=2)
 
     @property
     def poisson_sampler(self) -> PoissonSampler:
@@ -67,17 +82,44 @@ class DPDataLoader(DataLoader):
         self._consumed = sampler._position if sampler._resume_pending else 0
         for batch in super().__iter__():
             self._consumed += 1
-            self._recent_rows.append(batch_len(batch) or 0)
+            self._note_batch(batch)
             if self.cyclic_groups > 1:
                 self.last_batch_step = sampler.step_of(self._consumed - 1)
             yield batch
         self._consumed = None
+
+    def _note_batch(self, batch: Any) -> None:
+        """What the engine checks a backward against: the batch's rows, and which of them are real."""
+        rows = batch_len(batch) or 0
+        mask = self.padding_mask(batch)
+        self._recent_rows.append(rows)
+        self._recent_masks.append(mask)
+        real = rows if mask is None else int(mask.sum())  # (a collated mask: on the CPU)
+        self._recent_real.append(real if real < rows else None)
+        self.batches_handed_out += 1
+
+    def padding_mask(self, batch: Any) -> torch.Tensor | None:
+        """The fixed-shape mask of one of this loader's batches (True for the real rows), None without padding."""
+        if self.mask_key is not None and isinstance(batch, collections.abc.Mapping):
+            return batch.get(self.mask_key)
+        return getattr(batch, "mask", None) if "mask" in getattr(type(batch), "_fields", ()) else None
 
     @property
     def recent_batch_rows(self) -> int | None:
         """The most rows of the last two batches handed out (None before the first): a backward over more rows
         than that treats rows as samples that are not (``torch.cat([x, x_augmented])``)."""
         return max(self._recent_rows) if self._recent_rows else None
+
+    @property
+    def recent_real_rows(self) -> int | None:
+        """The fewest real rows (not padding) of those of the last two batches handed out that carry padding (None if
+        neither does): a backward without the batch's mask over more rows than that may count padding as samples."""
+        return min((real for real in self._recent_real if real is not None), default=None)
+
+    @property
+    def recent_masks(self) -> list[torch.Tensor]:
+        """The fixed-shape masks of the last two batches handed out (the batch being trained on is one of them)."""
+        return [mask for mask in self._recent_masks if mask is not None]
 
     def state_dict(self) -> dict:
         """Sampler checkpoint counting the batches *consumed*, not prefetched by workers."""

@@ -31,11 +31,13 @@ What goes where::
 * **The backward** is ``private.backward(losses, mask)``: per-sample losses, not divided by the accumulation
   steps (the engine divides the noisy sum by the expected batch size), through the loss scaler when there is
   one. ``accelerator.accumulate(model)`` decides when ``optimizer.step()`` steps, as usual; a step that does
-  not fall on the loader's logical batches is refused.
+  not fall on the loader's logical batches is refused. ``accelerator.backward(loss)``, or ``private.backward``
+  without the mask, of a batch with padding rows is refused (it would clip them as samples).
 * **Checkpoints.** ``make_private`` registers ``private`` with ``accelerator.register_for_checkpointing``:
   ``save_state`` / ``load_state`` carry the engine's state (step count, accountant history, noise state; the
   noise after loading is fresh) and the sampler's, and the loader resumes where it stopped (do not skip
-  batches with ``skip_first_batches``).
+  batches with ``skip_first_batches``). A longer plan keeps the checkpoint's K (``max_batch_size="auto"``):
+  ``load_state`` builds ``private.engine`` again with it, calibrated to the new plan.
 
 Refused with the fix: DeepSpeed, FSDP1, ``torch.compile`` (``dynamo_backend``), fp8, an unprepared model or
 optimizer under several processes.
@@ -59,7 +61,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 from ..algorithms import DEFAULT_CLIPPING_MODE
 from ..distributed import is_dtensor
 from ..engine import PrivacyEngine
-from .common import check_run_state, engine_settings, inner_optimizer, run_state
+from .common import check_run_state, engine_settings, inner_optimizer, resumed_settings, run_state
 from .loaders import ShardedPoissonLoader, sharded_poisson_loader
 
 __all__ = ["PrivateTraining", "make_private"]
@@ -101,13 +103,19 @@ class PrivateTraining:
     """The engine, the loader and the backward of a private Accelerate run (built by :func:`make_private`);
     registered for Accelerate's checkpoints through ``state_dict`` / ``load_state_dict``."""
 
-    def __init__(self, accelerator: accelerate.Accelerator, engine: PrivacyEngine, loader: ShardedPoissonLoader):
+    def __init__(self, accelerator: accelerate.Accelerator, engine: PrivacyEngine, loader: ShardedPoissonLoader,
+                 *, model: nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 settings: Mapping[str, Any] | None = None, max_batch_size: int | str | None = "auto"):
         self.accelerator, self.engine, self.loader = accelerator, engine, loader
         self._micro = 0  # micro-batches back-propagated in the current logical batch
+        # what a resume keeping its checkpoint's K builds the engine again from (the model as prepared, the torch
+        # optimizer, the engine's settings, max_batch_size as the user gave it)
+        self._model, self._optimizer = model, optimizer
+        self._settings, self._max_batch_size = dict(settings or {}), max_batch_size
 
     def backward(self, losses: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Back-propagate this micro-batch's per-sample losses ``[B]`` (with the fixed-shape ``mask``)."""
-        accumulation = self.loader.micro_batches
+        accumulation, before = self.loader.micro_batches, self._micro
         self._micro = self._micro % accumulation + 1
         at_step = self._micro == accumulation
         if accumulation > 1 and self.accelerator.sync_gradients != at_step:
@@ -118,7 +126,11 @@ class PrivateTraining:
                 "wrap each micro-batch in `with accelerator.accumulate(model):`, and start iterating "
                 "private.loader at the start of a logical batch. Nothing of this micro-batch was accumulated")
         scaler = self.accelerator.scaler
-        self.engine.backward(scaler.scale(losses) if scaler is not None else losses, mask=mask)
+        try:
+            self.engine.backward(scaler.scale(losses) if scaler is not None else losses, mask=mask)
+        except BaseException:
+            self._micro = before  # a refused micro-batch was not back-propagated: it may come again
+            raise
 
     def state_dict(self) -> dict:
         """The engine's and the sampler's state (``accelerator.save_state`` saves it)."""
@@ -127,9 +139,24 @@ class PrivateTraining:
     def load_state_dict(self, state: dict) -> None:
         """Restore the engine's and the sampler's state (``accelerator.load_state`` calls it)."""
         state = check_run_state(state, "the dptrain state of this Accelerate checkpoint")
+        if self._model is not None:
+            settings = resumed_settings(self._settings, self._max_batch_size, state,
+                                        self.loader.micro_batches * self.accelerator.num_processes,
+                                        "make_private")
+            if settings["max_batch_size"] != self.engine.max_batch_size:
+                self._keep_max_batch_size(settings)
         self.engine.load_state_dict(state["engine"])
         self.loader.load_state_dict(state["sampler"])
         self._micro = 0
+
+    def _keep_max_batch_size(self, settings: dict) -> None:
+        """The checkpoint's K (a longer plan would take another): the engine built again with it, calibrated to the
+        new plan, and the loader drawing with it."""
+        engine = PrivacyEngine(self._model, **settings)
+        self.loader.set_max_batch_size(settings["max_batch_size"])  # (refused while the loader is iterated)
+        self.engine.detach()
+        engine.attach(self._optimizer, data_loader=self.loader, grad_scaler=self.accelerator.scaler)
+        self.engine, self._settings = engine, settings
 
     def privacy_report(self, delta: float | None = None) -> dict:
         """The engine's ``privacy_report``."""
@@ -165,8 +192,10 @@ def make_private(accelerator: accelerate.Accelerator, model: nn.Module, optimize
                                     micro_batches=micro, num_replicas=accelerator.num_processes,
                                     rank=accelerator.process_index, generator=generator, collate_fn=collate_fn,
                                     num_workers=num_workers, pin_memory=accelerator.device.type == "cuda")
+    loader.mask_call = "private.backward(losses, mask) with the batch's mask (accelerator.backward(loss) has none)"
     engine = PrivacyEngine(model, **settings)
     engine.attach(inner_optimizer(optimizer), data_loader=loader, grad_scaler=accelerator.scaler)
-    private = PrivateTraining(accelerator, engine, loader)
+    private = PrivateTraining(accelerator, engine, loader, model=model, optimizer=inner_optimizer(optimizer),
+                              settings=settings, max_batch_size=max_batch_size)
     accelerator.register_for_checkpointing(private)
     return private

@@ -2,6 +2,7 @@
 the framework prepared, the optimizer under the framework's wrapper, and the checkpoint of a private run."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from .. import accounting, checks
+from ..data import FixedShapeBatch, FixedShapeUserBatch
 from ..distributed import is_dtensor
 from ..engine import PrivacyEngine
 from .loaders import fixed_shape_rows, steps_per_epoch
@@ -112,3 +114,112 @@ def check_run_state(state: Any, where: str) -> dict:
         raise ValueError(f"{where} was written by another version of dptrain's integrations "
                          f"(version {state['version']!r}, this one reads {STATE_VERSION})")
     return dict(state)
+
+
+_UNKNOWN = object()
+
+
+def checkpoint_max_batch_size(state: Mapping) -> Any:
+    """The K a private run's checkpoint (``run_state``) drew its batches with: its sampler's, else that of its last
+    step in the engine's ledger; ``_UNKNOWN`` for a checkpoint of no step and no sampler."""
+    sampler = state.get("sampler")
+    if isinstance(sampler, Mapping) and "max_batch_size" in sampler:
+        return sampler["max_batch_size"]
+    segments = ((state.get("engine") or {}).get("ledger") or {}).get("segments") or []
+    return segments[-1][3] if segments else _UNKNOWN
+
+
+def resumed_settings(settings: Mapping[str, Any], requested: Any, state: Mapping, shares: int,
+                     where: str) -> dict[str, Any]:
+    """The engine's settings for a run resumed from ``state``, with the checkpoint's K.
+
+    A longer plan changes the automatic K, but the interrupted epoch's batches are drawn again only with the K they
+    were drawn with: ``requested="auto"`` keeps the checkpoint's (the noise is calibrated to the new plan with it,
+    and the accounting composes every step with it); a K given explicitly must be the checkpoint's. ``where``: what
+    the user gives K to, named in the refusal. Refused where the checkpoint's K does not split into ``shares``
+    pieces, or truncates too often over the new plan."""
+    saved = checkpoint_max_batch_size(state)
+    if saved is _UNKNOWN or saved == settings["max_batch_size"]:
+        return dict(settings)
+    if requested != "auto" or saved is None or settings["max_batch_size"] is None:
+        raise ValueError(
+            f"this checkpoint's batches were drawn with max_batch_size={saved!r}, but this run draws them with "
+            f"max_batch_size={settings['max_batch_size']!r}: the interrupted epoch can only be drawn again with the same "
+            f"K. Pass max_batch_size={saved!r} to {where}" + (" (or 'auto', which keeps the checkpoint's)"
+                                                              if saved is not None else ""))
+    if saved % shares:
+        raise ValueError(
+            f"this checkpoint's batches were drawn with max_batch_size={saved}, which does not split into {shares} "
+            "pieces of equal rows (micro-batches times processes): resume with micro-batches times processes "
+            f"dividing {saved}, as the checkpoint's run did")
+    resumed = {**settings, "max_batch_size": saved}
+    steps = resumed.get("steps")
+    if steps is not None and resumed.get("target_epsilon") is not None:
+        n = resumed["sample_size"]
+        delta = accounting.default_delta(n) if resumed.get("target_delta") is None else resumed["target_delta"]
+        try:
+            accounting.poisson_delta(delta, n, resumed["batch_size"] / n, saved, steps)
+        except ValueError as err:
+            raise ValueError(
+                f"resuming keeps this checkpoint's max_batch_size={saved} (the interrupted epoch is drawn again with "
+                f"it; the new plan alone would take a larger one), but over the {steps} planned steps it truncates "
+                f"too often for delta={delta:.3g}: plan fewer steps, or give a larger target_delta ({err})") from err
+    return resumed
+
+
+def find_padding_mask(batch: Any, known: list[torch.Tensor], where: str) -> torch.Tensor | None:
+    """The fixed-shape mask of ``batch`` as a framework hands it to the training step, whatever a user's hooks made
+    of the loader's ``FixedShapeBatch`` (a tuple, a list, a dict, a dataclass): the mask of a ``FixedShapeBatch``
+    inside it, else a ``[K]`` bool tensor inside it equal to the mask of one of the loader's last batches
+    (``known``: the batch trained on is one of them). None where no mask is needed: none of those batches has
+    padding. Refused (nothing applied) when there is padding and no mask, or several masks that differ."""
+    typed: list[torch.Tensor] = []
+    bare: list[torch.Tensor] = []
+    _collect_masks(batch, typed, bare, 0, set())
+    if not typed and known:  # a bare bool tensor is the mask only if it is one the loader made
+        known_cpu = [k.detach().cpu() for k in known]
+        typed = [t for t in bare if t.shape == known_cpu[0].shape
+                 and any(torch.equal(t.detach().cpu(), k) for k in known_cpu)]
+    distinct: list[torch.Tensor] = []
+    for mask in typed:
+        if not any(mask.shape == d.shape and torch.equal(mask.detach().cpu(), d.detach().cpu()) for d in distinct):
+            distinct.append(mask)
+    if len(distinct) == 1:
+        return distinct[0]
+    kind = type(batch).__name__
+    if len(distinct) > 1:
+        raise ValueError(
+            f"{where} (a {kind}) holds {len(distinct)} different fixed-shape masks, so which rows are padding is "
+            "unknown: keep exactly one FixedShapeBatch (or its mask) in the batch. Nothing of this step was applied")
+    if all(bool(k.all()) for k in known):
+        return None  # every row of the batch trained on is real
+    raise ValueError(
+        f"{where} (a {kind}) holds no fixed-shape mask, but the loader pads every batch to K rows and this step's "
+        "batch has padding rows, which a backward without the mask would clip as samples (removing one sample could "
+        "then move the step by up to 2 x max_grad_norm). Keep the FixedShapeBatch, or at least its mask tensor, in "
+        "the batch your on_before_batch_transfer / transfer_batch_to_device / on_after_batch_transfer return (a "
+        "tuple, list, dict or dataclass holding it is fine). Nothing of this step was applied")
+
+
+def _collect_masks(obj: Any, typed: list, bare: list, depth: int, seen: set[int]) -> None:
+    """The masks of fixed-shape batches inside ``obj`` (``typed``) and its 1-D bool tensors (``bare``)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.dtype == torch.bool and obj.dim() == 1:
+            bare.append(obj)
+        return
+    if depth > 32 or id(obj) in seen:  # (a structure that contains itself)
+        return
+    seen.add(id(obj))
+    if isinstance(obj, (FixedShapeBatch, FixedShapeUserBatch)):
+        typed.append(obj.mask)
+        return
+    if isinstance(obj, Mapping):
+        children = list(obj.values())
+    elif isinstance(obj, (tuple, list)):
+        children = obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        children = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    else:
+        return
+    for child in children:
+        _collect_masks(child, typed, bare, depth + 1, seen)

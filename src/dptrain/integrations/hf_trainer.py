@@ -34,7 +34,8 @@ What changes inside the training loop:
 * **Checkpoints.** Every Trainer checkpoint holds the engine's state (step count, accountant history, noise
   state) and the sampler's, in ``dptrain_state.pt``; ``train(resume_from_checkpoint=...)`` restores both, so
   epsilon and the batches continue exactly where the stopped run was, with fresh noise (the engine's
-  checkpoint semantics, ``PrivacyEngine.load_state_dict``). A checkpoint without that file is refused.
+  checkpoint semantics, ``PrivacyEngine.load_state_dict``). A checkpoint without that file is refused. A resume
+  with a longer plan keeps the checkpoint's ``max_batch_size`` (``"auto"``), recalibrating the noise with it.
 * **Precision, memory, processes.** bf16 (autocast), fp16 with the Trainer's loss scaler (the engine takes
   the scale out before clipping; in one process an overflow is run again at a smaller scale, under DDP the
   step is skipped and counted), gradient (activation) checkpointing, and several processes with DDP
@@ -63,17 +64,20 @@ try:
     from transformers import Trainer
     from transformers.models.auto import modeling_auto
     from transformers.utils import logging as hf_logging
+
+    import accelerate  # noqa: F401  (the Trainer trains through it, and installing transformers does not bring it)
 except ImportError as err:  # pragma: no cover - exercised only without the extra
+    missing = (err.name or "a module").split(".")[0]
     raise ImportError(
-        "dptrain.integrations.hf_trainer needs Hugging Face transformers: pip install 'dptrain[transformers]'"
-    ) from err
+        f"dptrain.integrations.hf_trainer needs Hugging Face transformers and accelerate (the Trainer trains through "
+        f"it), and {missing!r} is not installed: pip install 'dptrain[transformers]' installs both") from err
 
 from .. import checks
 from ..algorithms import DEFAULT_CLIPPING_MODE
 from ..data import masked_losses
 from ..engine import PrivacyEngine
 from ..losses import LOSS_REDUCTIONS, sequence_losses
-from .common import check_run_state, engine_on, engine_settings, inner_optimizer, run_state
+from .common import check_run_state, engine_on, engine_settings, inner_optimizer, resumed_settings, run_state
 from .loaders import MASK_KEY, ShardedPoissonLoader, sharded_poisson_loader, steps_per_epoch
 
 __all__ = ["DPTrainer", "STATE_FILE", "per_sample_losses"]
@@ -234,10 +238,8 @@ class DPTrainer(Trainer):
             noise_multiplier=noise_multiplier, target_epsilon=target_epsilon, target_delta=target_delta,
             steps=steps, epochs=None, max_batch_size=max_batch_size if poisson_sampling else None,
             engine_kwargs={"clipping_mode": clipping_mode, **dict(engine_kwargs or {})})
-        with warnings.catch_warnings():
-            if args_.world_size > 1:  # (the engine that trains is built on the DDP-wrapped model at the first step)
-                warnings.filterwarnings("ignore", message="torch.distributed runs .* neither DistributedDataParallel")
-            self.privacy_engine = PrivacyEngine(self.model, **self._engine_settings)
+        self._max_batch_size = max_batch_size  # (as given: "auto" keeps a resumed checkpoint's K)
+        self.privacy_engine = self._new_engine()
         self._attached_to: torch.optim.Optimizer | None = None
         self._train_loader: ShardedPoissonLoader | None = None
         self._resumed_state: dict | None = None
@@ -246,6 +248,33 @@ class DPTrainer(Trainer):
                        "reported epsilon is the Poisson-sampling epsilon, which is not a proven bound for them")
             logger.warning(message)
             warnings.warn(message, stacklevel=2)
+
+    def _new_engine(self) -> PrivacyEngine:
+        with warnings.catch_warnings():
+            if self.args.world_size > 1:  # (the engine that trains is built on the DDP-wrapped model at the first step)
+                warnings.filterwarnings("ignore", message="torch.distributed runs .* neither DistributedDataParallel")
+            return PrivacyEngine(self.model, **self._engine_settings)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):
+        """``Trainer.train``; resuming, the engine keeps the checkpoint's ``max_batch_size`` (a longer plan would take
+        another, and the interrupted epoch's batches are drawn again only with theirs)."""
+        checkpoint = resume_from_checkpoint
+        if checkpoint is True:
+            from transformers.trainer_utils import get_last_checkpoint
+
+            checkpoint = get_last_checkpoint(self.args.output_dir)
+        path = os.path.join(checkpoint, STATE_FILE) if isinstance(checkpoint, str) else None
+        state = check_run_state(torch.load(path, weights_only=False), path) if path and os.path.isfile(path) else {}
+        if self.poisson_sampling and state.get("sampler") is not None:  # (another sampling: refused at its load)
+            settings = resumed_settings(self._engine_settings, self._max_batch_size, state,
+                                        self.args.gradient_accumulation_steps * self.args.world_size, "DPTrainer")
+            if settings != self._engine_settings:
+                if self._attached_to is not None:
+                    self.privacy_engine.detach()
+                    self._attached_to = None
+                self._engine_settings = settings
+                self.privacy_engine = self._new_engine()
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def _check_arguments(self, poisson_sampling: bool) -> None:
         args = self.args
@@ -296,6 +325,8 @@ class DPTrainer(Trainer):
             rank=self.args.process_index, generator=generator, collate_fn=collator,
             num_workers=self.args.dataloader_num_workers, pin_memory=self.args.dataloader_pin_memory,
             mask_key=MASK_KEY)
+        loader.mask_call = (f"DPTrainer.training_step passes the batch's {MASK_KEY!r} entry to engine.backward(losses, "
+                            "mask=...): keep it in the batch (a training_step of your own: pop it and pass it so)")
         loader.poisson_sampler.resolve()  # the process group is up: agree on the seed now, with every process
         self._train_loader = loader
         return loader

@@ -26,7 +26,8 @@ What the callback does:
   ``train_dataloader()`` (the callback then knows the trainer). The engine reads q and K from this loader;
   another loader is refused.
 * **The step.** ``training_step`` returns per-sample losses ``[B]``. The callback routes Lightning's
-  backward to ``engine.backward(losses, mask=batch.mask)`` (it gives the strategy a precision plugin of the
+  backward to ``engine.backward(losses, mask=batch.mask)``, the mask found in the batch whatever type your transfer
+  hooks gave it, a batch with padding and no mask refused (it gives the strategy a precision plugin of the
   same class whose ``backward`` does that; everything else, autocast and the loss scaler included, is the
   original plugin's), and ``optimizer.step()`` applies the private gradient. Gradient accumulation,
   ``precision="bf16-mixed"`` and fp16 with a scaler (``plugins=[MixedPrecision("16-mixed", device)]``) work
@@ -34,7 +35,7 @@ What the callback does:
   ``use_distributed_sampler=False``: the loader samples for every process itself) adds the noise once.
 * **Checkpoints.** Lightning's checkpoints carry the engine's state (step count, accountant history, noise
   state: the callback's ``state_dict``) and the sampler's; ``fit(ckpt_path=...)`` resumes both, with fresh
-  noise (``PrivacyEngine.load_state_dict``).
+  noise (``PrivacyEngine.load_state_dict``); a longer plan keeps the checkpoint's K (``max_batch_size="auto"``).
 * **The progress bar** shows ``epsilon`` after every optimizer step (``log_epsilon=False`` turns it off).
 
 Refused with the reason: ``gradient_clip_val`` (clipping the batch gradient has no role: the per-sample
@@ -58,9 +59,9 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "dptrain.integrations.lightning needs PyTorch Lightning: pip install 'dptrain[lightning]'") from err
 
 from ..algorithms import DEFAULT_CLIPPING_MODE
-from ..data import FixedShapeBatch
 from ..engine import PrivacyEngine
-from .common import check_run_state, engine_on, engine_settings, inner_optimizer, run_state
+from .common import (check_run_state, engine_on, engine_settings, find_padding_mask, inner_optimizer,
+                     resumed_settings, run_state)
 from .loaders import ShardedPoissonLoader, sharded_poisson_loader
 
 __all__ = ["DPCallback"]
@@ -175,11 +176,16 @@ class DPCallback(pl.Callback):
         self._settings = engine_settings(
             sample_size=len(dataset), batch_size=batch_size, shares=shares, steps=steps, epochs=epochs,
             max_batch_size=max_batch_size, engine_kwargs=self._engine_kwargs, **self._privacy)
+        if self._pending is not None:  # fit(ckpt_path=...): the checkpoint's K, whatever the new plan would take
+            self._settings = resumed_settings(self._settings, max_batch_size, self._pending, shares,
+                                              "DPCallback.train_loader")
         self.loader = sharded_poisson_loader(
             dataset, batch_size, max_batch_size=self._settings["max_batch_size"],
             micro_batches=trainer.accumulate_grad_batches, num_replicas=trainer.world_size, rank=trainer.global_rank,
             generator=generator, collate_fn=collate_fn,
             num_workers=num_workers, pin_memory=pin_memory)
+        self.loader.mask_call = ("return per-sample losses from training_step and keep the FixedShapeBatch (or its "
+                                 "mask) in the batch: DPCallback gives the engine the mask it finds there")
         return self.loader
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -208,8 +214,12 @@ class DPCallback(pl.Callback):
 
     # ------------------------------------------------------------------ the step
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx: int) -> None:
-        """Keep the fixed-shape batch's mask for the backward."""
-        self._mask = batch.mask if isinstance(batch, FixedShapeBatch) else None
+        """Keep the fixed-shape batch's mask for the backward, found whatever type the batch has after the transfer
+        hooks (refused where the batch has padding and no mask can be found)."""
+        self._mask = None
+        if self.loader is not None and self.loader.max_batch_size is not None:
+            self._mask = find_padding_mask(batch, self.loader.recent_masks,
+                                           "the batch that reached DPCallback.on_train_batch_start")
 
     def _backward(self, losses: torch.Tensor) -> None:
         if losses.dim() != 1:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .. import accounting, checks
-from ..data import DPDataLoader, FixedShapeBatch, PoissonSampler, _EmptyBatchCollate, _FixedShapeCollate, batch_len
+from ..data import DPDataLoader, FixedShapeBatch, PoissonSampler, _EmptyBatchCollate, _FixedShapeCollate
 
 __all__ = ["MASK_KEY", "ShardedPoissonLoader", "ShardedPoissonSampler", "fixed_shape_rows", "sharded_poisson_loader"]
 
@@ -164,9 +164,29 @@ class ShardedPoissonLoader(DPDataLoader):
         self._consumed = start
         for batch in super(DPDataLoader, self).__iter__():
             self._consumed += 1
-            self._recent_rows.append(batch_len(batch) or 0)
+            self._note_batch(batch)
             yield batch
         self._consumed = None
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        """Draw the batches from now on with ``max_batch_size`` rows per step (a run resumed with a longer plan keeps
+        its checkpoint's K: ``common.resumed_settings``); not while the loader is being iterated."""
+        if self._consumed is not None:
+            raise RuntimeError("max_batch_size cannot change while the loader is being iterated")
+        sampler = self.poisson_sampler
+        if sampler.max_batch_size is None:
+            raise ValueError("this loader makes batches of varying size: build it with max_batch_size to fix K")
+        previous = sampler.max_batch_size
+        sampler.max_batch_size = checks.positive_int("max_batch_size", max_batch_size, "the fixed rows of a step, K")
+        try:
+            if sampler.num_replicas is not None:
+                sampler._set_world(sampler.num_replicas, sampler.rank)  # (checks that K splits into the pieces)
+        except ValueError:
+            sampler.max_batch_size = previous
+            raise
+        self.max_batch_size = sampler.max_batch_size
+        collate = self.collate_fn.collate if isinstance(self.collate_fn, _MaskInDict) else self.collate_fn
+        collate._collate = None  # (the rows of a piece, read again from the sampler at the next batch)
 
     def state_dict(self) -> dict:
         """The sampler's checkpoint, counting the logical steps consumed, not the batches prefetched by workers."""
@@ -225,7 +245,9 @@ def sharded_poisson_loader(dataset, batch_size: int, *, max_batch_size: int | No
         collate = _LazyRows(collate_fn, dataset[0], sampler)
         if mask_key is not None:
             collate = _MaskInDict(collate, mask_key)
-    return ShardedPoissonLoader(dataset, sampler, collate_fn=collate, num_workers=num_workers, pin_memory=pin_memory)
+    loader = ShardedPoissonLoader(dataset, sampler, collate_fn=collate, num_workers=num_workers, pin_memory=pin_memory)
+    loader.mask_key = mask_key
+    return loader
 
 
 class _LazyRows:

@@ -56,8 +56,10 @@ class NeighbourReport:
 
     @property
     def worst(self) -> float:
-        """The largest distance over every R (0 where every step was refused): at most 1 for a private step."""
-        return max((d for by_unit in self.distances.values() for d in by_unit.values()), default=0.0)
+        """The largest distance over every R (NaN if any is; 0 where every step was refused): at most 1 for a private
+        step."""
+        case = self.worst_case
+        return 0.0 if case is None else case[2]
 
     @property
     def worst_case(self) -> tuple | None:

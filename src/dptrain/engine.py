@@ -335,10 +335,13 @@ class PrivacyEngine:
         if self._runner is None:
             raise RuntimeError("call engine.attach(optimizer) before engine.backward(losses)")
         if not isinstance(losses, torch.Tensor) or losses.dim() == 0:
+            got = "a scalar" if isinstance(losses, torch.Tensor) else type(losses).__name__
             raise ValueError(
-                "engine.backward needs per-sample losses of shape [B], e.g. "
-                "F.cross_entropy(logits, y, reduction='none'); got a scalar. For a scalar loss use loss.backward() "
-                "in a single-backward mode"
+                f"engine.backward needs per-sample losses of shape [B], one per sample; got {got}. A loss reduced "
+                "over the batch (a mean or sum, or a model's own loss from labels=, the mean over the batch's tokens) "
+                "cannot be clipped per sample. Compute one loss per sample from the model's outputs and pass those: "
+                "F.cross_entropy(logits, y, reduction='none'), or for a language model "
+                "dptrain.losses.sequence_losses(logits, labels, shift=True) (call the model without labels=)"
             )
         losses = losses.flatten(1).sum(1) if losses.dim() > 1 else losses
         if (users is None) != (self.privacy_unit == "example"):

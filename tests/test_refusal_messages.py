@@ -1,0 +1,97 @@
+"""Refusals that lead to the fix: what a user who took a common wrong turn reads. A model's own scalar loss given to
+engine.backward, the same loss expanded to [B], a model with many BatchNorms, an optimizer built before
+dptrain.fix(model)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dptrain
+from dptrain.rows import RowsMixSamples
+
+B = 4
+
+
+def _attached(model):
+    engine = dptrain.PrivacyEngine(model, batch_size=B, sample_size=100, noise_multiplier=0.0, max_grad_norm=1.0)
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.1))
+    return engine
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=40, n_embd=16, n_layer=1, n_head=2, n_positions=16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.GPT2LMHeadModel(config)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(B, 6, generator=g), torch.randint(0, 3, (B,), generator=g)
+
+
+# ------------------------------------------------------------------ one scalar given where per-sample losses go
+def test_a_models_own_labels_loss_given_to_engine_backward_points_to_per_sample_losses():
+    model = _gpt2()
+    engine = _attached(model)
+    ids = torch.randint(0, 40, (B, 8), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(ValueError) as refusal:
+        engine.backward(model(input_ids=ids, labels=ids).loss)
+    message = str(refusal.value)
+    assert "got a scalar" in message and "labels=" in message
+    assert "reduction='none'" in message and "dptrain.losses.sequence_losses(logits, labels, shift=True)" in message
+    assert "loss.backward()" not in message  # (the path that refuses a model's own labels= loss)
+    assert engine.steps_taken == 0
+
+
+def test_something_else_than_a_tensor_is_named():
+    engine = _attached(_mlp())
+    with pytest.raises(ValueError, match=r"shape \[B\], one per sample; got list"):
+        engine.backward([1.0, 2.0])
+
+
+def test_a_models_own_labels_loss_expanded_to_the_batch_is_refused_as_one_scalar():
+    model = _gpt2()
+    engine = _attached(model)
+    ids = torch.randint(0, 40, (B, 8), generator=torch.Generator().manual_seed(2))
+    with pytest.raises(RowsMixSamples) as refusal:
+        engine.backward(model(input_ids=ids, labels=ids).loss.expand(B))
+    message = str(refusal.value)
+    assert message.startswith(f"the loss couples samples: the losses are one scalar expanded to [{B}] "
+                              "(ExpandBackward0 of NllLossBackward0)"), message
+    assert "the mean over the batch's tokens" in message and "reduction='none'" in message
+    assert "sequence_losses" in message and "may mix rows" not in message
+
+
+@pytest.mark.parametrize("spread,names", [
+    (lambda loss: loss.expand(B), "ExpandBackward0 of MeanBackward0"),
+    (lambda loss: loss * torch.ones(B), "MulBackward0 of MeanBackward0"),
+    (lambda loss: loss.reshape(1).repeat(B), "RepeatBackward0 of MeanBackward0"),
+], ids=["expand", "times ones", "repeat"])
+def test_a_mean_over_the_batch_spread_to_b_losses_is_named_whatever_spreads_it(spread, names):
+    model = _mlp()
+    engine = _attached(model)
+    x, y = _data()
+    with pytest.raises(RowsMixSamples, match=rf"one scalar expanded to \[{B}\] \({names}\): a mean over the whole batch"):
+        engine.backward(spread(F.cross_entropy(model(x), y, reduction="none").mean()))
+
+
+def test_a_loss_coupled_another_way_keeps_its_own_refusal():
+    model = _mlp()
+    engine = _attached(model)
+    x, y = _data()
+    losses = F.cross_entropy(model(x), y, reduction="none")
+    with pytest.raises(RowsMixSamples) as refusal:
+        engine.backward(losses * losses.mean())  # a statistic over the batch: per-sample rows, coupled
+    assert str(refusal.value).startswith("the loss couples samples: in ") and "one scalar" not in str(refusal.value)

@@ -12,6 +12,7 @@ from torch import nn
 
 import dptrain
 from dptrain.rows import RowsMixSamples
+from dptrain.validation import find_problems, grouped_problems
 
 B = 4
 
@@ -95,3 +96,35 @@ def test_a_loss_coupled_another_way_keeps_its_own_refusal():
     with pytest.raises(RowsMixSamples) as refusal:
         engine.backward(losses * losses.mean())  # a statistic over the batch: per-sample rows, coupled
     assert str(refusal.value).startswith("the loss couples samples: in ") and "one scalar" not in str(refusal.value)
+
+
+# ------------------------------------------------------------------ many modules with the same problem
+class ManyNorms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Conv2d(3, 3, 1), nn.BatchNorm2d(3)) for _ in range(5)])
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(12, 4), nn.BatchNorm1d(4))
+
+    def forward(self, x):
+        return self.head(self.blocks(x))
+
+
+def test_modules_with_the_same_problem_are_listed_on_one_line():
+    model = ManyNorms()
+    assert len(find_problems(model)) == 6  # (the programmatic list keeps one entry per module)
+    lines = grouped_problems(model)
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("5 BatchNorm2d modules ('blocks.0.1', 'blocks.1.1', 'blocks.2.1' and 2 more): each "
+                               "normalises with statistics of the whole batch"), lines[0]
+    assert "dptrain.fix(model)" in lines[0]
+    assert lines[1].startswith("the submodule 'head.2' (BatchNorm1d) normalises"), lines[1]
+    for refuse in (lambda: dptrain.validate(model), lambda: _attached(model)):
+        with pytest.raises(ValueError) as refusal:
+            refuse()
+        assert str(refusal.value).splitlines()[1:] == [f"- {line}" for line in lines]
+
+
+def test_a_group_of_exactly_the_shown_paths_says_no_more():
+    model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.BatchNorm1d(3))
+    assert grouped_problems(model) == [
+        f"2 BatchNorm1d modules ('1', '2'): each {find_problems(model)[0].split(') ', 1)[1]}"]

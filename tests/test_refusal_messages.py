@@ -128,3 +128,19 @@ def test_a_group_of_exactly_the_shown_paths_says_no_more():
     model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3), nn.BatchNorm1d(3))
     assert grouped_problems(model) == [
         f"2 BatchNorm1d modules ('1', '2'): each {find_problems(model)[0].split(') ', 1)[1]}"]
+
+
+# ------------------------------------------------------------------ an optimizer built before dptrain.fix
+def test_an_optimizer_built_before_fix_is_told_that_fix_returns_a_copy():
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    fixed = dptrain.fix(model)
+    engine = dptrain.PrivacyEngine(fixed, batch_size=B, sample_size=100, noise_multiplier=0.0, max_grad_norm=1.0)
+    with pytest.raises(ValueError) as refusal:
+        engine.attach(optimizer)
+    message = str(refusal.value)
+    assert message.startswith("the optimizer holds 6 of its 6 parameters that are not in the model given to the "
+                              "engine"), message
+    assert "dptrain.fix(model) returns a copy" in message and "model = dptrain.fix(model)" in message
+    engine.attach(torch.optim.SGD(fixed.parameters(), lr=0.1))  # the fix it names works
+    engine.detach()

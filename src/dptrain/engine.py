@@ -252,8 +252,13 @@ class PrivacyEngine:
         self._follow_trainable()
         model_params = set(self.model.parameters())
         held = [p for group in optimizer.param_groups for p in group["params"]]
-        if any(p not in model_params for p in held):
-            raise ValueError("the optimizer holds a parameter that is not in the model given to the engine")
+        outside = sum(p not in model_params for p in held)
+        if outside:
+            raise ValueError(
+                f"the optimizer holds {outside} of its {len(held)} parameters that are not in the model given to the "
+                "engine. dptrain.fix(model) returns a copy with parameters of its own: build the optimizer after it, "
+                "from the model it returned (model = dptrain.fix(model), then the optimizer on model.parameters()). A "
+                "module outside the model (a loss module, a second model): put it into the model given to the engine")
         if not any(p in self._trainable.users for p in held):
             raise ValueError("the optimizer holds none of the model's trainable parameters")
         # FSDP2 swaps the unsharded parameters in during each forward: hooks look them up by name.

@@ -84,7 +84,8 @@ def test_a_mean_over_the_batch_spread_to_b_losses_is_named_whatever_spreads_it(s
     model = _mlp()
     engine = _attached(model)
     x, y = _data()
-    with pytest.raises(RowsMixSamples, match=rf"one scalar expanded to \[{B}\] \({names}\): a mean over the whole batch"):
+    expected = rf"one scalar expanded to \[{B}\] \({names}\): a mean over the whole batch"
+    with pytest.raises(RowsMixSamples, match=expected):
         engine.backward(spread(F.cross_entropy(model(x), y, reduction="none").mean()))
 
 

@@ -253,8 +253,13 @@ class PrivacyEngine:
         self._follow_trainable()
         model_params = set(self.model.parameters())
         held = [p for group in optimizer.param_groups for p in group["params"]]
-        if any(p not in model_params for p in held):
-            raise ValueError("the optimizer holds a parameter that is not in the model given to the engine")
+        outside = sum(p not in model_params for p in held)
+        if outside:
+            raise ValueError(
+                f"the optimizer holds {outside} of its {len(held)} parameters that are not in the model given to the "
+                "engine. dptrain.fix(model) returns a copy with parameters of its own: build the optimizer after it, "
+                "from the model it returned (model = dptrain.fix(model), then the optimizer on model.parameters()). A "
+                "module outside the model (a loss module, a second model): put it into the model given to the engine")
         if not any(p in self._trainable.users for p in held):
             raise ValueError("the optimizer holds none of the model's trainable parameters")
         # FSDP2 swaps the unsharded parameters in during each forward: hooks look them up by name.
@@ -340,10 +345,13 @@ class PrivacyEngine:
         if self._runner is None:
             raise RuntimeError("call engine.attach(optimizer) before engine.backward(losses)")
         if not isinstance(losses, torch.Tensor) or losses.dim() == 0:
+            got = "a scalar" if isinstance(losses, torch.Tensor) else type(losses).__name__
             raise ValueError(
-                "engine.backward needs per-sample losses of shape [B], e.g. "
-                "F.cross_entropy(logits, y, reduction='none'); got a scalar. For a scalar loss use loss.backward() "
-                "in a single-backward mode"
+                f"engine.backward needs per-sample losses of shape [B], one per sample; got {got}. A loss reduced "
+                "over the batch (a mean or sum, or a model's own loss from labels=, the mean over the batch's tokens) "
+                "cannot be clipped per sample. Compute one loss per sample from the model's outputs and pass those: "
+                "F.cross_entropy(logits, y, reduction='none'), or for a language model "
+                "dptrain.losses.sequence_losses(logits, labels, shift=True) (call the model without labels=)"
             )
         masked_already = data.fixed_shape.mask_of_masked_losses(losses) if mask is None else None
         losses = losses.flatten(1).sum(1) if losses.dim() > 1 else losses

@@ -1,14 +1,23 @@
 """The neighbour test: differential privacy's own definition, checked on one's own training step.
 
 With the noise at 0, the private step's clipped sum for a batch ``D`` and for ``D`` without one sample (or one user)
-must differ by at most ``max_grad_norm``: that is the sensitivity the accountant's epsilon relies on. The test needs no
-model of what the engine does, so it catches what a per-sample oracle built on the same assumptions would miss: a
-loss that couples samples, a forward that mixes them, a sampler or a resume that changes what a step sees. A step the
-engine refuses releases nothing, so it passes (and the report says why it was refused)::
+must differ by at most ``max_grad_norm`` (R): that is the sensitivity the accountant's epsilon relies on. The test needs
+no model of what the engine does, so it catches what a per-sample oracle built on the same assumptions would miss: a
+loss that couples samples (also through a detached weight or selection, which no gradient shows), a forward that mixes
+them, a sampler or a resume that changes what a step sees. A step the engine refuses releases nothing, so it passes
+(and the report says why it was refused)::
 
-    report = dptrain.testing.neighbour_test(
-        model, lambda m, x, y: my_loss(m(x), y), (x, y), max_grad_norm=1.0)
+    report = dptrain.testing.neighbour_test(model, lambda m, x, y: my_loss(m(x), y), (x, y))
     assert report.worst <= 1 + 1e-6, report
+
+Which R it runs at matters. A coupling hides at the R one trains with: where every sample is clipped, each
+contributes a vector of length R whatever weight the batch gave it (a detached softmax re-weighting reads exactly
+1 R); where none is, removing a sample moves the sum by that sample's own norm, below R, and what it changes in the
+others' terms may still fit (0.98 R). So by default the test runs at three R, chosen from the per-sample gradient
+norms of the batch as the losses define them: one that clips every sample, one that clips some and not others
+(removing a clipped sample moves the sum by R, and the others' re-weighted terms add to that), and one just above the
+largest norm, that clips none. It removes every sample (or user) in turn: (B + 1) steps at each R, so give it a small
+batch (16 samples or so). The report names each R and what it clips.
 
 ``warm_up`` runs ordinary steps first (a check that runs once and is then trusted must be tested warm), with the loss
 ``warm_up_losses`` (default: the same); the step under test comes last. Everything runs on copies of ``model``.
@@ -26,25 +35,50 @@ from torch import nn
 
 from .algorithms import DEFAULT_CLIPPING_MODE
 
+# How far the default R sit from the nearest per-sample norm: far beyond the rounding of the engine's norms (float32),
+# close enough that the norm-sized differences of a coupled loss are not divided away by a much larger R.
+_MARGIN = 1e-3
+CLIPS_EVERY = "clips every sample"
+CLIPS_SOME = "clips some samples, not others"
+CLIPS_NONE = "clips none"
+
 
 @dataclass
 class NeighbourReport:
-    """What ``neighbour_test`` found: for each removed sample (or user), ``||G(D) - G(D without it)|| /
-    max_grad_norm``; ``refused``: the engine's refusal of the step (nothing released), if it refused one."""
+    """What ``neighbour_test`` found. ``distances``: ``{R: {removed sample (or user): ||G(D) - G(D without it)|| /
+    R}}``; ``thresholds``: ``{R: what it clips}`` for every R tested (``"clips every sample"``, ``"clips some
+    samples, not others"``, ``"clips none"``, or ``"given"``); ``refused``: the engine's refusal of a step (nothing
+    released), if it refused one."""
 
     distances: dict = field(default_factory=dict)
+    thresholds: dict = field(default_factory=dict)
     refused: str | None = None
 
     @property
     def worst(self) -> float:
-        """The largest distance (0 where every step was refused): at most 1 for a private step."""
-        return max(self.distances.values(), default=0.0)
+        """The largest distance over every R (NaN if any is; 0 where every step was refused): at most 1 for a private
+        step."""
+        case = self.worst_case
+        return 0.0 if case is None else case[2]
+
+    @property
+    def worst_case(self) -> tuple | None:
+        """(R, the removed sample or user, its distance) of the largest distance, or ``None`` where none was read.
+        NaN, which no bound holds, counts as the largest."""
+        cases = [(R, k, d) for R, by_unit in self.distances.items() for k, d in by_unit.items()]
+        return max(cases, key=lambda c: math.inf if math.isnan(c[2]) else c[2], default=None)
 
     def __str__(self) -> str:
-        if self.refused is not None and not self.distances:
+        if self.refused is not None and not any(self.distances.values()):
             return f"refused by the engine (nothing released): {self.refused}"
-        parts = ", ".join(f"without {k}: {d:.4g} R" for k, d in self.distances.items())
-        return f"worst {self.worst:.4g} R ({parts})" + (f"; refused: {self.refused}" if self.refused else "")
+        parts = []
+        for R, by_unit in self.distances.items():
+            if by_unit:
+                k, d = max(by_unit.items(), key=lambda kv: math.inf if math.isnan(kv[1]) else kv[1])
+                parts.append(f"at R={R:.4g} ({self.thresholds.get(R, 'given')}): worst {d:.4g} R, without {k!r}, "
+                             f"{len(by_unit)} removed")
+        return f"worst {self.worst:.4g} R; " + "; ".join(parts) + (
+            f"; refused: {self.refused}" if self.refused else "")
 
 
 def _without(batch, keep: torch.Tensor):
@@ -61,16 +95,19 @@ def _call(losses_fn, model, batch):
     return losses_fn(model, *batch) if isinstance(batch, (tuple, list)) else losses_fn(model, batch)
 
 
-def neighbour_test(model: nn.Module, losses_fn: Callable, batch, *, max_grad_norm: float,
-                   mode: str = DEFAULT_CLIPPING_MODE, remove: Sequence[int] | None = None, users=None,
-                   warm_up: Sequence = (), warm_up_losses: Callable | None = None, path: str = "engine",
-                   seed: int = 0, **options) -> NeighbourReport:
+def neighbour_test(model: nn.Module, losses_fn: Callable, batch, *,
+                   max_grad_norm: float | Sequence[float] | None = None, mode: str = DEFAULT_CLIPPING_MODE,
+                   remove: Sequence[int] | None = None, users=None, warm_up: Sequence = (),
+                   warm_up_losses: Callable | None = None, path: str = "engine", seed: int = 0,
+                   **options) -> NeighbourReport:
     """The neighbour test of one private step (see the module docstring).
 
     ``losses_fn(model, *batch)`` gives the per-sample losses ``[B]``; ``batch`` is a tensor or a tuple, list or dict
-    of tensors with the samples along dim 0. ``remove``: the samples to leave out one at a time (default: every
-    sample up to 8, else the first, a middle and the last); with ``users`` (each sample's user id, ``[B]``) the
-    engine clips per user (``privacy_unit="user"``) and ``remove`` names users (default: every user up to 8).
+    of tensors with the samples along dim 0. ``max_grad_norm``: the R (one, or several) to test at; by default three,
+    chosen from the batch's per-sample gradient norms: one that clips every sample, one that clips some, one that
+    clips none (a coupled loss can hide at any single R). ``remove``: the samples to leave out one at a time
+    (default: every one); with ``users`` (each sample's user id, ``[B]``) the engine clips per user
+    (``privacy_unit="user"``) and ``remove`` names users (default: every user).
     ``path``: ``"engine"`` (``engine.backward(losses)``), or ``"mean"`` / ``"sum"`` (a plain ``loss.backward()``).
     ``seed``: both runs of a pair draw the same random numbers (dropout, a permutation in the loss). ``options``: the
     engine's other arguments. The model is never changed.
@@ -83,19 +120,24 @@ def neighbour_test(model: nn.Module, losses_fn: Callable, batch, *, max_grad_nor
     size = len(users) if users is not None else _length(batch)
     ids = torch.as_tensor(users) if users is not None else torch.arange(size)
     units = sorted(set(ids.tolist()))
-    if remove is None:
-        remove = units if len(units) <= 8 else [units[0], units[len(units) // 2], units[-1]]
+    remove = units if remove is None else remove
     if users is not None:
         options["privacy_unit"] = "user"
     options.setdefault("loss_reduction", "sum" if path == "sum" else "mean")
-    report = NeighbourReport()
+    if max_grad_norm is None:
+        thresholds = default_thresholds(model, losses_fn, batch, ids, seed=seed,
+                                        clipping_style=options.get("clipping_style", "all-layer"))
+    else:
+        given = list(max_grad_norm) if isinstance(max_grad_norm, Sequence) else [max_grad_norm]
+        thresholds = {float(R): "given" for R in given}
+    report = NeighbourReport(thresholds=thresholds)
 
-    def step(data, unit_ids) -> dict | None:
+    def step(data, unit_ids, R: float) -> dict | None:
         trained = copy.deepcopy(model)
         with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
             warnings.simplefilter("ignore")
             torch.manual_seed(seed)
-            engine, opt = attached_engine(trained, mode=mode, max_grad_norm=max_grad_norm, **options)
+            engine, opt = attached_engine(trained, mode=mode, max_grad_norm=R, **options)
             try:
                 for warm in [*warm_up, None]:
                     opt.zero_grad(set_to_none=True)
@@ -115,18 +157,65 @@ def neighbour_test(model: nn.Module, losses_fn: Callable, batch, *, max_grad_nor
             finally:
                 engine.detach()
 
-    full = step(batch, ids)
-    if full is None:
-        return report
-    for unit in remove:
-        keep = ids != unit
-        if bool(keep.all()):
-            raise ValueError(f"remove names {unit!r}, which is no sample or user of the batch")
-        smaller = step(_without(batch, keep), ids[keep])
-        if smaller is None:
+    for R in thresholds:
+        report.distances[R] = {}
+        full = step(batch, ids, R)
+        if full is None:
             continue
-        report.distances[unit] = _distance(full, smaller) / max_grad_norm
+        for unit in remove:
+            keep = ids != unit
+            if bool(keep.all()):
+                raise ValueError(f"remove names {unit!r}, which is no sample or user of the batch")
+            smaller = step(_without(batch, keep), ids[keep], R)
+            if smaller is not None:
+                report.distances[R][unit] = _distance(full, smaller) / R
     return report
+
+
+def default_thresholds(model: nn.Module, losses_fn: Callable, batch, ids: torch.Tensor, *, seed: int = 0,
+                       clipping_style="all-layer") -> dict[float, str]:
+    """``{R: what it clips}``: the R that ``neighbour_test`` runs at by default, from each sample's (or user's,
+    ``ids``) gradient norm in its clipping groups, read with plain autograd on the whole batch, so that a weight
+    computed from the batch counts as the engine will see it: just below the smallest nonzero norm (clips every
+    sample), between two norms near the median (clips some; left out where every norm is the same), and just above
+    the largest (clips none)."""
+    from .testing import _groups, _threshold_between
+
+    grads = _unit_gradients(copy.deepcopy(model), losses_fn, batch, ids, seed)
+    groups = _groups(model, clipping_style)
+    scale = math.sqrt(len(groups))  # each of K groups is clipped to R / sqrt(K)
+    norms = [v for group in groups
+             for v in (scale * torch.sqrt(sum(grads[n].flatten(1).pow(2).sum(1) for n in group))).tolist() if v > 0]
+    if not norms:
+        raise ValueError("every sample's gradient is zero in this batch, so no R can be chosen from the norms: give "
+                         "max_grad_norm, or a batch whose losses depend on the model")
+    out = {min(norms) * (1 - _MARGIN): CLIPS_EVERY}
+    try:
+        out[_threshold_between(model, grads, clipping_style)] = CLIPS_SOME
+    except ValueError:  # every norm the same (or one sample): no R lies between two
+        pass
+    out[max(norms) * (1 + _MARGIN)] = CLIPS_NONE
+    return out
+
+
+def _unit_gradients(model: nn.Module, losses_fn: Callable, batch, ids: torch.Tensor, seed: int) -> dict:
+    """{name: [U, *shape]}: the gradient of each unit's losses, summed, computed on the whole batch."""
+    from .testing import trainable_named_parameters
+
+    named = trainable_named_parameters(model)
+    params = [p for _, p in named.values()]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # (the draws of the steps under test: dropout, a permutation in the loss)
+        losses = _call(losses_fn, model, batch)
+    if losses.dim() == 0 or losses.shape[0] != len(ids):
+        raise ValueError(f"losses_fn must give one loss per sample, [{len(ids)}], got shape {tuple(losses.shape)}")
+    losses = losses.reshape(len(ids), -1).sum(1)
+    rows = []
+    for unit in sorted(set(ids.tolist())):
+        grads = torch.autograd.grad(losses[ids.to(losses.device) == unit].sum(), params, retain_graph=True,
+                                    allow_unused=True)
+        rows.append([torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)])
+    return {name: torch.stack([row[k] for row in rows]) for k, name in enumerate(named)}
 
 
 def _distance(a: dict, b: dict) -> float:
@@ -150,15 +239,17 @@ def _length(batch) -> int:
     raise ValueError("the batch holds no tensor with a batch dimension")
 
 
-def assert_neighbours_bounded(model: nn.Module, losses_fn: Callable, batch, *, max_grad_norm: float,
-                              rtol: float = 1e-6, **kwargs) -> NeighbourReport:
+def assert_neighbours_bounded(model: nn.Module, losses_fn: Callable, batch, *,
+                              max_grad_norm: float | Sequence[float] | None = None, rtol: float = 1e-6,
+                              **kwargs) -> NeighbourReport:
     """``neighbour_test`` that raises an ``AssertionError`` naming the sample (or user) whose removal moves the step
-    by more than ``max_grad_norm`` (times ``1 + rtol``, for rounding). Returns the report."""
+    by more than R (times ``1 + rtol``, for rounding), and the R. Returns the report."""
     report = neighbour_test(model, losses_fn, batch, max_grad_norm=max_grad_norm, **kwargs)
-    bad = {k: d for k, d in report.distances.items() if not d <= 1 + rtol}
-    if bad:
-        k, d = max(bad.items(), key=lambda kv: kv[1])
+    worst = report.worst_case
+    if worst is not None and not worst[2] <= 1 + rtol:
+        R, k, d = worst
         raise AssertionError(
-            f"removing sample {k} moves the private step by {d:.4g} x max_grad_norm (more than 1): one sample's "
-            f"influence is not bounded by the clipping, so the reported epsilon does not hold ({report})")
+            f"removing sample {k} moves the private step by {d:.4g} x max_grad_norm (more than 1) at R={R:.4g} "
+            f"({report.thresholds[R]}): one sample's influence is not bounded by the clipping, so the reported epsilon "
+            f"does not hold ({report})")
     return report

@@ -15,6 +15,7 @@ per-sample losses and the model's outputs, where it is cheap:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -123,8 +124,78 @@ def check_losses(losses: torch.Tensor, units: torch.Tensor | None, generator: to
     if separable and passes in (None, 0):
         return LossReading(sources, True)
     if sources:
-        _tag_check(losses, sources, units, generator, passes, proof.stopped_at)
+        try:
+            _tag_check(losses, sources, units, generator, passes, proof.stopped_at)
+        except RowsMixSamples:
+            spread = spread_scalar(losses)  # (read only for a refusal: it names the cause, the refusal stands)
+            if spread is None:
+                raise
+            raise RowsMixSamples(_one_scalar_message(*spread, losses.shape[0])) from None
     return LossReading(sources, False, proof.stopped_at)
+
+
+# The operations that turn one value into B equal losses without computing anything per sample: right where the
+# losses are made (``out.loss.expand(B)``, ``loss * torch.ones(B)``), so the walk looks a few nodes deep only.
+_SPREADS = {"Expand", "Repeat", "Unsqueeze", "View", "Reshape", "UnsafeView", "Alias", "Clone", "ToCopy",
+            "Contiguous", "Mul", "Div", "Neg"}
+_SPREAD_DEPTH = 8
+_RESHAPES = {"View", "Reshape", "UnsafeView", "Unsqueeze", "Squeeze", "Alias", "Clone", "ToCopy", "Contiguous",
+             "Expand"}
+_REDUCED_LOSSES = {"NllLoss", "NllLoss2D", "NllLoss2d", "MseLoss", "L1Loss", "SmoothL1Loss", "HuberLoss",
+                   "BinaryCrossEntropy", "BinaryCrossEntropyWithLogits", "KlDiv", "SoftMarginLoss"}
+
+
+def _base_name(name: str) -> str:
+    """A node type without its ``Backward<n>`` suffix."""
+    return name[: name.find("Backward")] if "Backward" in name else name
+
+
+def spread_scalar(losses: torch.Tensor) -> tuple[str, str] | None:
+    """(the node that made it, the operation that spread it) where the per-sample losses are one value of a single
+    element spread over the batch, reached through operations with one differentiable input each; else None."""
+    node = losses.grad_fn
+    for _ in range(_SPREAD_DEPTH):
+        if node is None or _base_name(node.name()) not in _SPREADS:
+            return None
+        below = _single_input(node)
+        if below is None:
+            return None
+        if _one_element(*below):
+            made = below[0]  # past the reshapes of that one element (loss.reshape(1)), to the node that made it
+            while _base_name(made.name()) in _RESHAPES and (under := _single_input(made)) and _one_element(*under):
+                made = under[0]
+            return made.name(), node.name()
+        node = below[0]
+    return None
+
+
+def _single_input(node) -> tuple | None:
+    inputs = [(nxt, nr) for nxt, nr in node.next_functions if nxt is not None]
+    return inputs[0] if len(inputs) == 1 else None
+
+
+def _one_element(node, nr: int) -> bool:
+    meta = getattr(node, "_input_metadata", ())
+    return nr < len(meta) and math.prod(meta[nr].shape) == 1
+
+
+def _one_scalar_message(scalar: str, spread: str, batch: int) -> str:
+    base = _base_name(scalar)
+    if base in _REDUCED_LOSSES:
+        what = ("a loss reduced over the whole batch, as reduction='mean' does (the loss a model computes from labels= "
+                "is the mean over the batch's tokens)")
+    elif base in ("Mean", "Sum"):
+        what = f"a {base.lower()} over the whole batch"
+    else:
+        what = "one value computed from the whole batch"
+    return (
+        f"the loss couples samples: the losses are one scalar expanded to [{batch}] ({spread} of {scalar}): {what}. "
+        "Each sample's loss is then the same value, which depends on every sample: no sample's gradient is its own "
+        "to clip. Compute one loss per sample instead, with reduction='none': F.cross_entropy(logits, y, "
+        "reduction='none'), or for a language model dptrain.losses.sequence_losses(logits, labels, shift=True) on "
+        "the model's logits (call the model without labels=), and pass those to engine.backward. Nothing of this "
+        "backward was accumulated"
+    )
 
 
 def _refuse_outside_parameters(proof, model) -> None:

@@ -1,0 +1,119 @@
+"""dptrain.testing.neighbour_test, DP's own definition as a test of one's own step: its default R (one that clips
+every sample, one that clips some, one that clips none, from the batch's own per-sample norms) and its default of
+removing every sample catch the detached couplings that hide at any single R (a softmax re-weighting, a top-k
+selection), and an honest per-sample loss passes at each of them."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dptrain.neighbours import CLIPS_EVERY, CLIPS_NONE, CLIPS_SOME
+from dptrain.testing import assert_neighbours_bounded, neighbour_test, per_sample_gradients
+
+B = 16
+
+
+def _model_and_batch(seed: int, size: int = B):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    return model, (torch.randn(size, 6, dtype=torch.float64), torch.randint(0, 3, (size,)))
+
+
+def honest(model, x, y):
+    return F.cross_entropy(model(x), y, reduction="none")
+
+
+def softmax_weighted(model, x, y):
+    """Each loss weighted by a softmax over the batch's losses, detached: no gradient shows the coupling."""
+    losses = honest(model, x, y)
+    return losses * torch.softmax(losses, 0).detach()
+
+
+def top_k(model, x, y):
+    """Hard-example mining: only the 4 largest losses of the batch train, chosen by a detached score."""
+    losses = honest(model, x, y)
+    keep = torch.zeros_like(losses)
+    keep[losses.detach().topk(4).indices] = 1.0
+    return losses * keep
+
+
+def _at(report, label: str) -> float:
+    (R,) = [R for R, what in report.thresholds.items() if what == label]
+    return R
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_default_catches_a_detached_softmax_reweighting_on_a_batch_of_16(float64, seed):
+    model, batch = _model_and_batch(seed)
+    report = neighbour_test(model, softmax_weighted, batch)
+    assert report.worst > 1.05, report
+    # where every sample is clipped, the clipping undoes any positive weight: that R alone would pass it
+    every = report.distances[_at(report, CLIPS_EVERY)]
+    assert len(every) == B and all(d == pytest.approx(1.0, rel=1e-9) for d in every.values()), report
+    R, _, _ = report.worst_case
+    assert report.thresholds[R] == CLIPS_SOME
+    with pytest.raises(AssertionError, match=rf"more than 1\) at R=.* \({CLIPS_SOME}\)"):
+        assert_neighbours_bounded(model, softmax_weighted, batch)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_default_catches_a_detached_top_k_selection_on_a_batch_of_16(float64, seed):
+    model, batch = _model_and_batch(seed)
+    report = neighbour_test(model, top_k, batch)
+    assert report.worst > 1.05, report
+    with pytest.raises(AssertionError, match="removing sample"):
+        assert_neighbours_bounded(model, top_k, batch)
+
+
+def test_an_honest_loss_passes_at_each_default_r_and_each_r_clips_what_it_says(float64):
+    model, batch = _model_and_batch(0)
+    report = assert_neighbours_bounded(model, honest, batch, rtol=1e-9)
+    assert list(report.thresholds.values()) == [CLIPS_EVERY, CLIPS_SOME, CLIPS_NONE]
+    grads = per_sample_gradients(model, honest, batch)  # (the oracle: one sample at a time)
+    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in grads.values()))
+    every, some, none = report.thresholds
+    assert every < float(norms.min()) and float(norms.max()) < none
+    assert bool((norms < some).any()) and bool((norms > some).any())
+    for R in report.thresholds:
+        assert sorted(report.distances[R]) == list(range(B)), "every sample is removed by default"
+    # clipped, each sample moves the sum by exactly R; unclipped, by its own norm
+    assert all(d == pytest.approx(1.0, rel=1e-9) for d in report.distances[every].values())
+    for k, d in report.distances[none].items():
+        assert d == pytest.approx(float(norms[k]) / none, rel=1e-9)
+    for k, d in report.distances[some].items():
+        assert d == pytest.approx(min(1.0, float(norms[k]) / some), rel=1e-9)
+    text = str(report)
+    assert all(f"R={R:.4g} ({what})" in text for R, what in report.thresholds.items()), text
+
+
+def test_users_are_removed_whole_at_rs_chosen_from_their_summed_gradients(float64):
+    model, batch = _model_and_batch(2, size=8)
+    users = torch.tensor([0, 0, 1, 1, 1, 2, 3, 3])
+    report = assert_neighbours_bounded(model, honest, batch, users=users, rtol=1e-9)
+    grads = per_sample_gradients(model, honest, batch)
+    summed = {n: torch.stack([g[users == u].sum(0) for u in range(4)]) for n, g in grads.items()}
+    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in summed.values()))
+    assert _at(report, CLIPS_EVERY) < float(norms.min()) and float(norms.max()) < _at(report, CLIPS_NONE)
+    assert sorted(report.distances[_at(report, CLIPS_EVERY)]) == [0, 1, 2, 3]
+    assert all(d == pytest.approx(1.0, rel=1e-9) for d in report.distances[_at(report, CLIPS_EVERY)].values())
+
+
+def test_a_given_r_is_the_only_one_tested(float64):
+    model, batch = _model_and_batch(0, size=4)
+    report = neighbour_test(model, honest, batch, max_grad_norm=0.5, remove=[1])
+    assert report.thresholds == {0.5: "given"} and list(report.distances[0.5]) == [1]
+    report = neighbour_test(model, honest, batch, max_grad_norm=(1e-3, 1e3), remove=[1])
+    assert list(report.thresholds) == [1e-3, 1e3]
+    assert report.distances[1e-3][1] == pytest.approx(1.0, rel=1e-9)
+
+
+def test_losses_without_gradient_leave_no_r_to_choose(float64):
+    model, batch = _model_and_batch(0, size=4)
+    with pytest.raises(ValueError, match="every sample's gradient is zero"):
+        neighbour_test(model, lambda m, x, y: honest(m, x, y) * 0, batch)
+    with pytest.raises(ValueError, match=r"one loss per sample, \[4\]"):
+        neighbour_test(model, lambda m, x, y: honest(m, x, y).mean(), batch)

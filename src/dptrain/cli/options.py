@@ -153,9 +153,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-grad-norm", type=positive_float,
                        help=f"per-sample clipping threshold R (default {d['max_grad_norm']:g})")
     train.add_argument("--noise", choices=NOISES,
-                       help="gaussian: DP-SGD's independent noise; bandmf: banded matrix factorization, noise "
-                       "correlated over --bands steps with cyclic Poisson sampling (amplified); blt: buffered linear "
-                       "Toeplitz noise, not amplified (docs/correlated-noise.md) (default gaussian)")
+                       help="gaussian: DP-SGD's independent noise; bandmf: banded matrix factorization, a strategy "
+                       "of --bands bands (the noise is correlated beyond them, with every earlier step) with cyclic "
+                       "Poisson sampling (amplified); blt: buffered linear Toeplitz noise, not amplified: for runs "
+                       "where each example takes part a few times, with --cyclic-groups near dataset size / batch "
+                       "size (docs/correlated-noise.md) (default gaussian)")
     train.add_argument("--bands", type=bands_type, metavar="B|auto",
                        help="--noise bandmf: bands b of the strategy; the data is split into b cyclic groups. auto: "
                        "the b (1 = DP-SGD included) of least expected error at --epsilon")

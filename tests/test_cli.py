@@ -565,9 +565,9 @@ def test_plan_table(capsys):
 
 def test_plan_hf_model_from_config(capsys):
     pytest.importorskip("transformers")
-    status, out, err = run(["plan", "--model", "hf:bert", "--seq-len", "128", "--json"], capsys)
+    status, out, err = run(["plan", "--model", "hf:bert", "--seq-len", "128", "--head", "none", "--json"], capsys)
     assert status == 0, err
-    layers = {layer["name"]: layer for layer in json.loads(out)["layers"]}
+    layers = {layer["name"]: layer for layer in json.loads(out)["layers"]}  # the bare BertModel
     query = layers["encoder.layer.0.attention.self.query"]
     assert (query["T"], query["p"], query["d"]) == (128, 768, 768)
     assert layers["pooler.dense"]["T"] == 1  # the pooler sees only the first token

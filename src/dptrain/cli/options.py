@@ -8,6 +8,7 @@ from typing import Any
 
 from .. import accounting, checks  # light: dp_accounting is imported when an accountant first runs
 from ..algorithms import CLIPPING_MODES, DEFAULT_CLIPPING_MODE
+from ..model_specs import HF_HEADS
 from .datasets import DATASETS
 
 
@@ -202,7 +203,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="image input size (default: 1 8 8 for the built-in models, 3 224 224 otherwise)")
     shape.add_argument("--seq-len", type=positive_int, help="sequence length T for hf: models (default 128)")
     plan_cmd.add_argument("--num-classes", type=positive_int, default=None,
-                          help="classifier outputs (default: 10 for the built-in models, the model's own otherwise)")
+                          help="classifier outputs (default: 10 for the built-in models, the model's own otherwise; "
+                          "hf: models with a classification --head)")
+    plan_cmd.add_argument("--head", choices=HF_HEADS, default=None,
+                          help="hf: models: the task head to build (default auto: the model type's language-model "
+                          "head, seq2seq, masked or causal, an untied lm_head included; none: the bare AutoModel)")
+    plan_cmd.add_argument("--lora", type=positive_int, metavar="R",
+                          help="plan LoRA fine-tuning: adapters of rank R (peft, pip install 'dptrain[peft]'), the "
+                          "original weights frozen")
+    plan_cmd.add_argument("--lora-targets", nargs="+", metavar="NAME",
+                          help="with --lora: the modules to adapt, by name (default: peft's for a Hugging Face model "
+                          "type, e.g. c_attn for GPT-2, query and value for BERT; needed for other models)")
     plan_cmd.add_argument("--clipping-mode", choices=CLIPPING_MODES, default=DEFAULT_CLIPPING_MODE,
                           help=f"(default {DEFAULT_CLIPPING_MODE})")
     plan_cmd.add_argument("--decision-rule", choices=DECISION_RULES, default="memory",

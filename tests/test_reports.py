@@ -162,3 +162,15 @@ def test_plan_lora_without_peft_names_the_extra(tiny_llama, capsys, monkeypatch)
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft now raises ImportError
     status, _, err = run(["plan", "--model", tiny_llama, "--seq-len", "8", "--lora", "2"], capsys)
     assert status == 1 and "peft is not installed; install the optional extra: pip install 'dptrain[peft]'" in err
+
+
+def test_plan_gives_an_encoder_decoder_its_decoder_tokens(tmp_path, capsys):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2)
+    config.save_pretrained(tmp_path / "t5")
+    doc = plan_json(["plan", "--model", f"hf:{tmp_path / 't5'}", "--seq-len", "4"], capsys)
+    layers = {layer["name"]: layer for layer in doc["layers"]}
+    assert layers["decoder.block.0.layer.1.EncDecAttention.k"]["T"] == 4  # the encoder's 4 tokens, read by the decoder
+    assert layers["decoder.block.0.layer.0.SelfAttention.q"]["T"] == 4  # the decoder's own 4 tokens
+    status, out, _ = run(["plan", "--model", f"hf:{tmp_path / 't5'}", "--seq-len", "4"], capsys)
+    assert "note: built with its seq2seq-lm head: T5ForConditionalGeneration" in out

@@ -70,7 +70,7 @@ def max_batch_size_type(text: str):
 TRAIN_DEFAULTS: dict[str, Any] = {
     "epsilon": 3.0,
     "noise_multiplier": None,
-    "delta": 1e-5,
+    "delta": None,  # accounting.default_delta(training examples), 1 / (10 N): the engine's default
     "epochs": 15,
     "batch_size": 256,
     "physical_batch_size": None,
@@ -125,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train a model with DP (default: a small CNN on scikit-learn's digits at epsilon 3)",
         description="Train an image classifier with DP-Adam (or DP-SGD), Poisson sampling and per-sample "
-        "clipping. Without arguments: a small CNN on scikit-learn's digits at epsilon = 3, delta = 1e-5.",
+        "clipping. Without arguments: a small CNN on scikit-learn's digits at epsilon = 3, delta = 1/(10 N) for "
+        "N training examples (the engine's default).",
         argument_default=argparse.SUPPRESS,  # absent options fall back to TRAIN_DEFAULTS or the checkpoint
     )
     d = TRAIN_DEFAULTS
@@ -137,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the same run without DP (no clipping, no noise), for comparison")
     train.add_argument("--target-epsilon", "--sigma", action=_OtherCommandsOption, dest="other_commands_option",
                        hint="here the target is --epsilon E and a fixed noise is --noise-multiplier S")
-    train.add_argument("--delta", type=probability, help=f"target delta (default {d['delta']:g})")
+    train.add_argument("--delta", type=probability,
+                       help="target delta (default 1/(10 N) for N training examples, as the engine's)")
     train.add_argument("--epochs", type=positive_int, help=f"passes over the data (default {d['epochs']})")
     train.add_argument("--batch-size", type=positive_int,
                        help=f"expected logical batch size; sample rate = batch size / dataset size (default "
@@ -249,12 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     eps.add_argument("--steps", type=positive_int, help="number of steps")
     eps.add_argument("--epochs", type=positive_float, help="epochs of round(1/q) steps each, as dptrain train runs")
     eps.add_argument("--delta", type=probability,
-                     help=f"delta (default {TRAIN_DEFAULTS['delta']:g}, as dptrain train)")
+                     help="delta (default 1/(10 x --sample-size), as the engine and dptrain train)")
     eps.add_argument("--accountant", choices=accounting.ACCOUNTANTS, action="append",
                      help="only this accountant (repeatable; default: all)")
-    eps.add_argument("--max-batch-size", type=positive_int, metavar="K",
+    eps.add_argument("--max-batch-size", type=max_batch_size_type, metavar="K|auto",
                      help="fixed-shape batches of K rows (with --sample-size): epsilon holds at --delta including "
-                          "the truncation term steps * P[Binomial(N, q) >= K]")
+                          "the truncation term steps * P[Binomial(N, q) >= K]. auto: the smallest K whose truncation "
+                          "costs at most delta / 10, as dptrain train")
 
     # Defaults live in dptrain.audit.AUDIT_DEFAULTS (absent options fall back to them); the help
     # repeats them so that `dptrain --help` need not import torch (tests/test_audit.py checks both agree).

@@ -126,7 +126,7 @@ def test_plan_builds_the_model_with_its_head(tiny_llama, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--head", "masked-lm"], "(llama) has no masked-lm head; its heads: causal-lm, sequence-classification"),
-    (["--num-classes", "3"], "--num-classes sets a classification head's outputs; --head causal-lm has none"),
+    (["--num-classes", "3"], "--head causal-lm has none: add --head sequence-classification or token-classification"),
     (["--lora-targets", "q_proj"], "--lora-targets names the modules of --lora R: give --lora R too"),
     (["--lora", "2", "--lora-targets", "nowhere"], "LoRA cannot be put on hf:"),
 ])

@@ -246,7 +246,8 @@ def build_text_model(spec: str, *, head: str = "auto", num_classes: int | None =
                              "(--head)")
     if num_classes is not None:
         if head not in ("sequence-classification", "token-classification"):
-            raise ModelSpecError(f"--num-classes sets a classification head's outputs; --head {head} has none")
+            raise ModelSpecError(f"--num-classes sets a classification head's outputs; --head {head} has none: add "
+                                 "--head sequence-classification or token-classification")
         config.num_labels = num_classes
     model = getattr(transformers, _HF_HEAD_CLASSES[head][0]).from_config(config)
     if head != "none":

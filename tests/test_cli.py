@@ -11,6 +11,7 @@ from collections import Counter
 import pytest
 import torch
 
+import dptrain
 from dptrain import accounting
 from dptrain.cli import DATASETS, main, plan_report
 from dptrain.algorithms import Grad, Norm
@@ -18,6 +19,10 @@ from dptrain.planning import LayerDecision, plan
 
 torchvision = pytest.importorskip("torchvision")
 
+
+
+# dptrain train's default delta on digits: the engine's, 1 / (10 N) for its 1437 training images
+DIGITS_DELTA = accounting.default_delta(1437)
 
 
 def tiny(epochs=2):
@@ -46,12 +51,12 @@ def test_train_writes_report_plot_and_checkpoint(tmp_path, capsys):
     report = report_of(tmp_path)
     for key in ("test_accuracy", "epsilon", "delta", "noise_multiplier", "steps", "clipping_mode", "wall_time_s"):
         assert key in report
-    assert report["clipping_mode"] == "bk-mixopt" and report["delta"] == 1e-5
+    assert report["clipping_mode"] == "bk-mixopt" and report["delta"] == DIGITS_DELTA
     assert report["steps"] == 2 * 3  # round(1 / (512 / 1437)) = 3 steps per epoch
     # Calibrated for exactly the steps run, so the target is never exceeded.
     assert report["epsilon"] <= 3.0
     assert report["epsilon"] == pytest.approx(
-        accounting.compute_epsilon(report["noise_multiplier"], 512 / 1437, 6, 1e-5), rel=1e-6
+        accounting.compute_epsilon(report["noise_multiplier"], 512 / 1437, 6, DIGITS_DELTA), rel=1e-6
     )
     assert report["test_accuracy"] > 0.3  # 10 classes: chance is 0.1
     assert (tmp_path / "training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -123,7 +128,7 @@ def test_resume_to_more_epochs_keeps_counting_epsilon(tmp_path, capsys):
     assert status == 0, err
     three = report_of(tmp_path)
     assert three["steps"] == 9 and three["noise_multiplier"] == 2
-    assert three["epsilon"] == pytest.approx(accounting.compute_epsilon(2.0, 512 / 1437, 9, 1e-5), rel=1e-6)
+    assert three["epsilon"] == pytest.approx(accounting.compute_epsilon(2.0, 512 / 1437, 9, DIGITS_DELTA), rel=1e-6)
     assert three["epsilon"] > two["epsilon"]
     assert three["history"][:2] == two["history"]
 
@@ -148,13 +153,14 @@ def test_bandmf_run_reports_its_mechanism_and_resumes_its_noise_state(tmp_path, 
     two = report_of(tmp_path / "run")
     assert (two["noise"], two["bands"], two["cyclic_groups"], two["steps"]) == ("bandmf", 2, 2, 6)
     mechanism = CorrelatedMechanism("bandmf", banded_strategy(6, 2), 2, 6)
-    assert two["epsilon"] == pytest.approx(mechanism.epsilon(two["noise_multiplier"], 2 * 512 / 1437, 6, 1e-5))
+    assert two["epsilon"] == pytest.approx(mechanism.epsilon(two["noise_multiplier"], 2 * 512 / 1437, 6, DIGITS_DELTA))
     assert two["epsilon"] <= 3.0
     status, _, err = run(["train", "--resume", str(tmp_path / "run"), "--epochs", "3"], capsys)
     assert status == 0, err
     three = report_of(tmp_path / "run")
     assert three["steps"] == 9 and three["history"][:2] == two["history"]
-    assert three["epsilon"] == pytest.approx(mechanism.epsilon(two["noise_multiplier"], 2 * 512 / 1437, 9, 1e-5))
+    assert three["epsilon"] == pytest.approx(
+        mechanism.epsilon(two["noise_multiplier"], 2 * 512 / 1437, 9, DIGITS_DELTA))
 
 
 def test_non_private_run(tmp_path, capsys):
@@ -184,19 +190,19 @@ def test_fixed_shape_batches_account_for_truncation_and_resume_with_the_same_k(t
     status, out, err = run(tiny() + ["--max-batch-size", "auto", "--output", str(tmp_path)], capsys)
     assert status == 0, err
     report = report_of(tmp_path)
-    k = accounting.default_max_batch_size(n, q, 1e-5, 6)
+    k = accounting.default_max_batch_size(n, q, DIGITS_DELTA, 6)
     assert report["max_batch_size"] == k and f"fixed-shape batches of {k} rows" in out
-    assert report["truncation_delta"] == accounting.truncation_delta(n, q, k, 6) <= 1e-6
-    # epsilon at delta = 1e-5 including the truncation term, within the target
+    assert report["truncation_delta"] == accounting.truncation_delta(n, q, k, 6) <= DIGITS_DELTA / 10
+    # epsilon at the default delta including the truncation term, within the target
     assert report["epsilon"] <= 3.0 and report["epsilon"] == pytest.approx(
-        accounting.compute_epsilon(report["noise_multiplier"], q, 6, 1e-5, sample_size=n, max_batch_size=k),
+        accounting.compute_epsilon(report["noise_multiplier"], q, 6, DIGITS_DELTA, sample_size=n, max_batch_size=k),
         rel=1e-6)
     status, _, err = run(["train", "--resume", str(tmp_path), "--epochs", "3"], capsys)
     assert status == 0, err
     resumed = report_of(tmp_path)
     assert resumed["max_batch_size"] == k and resumed["steps"] == 9
     assert resumed["epsilon"] == pytest.approx(
-        accounting.compute_epsilon(report["noise_multiplier"], q, 9, 1e-5, sample_size=n, max_batch_size=k),
+        accounting.compute_epsilon(report["noise_multiplier"], q, 9, DIGITS_DELTA, sample_size=n, max_batch_size=k),
         rel=1e-6)
 
 
@@ -329,7 +335,8 @@ def test_plan_builds_vision_transformers_for_the_input_size(spec, capsys):
         (["epsilon", "--sigma", "1", "--steps", "10"], "give --sample-rate, or --batch-size with --sample-size"),
         (["epsilon", "--sigma", "1", "--sample-rate", "1.5", "--steps", "10"], "--sample-rate: must be in (0, 1], got 1.5"),
         (["epsilon", "--sample-rate", "0.01", "--steps", "10"], "one of the arguments --sigma"),
-        (["epsilon", "--target-epsilon", "1e-9", "--sample-rate", "0.5", "--steps", "1000"], "is unreachable"),
+        (["epsilon", "--target-epsilon", "1e-9", "--sample-rate", "0.5", "--steps", "1000", "--delta", "1e-5"],
+         "is unreachable"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["train", "--bands", "2"], "--bands, --buffers and --cyclic-groups are for correlated noise"),
         (["train", "--noise", "bandmf"], "--noise bandmf needs --bands B"),
@@ -565,9 +572,9 @@ def test_plan_table(capsys):
 
 def test_plan_hf_model_from_config(capsys):
     pytest.importorskip("transformers")
-    status, out, err = run(["plan", "--model", "hf:bert", "--seq-len", "128", "--json"], capsys)
+    status, out, err = run(["plan", "--model", "hf:bert", "--seq-len", "128", "--head", "none", "--json"], capsys)
     assert status == 0, err
-    layers = {layer["name"]: layer for layer in json.loads(out)["layers"]}
+    layers = {layer["name"]: layer for layer in json.loads(out)["layers"]}  # the bare BertModel
     query = layers["encoder.layer.0.attention.self.query"]
     assert (query["T"], query["p"], query["d"]) == (128, 768, 768)
     assert layers["pooler.dense"]["T"] == 1  # the pooler sees only the first token
@@ -607,7 +614,7 @@ def test_noise_multiplier_for_a_target_epsilon(capsys):
     assert status == 0, err
     assert "10 epochs = 2340 steps" in out  # round(60000 / 256) = 234 steps per epoch, as train runs them
     sigma = _printed(out, "noise multiplier")["rdp"]
-    epsilon = accounting.compute_epsilon(sigma, 256 / 60000, 2340, 1e-5, "rdp")
+    epsilon = accounting.compute_epsilon(sigma, 256 / 60000, 2340, accounting.default_delta(60000), "rdp")
     assert 0.99 * 3 <= epsilon <= 3 * (1 + 1e-3)  # printed to 4 digits
 
 
@@ -617,7 +624,7 @@ def test_epsilon_of_fixed_shape_batches_includes_the_truncation_term(capsys):
     status, out, err = run(argv, capsys)
     assert status == 0, err
     assert "batches truncated to 120 rows (truncation term" in out
-    expected = accounting.compute_epsilon(1.0, 0.064, 100, 1e-5, "pld", sample_size=1000, max_batch_size=120)
+    expected = accounting.compute_epsilon(1.0, 0.064, 100, 1e-4, "pld", sample_size=1000, max_batch_size=120)
     assert _printed(out, "epsilon")["pld"] == pytest.approx(expected, rel=1e-3)
     no_size = ["epsilon", "--sigma", "1.0", "--sample-rate", "0.064", "--steps", "100", "--max-batch-size", "120"]
     status, _, err = run(no_size, capsys)
@@ -626,6 +633,35 @@ def test_epsilon_of_fixed_shape_batches_includes_the_truncation_term(capsys):
                  "--max-batch-size", "70"]
     status, _, err = run(too_small, capsys)
     assert status != 0 and "truncates too often" in err
+
+
+def test_epsilon_takes_the_engines_default_delta_and_gives_the_engines_noise(capsys):
+    """One delta: without --delta, dptrain epsilon uses the engine's 1 / (10 N) (accounting.default_delta), so the
+    calculator and PrivacyEngine calibrate the same noise multiplier for the same run."""
+    argv = ["epsilon", "--target-epsilon", "3", "--batch-size", "50", "--sample-size", "1000", "--epochs", "3",
+            "--accountant", "pld"]
+    status, out, err = run(argv, capsys)
+    assert status == 0, err
+    assert "target epsilon 3 at delta 0.0001," in out  # 1 / (10 * 1000)
+    engine = dptrain.PrivacyEngine(torch.nn.Linear(2, 2), batch_size=50, sample_size=1000, target_epsilon=3.0,
+                                   epochs=3)
+    assert engine.target_delta == accounting.default_delta(1000)
+    assert _printed(out, "noise multiplier")["pld"] == float(f"{engine.noise_multiplier:.4g}")
+    status, _, err = run(["epsilon", "--sigma", "1", "--sample-rate", "0.01", "--steps", "10"], capsys)
+    assert status == 1 and "the default delta is 1/(10 x sample size)" in err and "--delta D" in err
+
+
+def test_epsilon_accepts_max_batch_size_auto_as_train_does(capsys):
+    argv = ["epsilon", "--sigma", "1.0", "--batch-size", "64", "--sample-size", "1000", "--steps", "100",
+            "--max-batch-size", "auto", "--accountant", "pld"]
+    status, out, err = run(argv, capsys)
+    assert status == 0, err
+    k = accounting.default_max_batch_size(1000, 0.064, 1e-4, 100)  # what dptrain train --max-batch-size auto takes
+    assert f"batches truncated to {k} rows (auto: truncation term" in out
+    expected = accounting.compute_epsilon(1.0, 0.064, 100, 1e-4, "pld", sample_size=1000, max_batch_size=k)
+    assert _printed(out, "epsilon")["pld"] == pytest.approx(expected, rel=1e-3)
+    status, _, err = run(argv[:-4] + ["--max-batch-size", "many"], capsys)
+    assert status == 2 and "--max-batch-size: must be a positive integer (or auto), got many" in err
 
 
 def test_bench_subcommand_hands_over_to_the_benchmark_harness(capsys):

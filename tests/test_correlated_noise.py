@@ -172,6 +172,18 @@ def test_one_band_is_dp_sgd_exactly():
             assert torch.equal(x, y)
 
 
+def test_banded_noise_is_correlated_beyond_the_bands():
+    """C has b bands, not the noise: C^{-1} is dense, so steps b and more apart still correlate (the docs' example:
+    the optimized 4-banded strategy of a 12-step run correlates steps 1 and 5 by +0.18)."""
+    from dptrain.correlated import banded_strategy
+
+    covariance = expected_covariance(banded_strategy(12, 4), 12)
+    scale = torch.diagonal(covariance).sqrt()
+    correlation = covariance / scale[:, None] / scale[None, :]
+    assert round(float(correlation[4, 0]), 2) == 0.18
+    assert float(correlation[8, :5].abs().min()) > 0.02  # step 9 and each step 4 to 8 before it: still correlated
+
+
 @pytest.mark.parametrize("noise,groups,kwargs", [("bandmf", 3, {"bands": 3}), ("blt", 3, {"buffers": 2})])
 def test_resume_mid_run_continues_the_correlated_stream(tmp_path, noise, groups, kwargs):
     """Seeded and reproducible_noise=True: the resumed run is the uninterrupted one, number for number (the

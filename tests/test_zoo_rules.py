@@ -144,23 +144,20 @@ def test_embedding_shaped_like_a_scaled_one_that_computes_more_is_refused():
 
 
 # --------------------------------------------------------------------------- the fallback's memory in plan()
-def test_plan_shows_the_per_sample_gradient_size_of_each_fallback_layer(capsys):
-    from dptrain.cli.plan import _print_plan, plan_report
+def test_plan_shows_the_per_sample_gradient_size_of_each_fallback_layer():
     from dptrain.planning import fallback_costs
 
     net = WeightNormNet()
     x = torch.randn(2, 2, 5)
-    decisions = dptrain.plan(net, x)
+    decisions = dptrain.plan(net, x, decision_rule="space")
     conv_params = sum(p.numel() for p in net.conv.parameters())
     assert fallback_costs(decisions) == {"conv": conv_params}
-    report = plan_report(decisions, [d.norm == "ghost" for d in dptrain.plan(net, x, clipping_mode="ghost")])
+    report = decisions.report()
     assert report["fallback"] == {"layers": {"conv": conv_params}, "per_sample": conv_params}
     assert {layer["name"]: layer["fallback_cost"] for layer in report["layers"]} == {"conv": conv_params, "head": 0}
-    _print_plan({**report, "model": "net", "clipping_mode": "bk-mixopt", "decision_rule": "space", "problems": []},
-                "input 2x5", [])
-    out = capsys.readouterr().out
-    assert f"fallback: 1 layer(s) have no rule (conv {conv_params})" in out
-    assert f"{conv_params} per sample (B times that for a batch of B)" in out
+    table = str(decisions)
+    assert f"fallback: 1 layer(s) have no rule (conv {conv_params})" in table
+    assert f"{conv_params} per sample (B times that for a batch of B)" in table
 
 
 # --------------------------------------------------------------------------- a child's weight read by its parent

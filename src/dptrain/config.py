@@ -10,6 +10,7 @@ from . import accounting, checks
 from .algorithms import RECIPES
 from .clipping import CLIPPING_FNS
 from .correlated import resolve as correlated_resolve
+from .correlated.comparison import warn_if_worse_than_dp_sgd
 from .losses import LOSS_REDUCTIONS
 from .planning import DECISION_RULES
 
@@ -105,7 +106,8 @@ def _correlated(noise, name, groups, sigma, target_epsilon, epochs, steps, check
     # An epoch is round(N / batch_size) steps, as dptrain.data.poisson_loader runs it (cyclic or not).
     planned = checks.positive_int("steps", steps) if steps is not None else int(
         math.ceil(checks.positive("epochs", epochs) * max(1, round(n / b))))
-    if groups == 0:  # bands="auto"
+    bands_chosen = groups == 0
+    if bands_chosen:  # bands="auto"
         if target_epsilon is None:
             raise ValueError("bands='auto' chooses the bands for a target: give target_epsilon, not noise_multiplier")
         bands = groups = correlated_resolve.choose_bands(planned, b, n, checks.positive("target_epsilon",
@@ -113,10 +115,17 @@ def _correlated(noise, name, groups, sigma, target_epsilon, epochs, steps, check
                                                          checked["target_delta"], workload_momentum)
     mechanism = correlated_resolve.build_mechanism(noise, name, groups, planned, bands, buffers, workload_momentum)
     if sigma is not None:
-        return mechanism, checks.non_negative("noise_multiplier", sigma), planned, groups
+        sigma = checks.non_negative("noise_multiplier", sigma)
+        if checked["max_batch_size"] is not None and accounting.truncation_delta(
+                n, b / n, checked["max_batch_size"], planned) >= checked["target_delta"]:
+            return mechanism, sigma, planned, groups  # no epsilon holds at this delta: get_epsilon says why
     delta = accounting.poisson_delta(checked["target_delta"], n, b / n, checked["max_batch_size"], planned)
-    sigma = mechanism.calibrate(checks.positive("target_epsilon", target_epsilon), delta, b * groups / n, planned,
-                                checked["accountant"])
+    if target_epsilon is not None:
+        sigma = mechanism.calibrate(checks.positive("target_epsilon", target_epsilon), delta, b * groups / n, planned,
+                                    checked["accountant"])
+    # make_config -> _correlated -> here: stacklevel 5 names the PrivacyEngine(...) line of the user's code
+    warn_if_worse_than_dp_sgd(mechanism, sigma, inclusion_rate=b / n, delta=delta, accountant=checked["accountant"],
+                              workload_momentum=workload_momentum, bands_chosen=bands_chosen, stacklevel=5)
     return mechanism, sigma, planned, groups
 
 

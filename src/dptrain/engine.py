@@ -33,6 +33,7 @@ from .noise import GaussianNoise
 from .pipeline import StepSums
 from .planning import DEFAULT_DECISION_RULE, LayerDecision
 from .precision import LossScaling
+from .privacy_report import PrivacyReport
 from .rows import RowReader
 from .runner import BackwardRunner
 from .sampling import SamplingMismatch
@@ -432,10 +433,12 @@ class PrivacyEngine:
             warnings.warn(problem, stacklevel=3)
         return delta
 
-    def privacy_report(self, delta: float | None = None) -> dict:
-        """This engine's configuration and what the steps taken spent; ``history``: the steps as they ran."""
+    def privacy_report(self, delta: float | None = None) -> PrivacyReport:
+        """This engine's configuration and what the steps taken spent, at ``delta`` (default ``target_delta``): a
+        dict (its keys: :class:`~dptrain.privacy_report.PrivacyReport`) whose ``str()`` reads "epsilon = ... at
+        delta = ... after t of T planned steps", with the noise multiplier and the sample rate."""
         delta = self.target_delta if delta is None else self._check_delta(delta)
-        return {
+        return PrivacyReport({
             "noise_multiplier": self.noise_multiplier,
             "sample_rate": self.sample_rate,
             "steps": self.steps_taken,
@@ -456,7 +459,7 @@ class PrivacyEngine:
             "noise": self.noise,
             "cyclic_groups": self.cyclic_groups,
             "strategy": None if self.config.mechanism is None else self.config.mechanism.strategy.as_dict(),
-        }
+        })
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -11,6 +11,8 @@ BUILTIN_MODELS = ("cnn", "mlp")
 MODEL_SOURCES = ("torchvision", "timm", "hf")
 MODEL_SPEC_HELP = "cnn, mlp, torchvision:NAME, timm:NAME or hf:NAME"
 IMAGE_MODEL_HELP = "cnn, mlp, torchvision:NAME or timm:NAME"
+# The head an hf: model is built with (dptrain.models.build_text_model); "auto": the model type's language-model head
+HF_HEADS = ("auto", "causal-lm", "masked-lm", "seq2seq-lm", "sequence-classification", "token-classification", "none")
 
 
 class ModelSpecError(ValueError):

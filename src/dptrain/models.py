@@ -92,6 +92,7 @@ class BuiltModel:
     spec: str
     notes: list[str]
     fixed: bool = False  # dptrain.fix changed something (BatchNorm, torch RNN/attention)
+    head: str | None = None  # hf: models: the task head built (model_specs.HF_HEADS)
 
 
 def _import_optional(module: str, extra: str):
@@ -185,11 +186,37 @@ def _fix_for_training(model: nn.Module) -> tuple[nn.Module, list[str]]:
     return fix(model, inplace=True), ["dptrain.fix replaced " + " and ".join(parts)]
 
 
-def build_text_model(spec: str, *, for_training: bool = False) -> BuiltModel:
-    """A Hugging Face model from its config, with random weights (for ``dptrain plan``).
+# --head -> (the transformers Auto class, the model types it knows: modeling_auto's mapping of names)
+_HF_HEAD_CLASSES = {
+    "causal-lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
+    "masked-lm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    "seq2seq-lm": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
+    "sequence-classification": ("AutoModelForSequenceClassification",
+                                "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
+    "token-classification": ("AutoModelForTokenClassification", "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
+    "none": ("AutoModel", "MODEL_MAPPING_NAMES"),
+}
+# "auto": the first language-model head the model type has (BERT and BART also have a causal one, used less)
+_AUTO_HEADS = ("seq2seq-lm", "masked-lm", "causal-lm")
+# peft's task type per head: it keeps a classifier head trainable (modules_to_save) and knows the forward's inputs
+_PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM", "sequence-classification": "SEQ_CLS",
+                    "token-classification": "TOKEN_CLS"}
 
-    ``for_training`` applies ``dptrain.fixer.fix``, as for image models.
+
+def build_text_model(spec: str, *, head: str = "auto", num_classes: int | None = None,
+                     for_training: bool = False) -> BuiltModel:
+    """A Hugging Face model from its config, with random weights and its task head (for ``dptrain plan``).
+
+    ``head``: one of ``model_specs.HF_HEADS``; ``"auto"`` takes the model type's language-model head (seq2seq,
+    else masked, else causal: T5 and BART, BERT and RoBERTa, GPT-2 and Llama get the head they are published with,
+    an untied ``lm_head`` included), or the bare model when it has none; ``"none"`` is the bare model
+    (``AutoModel``). ``num_classes`` sets a classification head's outputs. ``for_training`` applies
+    ``dptrain.fixer.fix``, as for image models. ``BuiltModel.head`` names the head built.
     """
+    from .checks import choice
+    from .model_specs import HF_HEADS
+
+    choice("head", head, HF_HEADS)  # a ValueError listing the heads
     source, name = parse_spec(spec)
     if source != "hf":
         raise ModelSpecError(f"--seq-len is for hf:NAME models; {spec!r} takes --input-size C H W")
@@ -204,8 +231,46 @@ def build_text_model(spec: str, *, for_training: bool = False) -> BuiltModel:
                 f"cannot load the Hugging Face config {name!r} ({first_line(err)}); give a model type such as "
                 "bert or gpt2, a cached hub id or a local directory"
             ) from None
-    model = transformers.AutoModel.from_config(config)
+    from transformers.models.auto import modeling_auto
+
+    has = [h for h, (_, mapping) in _HF_HEAD_CLASSES.items()
+           if config.model_type in getattr(modeling_auto, mapping)]
+    notes: list[str] = []
+    if head == "auto":
+        head = next((h for h in _AUTO_HEADS if h in has), "none")
+        if head == "none":
+            notes.append(f"{config.model_type} has no language-model head: the bare model (--head chooses one of "
+                         f"{', '.join(has)})")
+    elif head not in has:
+        raise ModelSpecError(f"{spec} ({config.model_type}) has no {head} head; its heads: {', '.join(has)} "
+                             "(--head)")
+    if num_classes is not None:
+        if head not in ("sequence-classification", "token-classification"):
+            raise ModelSpecError(f"--num-classes sets a classification head's outputs; --head {head} has none: add "
+                                 "--head sequence-classification or token-classification")
+        config.num_labels = num_classes
+    model = getattr(transformers, _HF_HEAD_CLASSES[head][0]).from_config(config)
+    if head != "none":
+        notes.append(f"built with its {head} head: {type(model).__name__}")
     fix_notes: list[str] = []
     if for_training:
         model, fix_notes = _fix_for_training(model)
-    return BuiltModel(model, spec, fix_notes, fixed=bool(fix_notes))
+    return BuiltModel(model, spec, notes + fix_notes, fixed=bool(fix_notes), head=head)
+
+
+def with_lora(built: BuiltModel, rank: int, targets: list[str] | None = None) -> BuiltModel:
+    """``built`` with LoRA adapters of rank ``rank`` (peft): on ``targets`` (module names, or peft's own default
+    modules for a known Hugging Face model type); the original weights frozen."""
+    peft = _import_optional("peft", "peft")
+    task = _PEFT_TASK_TYPES.get(built.head)
+    config = peft.LoraConfig(r=rank, target_modules=list(targets) if targets else None, task_type=task)
+    try:
+        model = peft.get_peft_model(built.model, config)
+    except ValueError as err:  # peft's own check: no default modules for this model, or a name that matches none
+        raise ModelSpecError(f"LoRA cannot be put on {built.spec} ({first_line(err)}); name the modules to adapt "
+                             "with --lora-targets NAME [NAME ...]") from None
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    where = ", ".join(sorted(model.peft_config["default"].target_modules))  # peft's defaults filled in
+    note = f"LoRA r={rank} on {where}: {trainable:,} of {total:,} parameters trainable"
+    return BuiltModel(model, built.spec, [*built.notes, note], fixed=built.fixed, head=built.head)

@@ -25,6 +25,7 @@ from torch import nn
 from . import checks
 from .algorithms import DEFAULT_CLIPPING_MODE, RECIPES, Grad, GradVia, Norm, NormVia, Recipe
 from .layers.protocol import LayerDims
+from .plan_report import Plan
 
 DECISION_RULES = ("memory", "space", "time")
 DEFAULT_DECISION_RULE = "memory"
@@ -132,13 +133,16 @@ def fallback_costs(decisions: list[LayerDecision]) -> dict[str, int]:
 
 def plan(model: nn.Module, *example_args, clipping_mode: str = DEFAULT_CLIPPING_MODE,
          decision_rule: str = DEFAULT_DECISION_RULE, allow_fallback: bool = True, batch_first: bool = True,
-         **example_kwargs) -> list[LayerDecision]:
+         **example_kwargs) -> Plan:
     """What ``clipping_mode`` would do per trainable layer for inputs shaped like the example.
 
     Runs one forward pass without gradients through the engine's own capture (a dry run: every
     call's sizes, nothing switched or hooked for a backward) and decides as the engine does
     (``decide_parameter``): a module called several times is one layer, its calls' tokens
     together. Nothing on the model is changed.
+
+    Returns a :class:`~dptrain.plan_report.Plan`: the list of :class:`LayerDecision` in call order, whose
+    ``str()`` is the table ``dptrain plan`` prints (``print(dptrain.plan(model, x))``) and ``report()`` its data.
     """
     checks.choice("clipping_mode", clipping_mode, tuple(RECIPES))
     checks.choice("decision_rule", decision_rule, DECISION_RULES)
@@ -158,14 +162,27 @@ def plan(model: nn.Module, *example_args, clipping_mode: str = DEFAULT_CLIPPING_
         joined = {id(s): join_dims([c.dims for c in s.calls]) for s in called}
     finally:
         capture.remove()
-    chosen: dict[int, LayerDecision] = {}
+    chosen: dict[int, tuple[LayerDecision, bool]] = {}  # per layer: its decision, whether it has a ghost norm
     for p, uses in parameter_users(called).items():
         parts = [(name, joined[id(s)], s.rule.factorable(s.module)) for s, name in uses]
         _, norm, grad = decide_parameter(recipe, decision_rule, parts, tuple(p.shape))
+        # the ghost recipe takes the ghost norm wherever there is one: whether this layer has one at all
+        ghost_available = decide_parameter(RECIPES["ghost"], decision_rule, parts, tuple(p.shape))[1] == Norm.GHOST
         for s, name in uses:  # a layer is described by its weight's decision (or its first parameter's)
             if name != "weight" and ("weight" in s.params or id(s) in chosen):
                 continue
             d = joined[id(s)]
-            chosen[id(s)] = LayerDecision(s.name, type(s.module).__name__, d.T, d.p, d.d * d.blocks, d.ghost_cost,
-                                          d.instantiate_cost, norm, grad)
-    return [chosen[id(s)] for s in called if id(s) in chosen]
+            chosen[id(s)] = (LayerDecision(s.name, type(s.module).__name__, d.T, d.p, d.d * d.blocks, d.ghost_cost,
+                                           d.instantiate_cost, norm, grad), ghost_available)
+    planned = [s for s in called if id(s) in chosen]
+    title = f"{type(model).__name__}, {describe_inputs(example_args, example_kwargs)}"
+    return Plan([chosen[id(s)][0] for s in planned], ghost_available=[chosen[id(s)][1] for s in planned],
+                parameters=[list(s.params) for s in planned], clipping_mode=clipping_mode,
+                decision_rule=decision_rule, title=title)
+
+
+def describe_inputs(args: tuple, kwargs: dict) -> str:
+    """``input [1, 3, 8, 8]`` or ``input_ids [1, 128], attention_mask [1, 128]``: the example's tensors' shapes."""
+    named = [("input", a) for a in args] + list(kwargs.items())
+    shapes = [f"{name} {list(value.shape)}" for name, value in named if isinstance(value, torch.Tensor)]
+    return ", ".join(shapes) or "no tensor input"

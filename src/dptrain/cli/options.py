@@ -8,6 +8,7 @@ from typing import Any
 
 from .. import accounting, checks  # light: dp_accounting is imported when an accountant first runs
 from ..algorithms import CLIPPING_MODES, DEFAULT_CLIPPING_MODE
+from ..model_specs import HF_HEADS
 from .datasets import DATASETS
 
 
@@ -69,7 +70,7 @@ def max_batch_size_type(text: str):
 TRAIN_DEFAULTS: dict[str, Any] = {
     "epsilon": 3.0,
     "noise_multiplier": None,
-    "delta": 1e-5,
+    "delta": None,  # accounting.default_delta(training examples), 1 / (10 N): the engine's default
     "epochs": 15,
     "batch_size": 256,
     "physical_batch_size": None,
@@ -124,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
         "train",
         help="train a model with DP (default: a small CNN on scikit-learn's digits at epsilon 3)",
         description="Train an image classifier with DP-Adam (or DP-SGD), Poisson sampling and per-sample "
-        "clipping. Without arguments: a small CNN on scikit-learn's digits at epsilon = 3, delta = 1e-5.",
+        "clipping. Without arguments: a small CNN on scikit-learn's digits at epsilon = 3, delta = 1/(10 N) for "
+        "N training examples (the engine's default).",
         argument_default=argparse.SUPPRESS,  # absent options fall back to TRAIN_DEFAULTS or the checkpoint
     )
     d = TRAIN_DEFAULTS
@@ -136,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the same run without DP (no clipping, no noise), for comparison")
     train.add_argument("--target-epsilon", "--sigma", action=_OtherCommandsOption, dest="other_commands_option",
                        hint="here the target is --epsilon E and a fixed noise is --noise-multiplier S")
-    train.add_argument("--delta", type=probability, help=f"target delta (default {d['delta']:g})")
+    train.add_argument("--delta", type=probability,
+                       help="target delta (default 1/(10 N) for N training examples, as the engine's)")
     train.add_argument("--epochs", type=positive_int, help=f"passes over the data (default {d['epochs']})")
     train.add_argument("--batch-size", type=positive_int,
                        help=f"expected logical batch size; sample rate = batch size / dataset size (default "
@@ -153,9 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--max-grad-norm", type=positive_float,
                        help=f"per-sample clipping threshold R (default {d['max_grad_norm']:g})")
     train.add_argument("--noise", choices=NOISES,
-                       help="gaussian: DP-SGD's independent noise; bandmf: banded matrix factorization, noise "
-                       "correlated over --bands steps with cyclic Poisson sampling (amplified); blt: buffered linear "
-                       "Toeplitz noise, not amplified (docs/correlated-noise.md) (default gaussian)")
+                       help="gaussian: DP-SGD's independent noise; bandmf: banded matrix factorization, a strategy "
+                       "of --bands bands (the noise is correlated beyond them, with every earlier step) with cyclic "
+                       "Poisson sampling (amplified); blt: buffered linear Toeplitz noise, not amplified: for runs "
+                       "where each example takes part a few times, with --cyclic-groups near dataset size / batch "
+                       "size (docs/correlated-noise.md) (default gaussian)")
     train.add_argument("--bands", type=bands_type, metavar="B|auto",
                        help="--noise bandmf: bands b of the strategy; the data is split into b cyclic groups. auto: "
                        "the b (1 = DP-SGD included) of least expected error at --epsilon")
@@ -200,7 +205,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="image input size (default: 1 8 8 for the built-in models, 3 224 224 otherwise)")
     shape.add_argument("--seq-len", type=positive_int, help="sequence length T for hf: models (default 128)")
     plan_cmd.add_argument("--num-classes", type=positive_int, default=None,
-                          help="classifier outputs (default: 10 for the built-in models, the model's own otherwise)")
+                          help="classifier outputs (default: 10 for the built-in models, the model's own otherwise; "
+                          "hf: models with a classification --head)")
+    plan_cmd.add_argument("--head", choices=HF_HEADS, default=None,
+                          help="hf: models: the task head to build (default auto: the model type's language-model "
+                          "head, seq2seq, masked or causal, an untied lm_head included; none: the bare AutoModel)")
+    plan_cmd.add_argument("--lora", type=positive_int, metavar="R",
+                          help="plan LoRA fine-tuning: adapters of rank R (peft, pip install 'dptrain[peft]'), the "
+                          "original weights frozen")
+    plan_cmd.add_argument("--lora-targets", nargs="+", metavar="NAME",
+                          help="with --lora: the modules to adapt, by name (default: peft's for a Hugging Face model "
+                          "type, e.g. c_attn for GPT-2, query and value for BERT; needed for other models)")
     plan_cmd.add_argument("--clipping-mode", choices=CLIPPING_MODES, default=DEFAULT_CLIPPING_MODE,
                           help=f"(default {DEFAULT_CLIPPING_MODE})")
     plan_cmd.add_argument("--decision-rule", choices=DECISION_RULES, default="memory",
@@ -236,12 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
     eps.add_argument("--steps", type=positive_int, help="number of steps")
     eps.add_argument("--epochs", type=positive_float, help="epochs of round(1/q) steps each, as dptrain train runs")
     eps.add_argument("--delta", type=probability,
-                     help=f"delta (default {TRAIN_DEFAULTS['delta']:g}, as dptrain train)")
+                     help="delta (default 1/(10 x --sample-size), as the engine and dptrain train)")
     eps.add_argument("--accountant", choices=accounting.ACCOUNTANTS, action="append",
                      help="only this accountant (repeatable; default: all)")
-    eps.add_argument("--max-batch-size", type=positive_int, metavar="K",
+    eps.add_argument("--max-batch-size", type=max_batch_size_type, metavar="K|auto",
                      help="fixed-shape batches of K rows (with --sample-size): epsilon holds at --delta including "
-                          "the truncation term steps * P[Binomial(N, q) >= K]")
+                          "the truncation term steps * P[Binomial(N, q) >= K]. auto: the smallest K whose truncation "
+                          "costs at most delta / 10, as dptrain train")
 
     # Defaults live in dptrain.audit.AUDIT_DEFAULTS (absent options fall back to them); the help
     # repeats them so that `dptrain --help` need not import torch (tests/test_audit.py checks both agree).

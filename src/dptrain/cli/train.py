@@ -130,6 +130,10 @@ class TrainingRun(TrainingReport):
         self.device = _resolve_device(c["device"])
         self.data = load_dataset(c["dataset"], c["data_dir"])
         n = len(self.data.train)
+        if self.private and c["delta"] is None:  # resolved once: the checkpoint keeps the value
+            from .. import accounting
+
+            c["delta"] = accounting.default_delta(n)
         if c["batch_size"] > n:
             raise CLIError(f"--batch-size {c['batch_size']} is larger than the {n} training examples of "
                            f"{c['dataset']}")

@@ -46,7 +46,7 @@ class TrainingReport:
             return
         e = self.engine
         if c["epsilon"] is not None:
-            target = f"target epsilon {c['epsilon']:g} at delta {c['delta']:g} -> noise multiplier " \
+            target = f"target epsilon {c['epsilon']:g} at delta {c['delta']:.3g} -> noise multiplier " \
                      f"{e.noise_multiplier:.4g}"
         else:
             target = f"noise multiplier {e.noise_multiplier:.4g}"
@@ -62,7 +62,7 @@ class TrainingReport:
                   f"{mechanism.buffers} model-sized noise buffer(s)")
         if self.max_batch_size:
             extra = self._truncation_delta(self.total_steps)
-            print(f"  truncation to {self.max_batch_size} rows: {extra:.3g} of delta {c['delta']:g} over "
+            print(f"  truncation to {self.max_batch_size} rows: {extra:.3g} of delta {c['delta']:.3g} over "
                   f"{plural(self.total_steps, 'step')} (the chance that a Poisson draw reaches it)")
         if c["epsilon"] is not None and self.total_steps > self.planned_steps:
             warnings.warn(f"training {c['epochs']} epochs goes past the {self.planned_steps} steps the noise was "
@@ -133,7 +133,7 @@ class TrainingReport:
 def print_summary(report: dict) -> None:
     print(f"test accuracy: {report['test_accuracy']:.4f} ({report['test_size']} test images)")
     if report["private"]:
-        print(f"privacy spent: epsilon = {report['epsilon']:.3f} at delta = {report['delta']:g} "
+        print(f"privacy spent: epsilon = {report['epsilon']:.3f} at delta = {report['delta']:.3g} "
               f"({report['accountant']} accountant)")
         print(f"noise multiplier: {report['noise_multiplier']:.4g}, steps: {report['steps']}, "
               f"sample rate: {report['sample_rate']:.4g}")
@@ -164,7 +164,7 @@ def plot_run(history: dict, report: dict, path: Path) -> None:
         if report["target_epsilon"] is not None:
             eps_ax.axhline(report["target_epsilon"], color="gray", linestyle="--", label="target")
             eps_ax.legend(loc="lower right")
-        eps_ax.set_title(f"privacy spent (delta = {report['delta']:g}, {report['accountant']})")
+        eps_ax.set_title(f"privacy spent (delta = {report['delta']:.3g}, {report['accountant']})")
     else:
         eps_ax.text(0.5, 0.5, "non-private run:\nno privacy guarantee", ha="center", va="center",
                     transform=eps_ax.transAxes)

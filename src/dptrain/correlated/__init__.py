@@ -7,9 +7,12 @@
 * :mod:`~dptrain.correlated.privacy`: what a run spends (dp_accounting events), calibration, the accountant.
 * :mod:`~dptrain.correlated.streaming`: the engine's noise source (per-parameter buffers) and ``plan_noise``.
 * :mod:`~dptrain.correlated.resolve`: the engine's noise arguments, checked and built into a mechanism.
+* :mod:`~dptrain.correlated.comparison`: a run's expected error against DP-SGD's at the same epsilon (the engine
+  warns when DP-SGD is better).
 """
 from __future__ import annotations
 
+from .comparison import CorrelatedNoiseWarning, NoiseComparison, compare_with_dp_sgd
 from .privacy import CORRELATED_NOISES, CorrelatedAccountant, CorrelatedMechanism
 from .strategies import (BandedToeplitz, BufferedToeplitz, banded_strategy, blt_strategy, cache_dir, optimize_banded,
                          optimize_blt, strategy_loss)
@@ -22,10 +25,13 @@ __all__ = [
     "CorrelatedAccountant",
     "CorrelatedMechanism",
     "CorrelatedNoise",
+    "CorrelatedNoiseWarning",
+    "NoiseComparison",
     "NoisePlan",
     "banded_strategy",
     "blt_strategy",
     "cache_dir",
+    "compare_with_dp_sgd",
     "optimize_banded",
     "optimize_blt",
     "plan_noise",

@@ -309,13 +309,15 @@ def test_a_hook_on_the_table_sees_its_gradient_as_without_the_engine(float64):
     engine = _engine(model, "bk-mixopt", loss_reduction="sum")
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     engine.attach(opt)
-    _backward(engine, model, x, y, "plain")  # the first step reads the rows (its tag passes run the hooks too)
-    opt.step()
-    opt.zero_grad()
-    seen.clear()
-    _backward(engine, model, x, y, "plain")
-    assert len(seen) == 1 and seen[0].shape == (1, 4, D)
-    torch.testing.assert_close(seen[0], expected, rtol=1e-12, atol=1e-12)
+    # (a hook registered in the forward acts outside the graph: every step reads its rows by tag passes, which run
+    # the hook too; the last call is the real backward's)
+    for _ in range(2):
+        seen.clear()
+        _backward(engine, model, x, y, "plain")
+        opt.step()
+        opt.zero_grad()
+        assert len(seen) >= 1 and seen[-1].shape == (1, 4, D)
+        torch.testing.assert_close(seen[-1], expected, rtol=1e-12, atol=1e-12)
 
 
 def test_a_hook_that_changes_the_table_s_gradient_is_refused(float64):

@@ -32,6 +32,22 @@ def _apply(op: str, h: torch.Tensor, axis: int, weight: torch.Tensor):
         return h.transpose(0, 1), 1, False
     if op == "fold" and h.dim() == 3 and axis == 0:
         return h.reshape(h.shape[0] * h.shape[1], h.shape[2]), 0, False
+    if op == "index-positions" and h.dim() >= 2 and axis != h.dim() - 1:  # picks within each sample, any index
+        return h.index_select(-1, torch.tensor([2, 0, 0, 1])[: h.shape[-1]] % h.shape[-1]), axis, False
+    if op == "mask-positions" and h.dim() == 3 and axis == 0:  # a boolean mask over the positions
+        return h[:, torch.arange(h.shape[1]) % 2 == 0], axis, False
+    if op == "index-batch" and axis == 0:  # rows picked by an index: mixes
+        return h[torch.tensor([1, 0, 2])[: h.shape[0]] % h.shape[0]], axis, True
+    if op == "attention" and h.dim() == 3 and axis == 0:  # fused attention within each sample
+        q = h.unsqueeze(1)
+        return torch.nn.functional.scaled_dot_product_attention(q, q * 0.5, q).squeeze(1), axis, False
+    if op == "attention-over-batch" and h.dim() == 3 and axis == 0:  # queries meet every sample's keys: mixes
+        q = h.transpose(0, 1).unsqueeze(0)
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q).squeeze(0).transpose(0, 1), axis, True
+    if op == "bmm-rows" and h.dim() == 3 and axis == 1:  # the rows of a batched product's left factor
+        return torch.bmm(h, weight[: h.shape[-1], :4].expand(h.shape[0], -1, -1)), axis, False
+    if op == "rms-norm-last":  # Llama's RMSNorm: a mean over the last axis, kept and broadcast (saved as -1)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6), axis, axis == h.dim() - 1
     if op == "softmax-last":
         return torch.softmax(h, -1) if axis != h.dim() - 1 else h, axis, False
     if op == "sum-last" and h.dim() >= 2 and axis != h.dim() - 1:
@@ -54,7 +70,8 @@ def _apply(op: str, h: torch.Tensor, axis: int, weight: torch.Tensor):
     return h, axis, False
 
 
-OPS = ["tanh", "scale", "broadcast-add", "transpose-last", "move-batch", "fold", "softmax-last", "sum-last",
+OPS = ["tanh", "scale", "broadcast-add", "transpose-last", "move-batch", "fold", "rms-norm-last", "softmax-last",
+       "sum-last", "index-positions", "mask-positions", "index-batch", "attention", "attention-over-batch", "bmm-rows",
        "matmul-constant", "mean-over-batch", "flip-batch", "roll-batch", "permute-batch", "outer"]
 
 
@@ -120,3 +137,24 @@ def test_a_slice_of_the_batch_axis_is_proven_only_where_it_keeps_every_row(slice
     assert isinstance(claimed, Rows) == kept
     if kept:
         assert claimed == Rows(0) and _is_per_sample(x, losses, claimed)
+
+
+@pytest.mark.parametrize("ops", [["rms-norm-last"], ["tanh", "rms-norm-last", "softmax-last"], ["index-positions"],
+                                 ["mask-positions"], ["attention"], ["move-batch", "bmm-rows"], ["fold", "tanh"],
+                                 ["broadcast-add", "sum-last"]])
+def test_operations_that_keep_rows_apart_are_proven(ops):
+    """What the benchmarks' models do between their layers is proven, not left to tag passes at every step (a mean
+    over the last axis, saved by autograd as the unsigned 2**64 - 1, once read as the batch axis)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(B, T, D, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(D, D, generator=g, dtype=torch.float64)
+    h, axis = x, 0
+    for op in ops:
+        h, axis, mixes = _apply(op, h, axis, weight)
+        assert not mixes
+    rows = h.shape[axis]
+    per_row = h.movedim(axis, 0).reshape(rows, -1).square().sum(1)
+    losses = per_row.reshape(B, rows // B).sum(1) if rows != B else per_row
+    proof = prove([(losses.grad_fn, losses.output_nr, Rows(0))], B)
+    leaf = next((n, nr) for (n, nr) in proof.edges if getattr(n, "variable", None) is x)
+    assert proof.edges[leaf] == Rows(0), (ops, proof.edges[leaf], proof.stopped_at)

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .layers.protocol import LayerDims, LayerRule
+from .rows.layout import pattern_key
 
 
 def in_backward() -> bool:
@@ -23,19 +24,15 @@ def graph_task() -> int:
     return task() if task is not None else -1
 
 
-@dataclass
 class Call:
-    """One forward call of a covered module, and later its output gradient."""
+    """One forward call of a covered module, and later its output gradient. (A plain class whose defaults live on the
+    class: one is made at every layer call of every training forward, and most fields keep their default.)"""
 
-    activation: Any
-    dims: LayerDims
-    batch_size: int
     version: int | None = None  # the activation's version counter when it was captured
     forward_id: int | None = None  # the model call it belongs to (None: outside one, or a recomputation)
     recomputed: bool = False  # recorded during a backward pass (checkpointing recomputes the forward)
     grad: torch.Tensor | None = None
     shape: tuple = ()  # the shape of the output (the gradient) as the rule sees it
-    key: tuple = ()  # rows.pattern_key: the shape relative to the batch size
     ordinal: int | None = None  # which call of its layer in the model call (or the recomputation); None: neither
     tagged: torch.Tensor | None = None  # its output gradient in a tag pass
     tags: torch.Tensor | None = None  # the per-sample tags of that pass
@@ -51,6 +48,27 @@ class Call:
     edge_view: tuple | None = None
     edge_swapped: bool = False
     shared_use: str | None = None  # an operation that used its output of batch size 1 without broadcasting it
+    #: a gradient hook was registered during its model call (on some tensor): it acts on the gradient outside the
+    #: graph, so its rows are read by tag passes, never proven
+    hooked: bool = False
+
+    def __init__(self, activation: Any, dims: LayerDims, batch_size: int | None, version: int | None = None,
+                 forward_id: int | None = None, recomputed: bool = False):
+        self.activation, self.dims, self.batch_size = activation, dims, batch_size
+        if version is not None:
+            self.version = version
+        if forward_id is not None:
+            self.forward_id = forward_id
+        if recomputed:
+            self.recomputed = True
+
+    @property
+    def key(self) -> tuple:
+        """``rows.pattern_key``: the shape relative to the batch size (made when asked: few calls need it)."""
+        return pattern_key(self.shape, self.batch_size) if self.batch_size is not None else ()
+
+    def __repr__(self) -> str:
+        return f"Call(shape={self.shape}, batch_size={self.batch_size}, forward_id={self.forward_id})"
 
 
 class CallList:

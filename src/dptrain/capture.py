@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
+from torch.utils.hooks import RemovableHandle
 
 from .calls import Call, LayerState, graph_task, in_backward
 from .deferred import DeferredCall, wrap_outputs
@@ -36,7 +37,7 @@ from .hooks_aside import HooksAside
 from .layer_hooks import LayerHooks
 from .layers.fallback import in_replay
 from .rows import InputRows, RowReader, computing_precision, map_tensors, tensors_in
-from .rows.inputs import _InputRowsNode
+from .rows.inputs import CarriedRows, _InputRowsNode
 from .rows.losses import mark_outputs
 from .state_writes import StateWrites
 
@@ -74,6 +75,8 @@ class Capture(LayerHooks):
         #: tensor it copies, the copy's version when made); a covered layer given one directly gets the original
         self._carried: dict[int, tuple[torch.Tensor, torch.Tensor, int]] = {}
         self._readings = 0  # how many the open model call made
+        #: torch's hook counter when the open model call started, and the hooks the engine registered since
+        self._handles_at, self._own_handles = 0, 0
         self._from_input: set[int] = set()  # covered layers called on the model's input as it is (``_uncarried``)
         #: the storages of the open model call's integer inputs with the batch (ids): an untrained embedding of them,
         #: or of a view of them, is carried too (``_embedding_hook``)
@@ -120,6 +123,8 @@ class Capture(LayerHooks):
         self._switched: dict[int, list[list[nn.Parameter]]] = {}
         self._sources: dict[tuple[int, int], torch.Tensor] = {}  # capture-site activations awaiting their target
         self._view_outputs: list = []  # (output, its version, layer) of this model call's outputs that are views
+        #: a layer output broadcast over the batch was made (broadcast.py): layer inputs are looked into for its rows
+        self._broadcasting = False
         #: batch size of the model's current forward call, read from its first tensor argument
         self.forward_batch: int | None = None
         #: the lowest precision the open model call computes in (``rows.computing_precision``), for reading rows
@@ -244,6 +249,7 @@ class Capture(LayerHooks):
         self._ordinals.clear()
         self._view_outputs = []
         self._end_carrying()
+        self._handles_at, self._own_handles = RemovableHandle.next_id, 0
         device = next((t.device for t in tensors_in((args, kwargs))), None)
         self.forward_precision = (computing_precision(device, self._param_dtypes)
                                   if device is not None and not self.dry else None)
@@ -279,7 +285,7 @@ class Capture(LayerHooks):
         ``InputRows``) wherever the graph does not prove its rows apart."""
         reading = InputRows(self.forward_batch, axes, self.forward_precision)
         self._readings += 1
-        copy = _InputRowsNode.apply(self._anchor(t.device), t, reading, self.on_input_grad)
+        copy = _InputRowsNode.apply(self._anchor(t.device), t, reading, self.on_input_grad).as_subclass(CarriedRows)
         self._carried[id(copy)] = (copy, t, copy._version)
         return copy
 
@@ -314,6 +320,15 @@ class Capture(LayerHooks):
                 or ids.untyped_storage().data_ptr() not in self._input_ids):
             return None  # (ids the forward made, such as relative positions, do not carry the input's rows)
         return self._carry(output, (axis,))
+
+    def _mark_hooked(self, forward_id: int) -> None:
+        """A hook was registered during this model call by someone else than the engine (every hook's handle counts
+        in torch's ``RemovableHandle.next_id``): a tensor's gradient hook acts on the gradient outside the graph, so
+        none of the call's rows is proven (a module's hook registered meanwhile counts too: its rows are read)."""
+        for state in self.layers:
+            for call in state.calls:
+                if call.forward_id == forward_id:
+                    call.hooked = True
 
     def _end_carrying(self) -> None:
         self._carried.clear()
@@ -382,6 +397,8 @@ class Capture(LayerHooks):
             return None
         carried = self._readings > 0  # the input's rows can be followed through the graph
         self._end_carrying()
+        if RemovableHandle.next_id - self._handles_at > self._own_handles:
+            self._mark_hooked(self._open_forward)
         self.state_writes.check()  # (a refusal: the always-called hook drops this call)
         self._check_view_outputs()
         self._finished_forward = True

@@ -287,7 +287,7 @@ class PrivacyEngine:
             self._cyclic_loader = loader if self.cyclic_groups > 1 else None
         self._step.attach(optimizer, self._scaling, runner, self._prepare_step)
         attached.add(self.model, self._step)
-        TrainableKey.watch()
+        TrainableKey.watch(self.model)
         if self._parallel is not None:
             self._parallel.attach()
         return self

@@ -69,10 +69,15 @@ class LayerHooks:
             )
 
     def _make_pre_hook(self, module: nn.Module):
+        capture = weakref.ref(self)
+
         def pre_hook(module, inputs, kwargs=None):
-            state = self._state_of.get(id(module))
+            if not torch.is_grad_enabled():
+                return None  # (evaluation: nothing to record; the hooks cost this test alone)
+            self = capture()
+            state = self._state_of.get(id(module)) if self is not None else None
             # A replay by the per-sample fallback runs children as they are: nothing to switch or record.
-            if state is None or not torch.is_grad_enabled() or in_replay() or self.paused or self.dry:
+            if state is None or self.paused or self.dry or in_replay():
                 return None
             self._check_hook_order(module, state)
             if state.rule.before_call is not None:  # (the fallback keeps a cache passed in as it is before the call)
@@ -89,7 +94,7 @@ class LayerHooks:
                 self._from_input.add(id(module))
             return uncarried
 
-        return self._quietly(pre_hook)
+        return pre_hook
 
     def _quietly(self, hook):
         """A layer hook of the engine's, which does nothing in evaluation (the hooks then cost this test alone)."""
@@ -123,8 +128,11 @@ class LayerHooks:
                 del self._switched[id(module)]
 
     def _make_post_hook(self, module: nn.Module):
+        capture = weakref.ref(self)
+
         def post_hook(module, args, kwargs, output):
-            if in_replay():
+            self = capture()
+            if self is None or not (self.dry or torch.is_grad_enabled()) or in_replay():
                 return None
             if self.paused:  # not recorded; a gradient penalty through this call is refused all the same
                 state = self._state_of.get(id(module))
@@ -154,7 +162,7 @@ class LayerHooks:
                 )
             return self._record(state, module, (args, kwargs), output)
 
-        return self._quietly(post_hook)
+        return post_hook
 
     def _batch_not_leading(self, state: LayerState, module: nn.Module, args, kwargs, output) -> bool:
         """A tensor output of a batch-first model whose batch the rule verified at another axis than the first (the
@@ -219,17 +227,20 @@ class LayerHooks:
         """Keep the activation, and hook the gradient of ``tensor`` (a layer output, or a hooked input)."""
         recomputed = in_backward()
         forward_batch = self.forward_batch if self._open_forward is not None or recomputed else None
-        # Sequence first: a tensor [T, B, ...] is given to the rules as [B, T, ...]; one that already leads with
-        # the batch (a pooled [B, d]) stays; with T == B it stays as it is for a rule whose rows are read over both
-        # leading axes (either layout is then found from the gradient), and is refused for the others.
-        swap = (lambda t: _batch_to_front(t, forward_batch, state)) if not self.batch_first else (lambda t: t)
         # A table broadcast over the batch that an earlier layer handed over ([1, ...], broadcast.py) is seen by the
         # rule as its rows over the batch, the call's output too where it is one (a LayerNorm on a position table).
-        inputs = swap(_broadcast_rows_of(inputs))
-        broadcast = isinstance(tensor, BroadcastRows)
+        if self._broadcasting:
+            inputs = _broadcast_rows_of(inputs)
+        broadcast = type(tensor) is BroadcastRows
         if broadcast:
             tensor = rows_of(tensor)
-        seen_output = swap(tensor)
+        seen_output = tensor
+        if not self.batch_first:
+            # Sequence first: a tensor [T, B, ...] is given to the rules as [B, T, ...]; one that already leads with
+            # the batch (a pooled [B, d]) stays; with T == B it stays as it is for a rule whose rows are read over
+            # both leading axes (either layout is then found from the gradient), and is refused for the others.
+            inputs = _batch_to_front(inputs, forward_batch, state)
+            seen_output = _batch_to_front(tensor, forward_batch, state)
         if site is None:
             args, kwargs = inputs
             activation = state.rule.capture_call(module, args, kwargs, seen_output)
@@ -265,14 +276,13 @@ class LayerHooks:
             return tensor
         if broadcast:  # the model gets the layer's own [1, ...] output; the engine hooks its rows over the batch
             call.broadcast = True
+            self._broadcasting = True  # (from now on, layer inputs are looked into for its rows)
             returned = broadcast_rows(tensor, shared_use_marker(call), f"{state.path} ({type(module).__name__})")
         else:
             returned = tensor
-        call.edge_swapped = output_swapped
         if output_swapped:
-            self._on_gradient(tensor, state, lambda g: self.on_grad(state, call, swap01(g)), call)
-        else:
-            self._on_gradient(tensor, state, lambda g: self.on_grad(state, call, g), call)
+            call.edge_swapped = True
+        self._on_gradient(tensor, state, None, call)
         return returned
 
     def _new_call(self, state: LayerState, activation, dims: LayerDims, shape: tuple, forward_batch: int | None,
@@ -288,11 +298,8 @@ class LayerHooks:
         call.precision = self.forward_precision
         if forward_batch is not None:
             ordinals = self._recomputed_ordinals if recomputed else self._ordinals
-            call.ordinal = ordinals.get(id(state.module), 0)
-            ordinals[id(state.module)] = call.ordinal + 1
-            call.key = pattern_key(call.shape, forward_batch)
-        if recomputed and not self.dry:
-            self.rows.recomputes = True  # (its calls are only known in the backward: their rows are read there)
+            call.ordinal = ordinal = ordinals.get(id(state.module), 0)
+            ordinals[id(state.module)] = ordinal + 1
         state.calls.append(call)
         if self.dry:  # sizes are all a plan needs; nothing holds the call but this list
             call.activation = None
@@ -362,9 +369,10 @@ class LayerHooks:
 
         return read
 
-    def _on_gradient(self, tensor: torch.Tensor, state: LayerState, read: Callable[[torch.Tensor], None],
+    def _on_gradient(self, tensor: torch.Tensor, state: LayerState, read: Callable[[torch.Tensor], None] | None,
                      call: Call | None = None) -> None:
-        """Call ``read`` with the gradient of ``tensor`` as the node that made it receives it.
+        """Call ``read`` with the gradient of ``tensor`` as the node that made it receives it (None: hand it to the
+        engine as ``call``'s, as the rule sees it: ``call.edge_swapped``).
 
         A node pre-hook runs after every tensor hook, so the engine reads the gradient that actually reaches the
         layer (a user's ``h.register_hook(lambda g: 3 * g)`` on the output included), whatever the order in which
@@ -385,6 +393,13 @@ class LayerHooks:
             # ``broadcast``: the rows of a table, which the table's own writes leave readable, broadcast.py)
             broadcast = call is not None and call.broadcast
             self._view_outputs.append((tensor, tensor._version, state, broadcast))  # (held until the call returns)
+        if read is None:
+            swapped = call.edge_swapped
+
+            def read(grad):
+                self.on_grad(state, call, swap01(grad) if swapped else grad)
+
+        self._own_handles += 1  # (the hook registered below: not a user's, for Capture._hooked)
         if node is None:
             tensor.register_hook(read)
             return

@@ -116,6 +116,11 @@ class BackwardRunner:
             (losses, tag_losses), replayed = self._replay_deferred(losses, tag_losses)
         try:
             self._run(losses, users, tag_losses, padded, real_rows)
+        except RuntimeError as err:
+            refusal = _compiled_backward_refusal(err)
+            if refusal is None:
+                raise
+            raise refusal from err
         finally:
             for call in replayed:  # (a backward of its own, done or failed: never again)
                 call.state = deferred.DeferredCall.CONSUMED
@@ -373,21 +378,29 @@ class BackwardRunner:
         if self.recipe.two_pass or batch is None:
             return None  # (two-pass modes refuse a plain backward at its first output gradient)
         runner = weakref.ref(self)
-        tagged = []  # (gradient edge, batch axis) of each output tagged: the roots of the proof
-        decided = {}  # the backward that decided, and how many tag passes it runs (0: proven)
+        tagged = []  # the _TagRows node of each output tagged (held weakly): the roots of the proof
+        decided = {}  # the backward that decided (held weakly: the graph holds this), how many tag passes it runs
 
         def tagged_pass(raw, grad: torch.Tensor, axis: int) -> None:
             alive = runner()
             backward = alive.current if alive is not None else None
             if backward is None or backward.phase is not Phase.PLAIN or backward.rows.tagging:
                 return  # engine.backward tags its losses instead
-            if decided.get("backward") is not backward:
-                decided["backward"], decided["passes"] = backward, alive._plain_tag_passes(tagged, batch, grad.device)
+            if decided.get("backward", lambda: None)() is not backward:
+                decided.clear()
+                decided["backward"] = weakref.ref(backward)
+                decided["passes"] = alive._plain_tag_passes(tagged, batch, grad.device)
             passes = decided["passes"]
             if passes:
                 if "tags" not in decided:  # (drawn at the first tag pass of this backward)
                     decided["tags"] = alive.setup.rows.new_tags(batch, passes)
-                backward.tag_plain(raw, grad, axis, decided["tags"])
+                try:
+                    backward.tag_plain(raw, grad, axis, decided["tags"])
+                except RuntimeError as err:
+                    refusal = _compiled_backward_refusal(err)
+                    if refusal is None:
+                        raise
+                    raise refusal from err
 
         return tag_rows(output, batch, 0 if self.config.batch_first else 1, tagged_pass, from_input, tagged)
 
@@ -395,8 +408,14 @@ class BackwardRunner:
         """How many tag passes a plain backward runs from a model call's outputs (``tagged``): none where the graph
         below them proves every row, else one per base-4 digit of the batch (of the largest rank's, under data
         parallelism, where every rank runs as many)."""
-        roots = [(edge.node, edge.output_nr, Rows(axis)) if not isinstance(edge, torch.Tensor)
-                 else (edge.grad_fn, edge.output_nr, Rows(axis)) for edge, axis in tagged]
+        roots = []
+        for ref in tagged:
+            node = ref()
+            if node is None:
+                continue
+            edge = node.edge
+            roots.append((edge.node, edge.output_nr, Rows(node.axis)) if not isinstance(edge, torch.Tensor)
+                         else (edge.grad_fn, edge.output_nr, Rows(node.axis)))
         calls = [(s, c) for s in self.trainable().layers for c in s.calls]
         needs = not all(node is not None for node, _, _ in roots) or not self.setup.rows.prove(roots, batch, calls)
         if self.parallel is None:
@@ -468,3 +487,16 @@ def _non_finite_losses(losses: torch.Tensor) -> ValueError | None:
     if not bad:
         return None
     return ValueError(f"non-finite per-sample losses at batch positions {bad[:10]}: nothing was accumulated")
+
+
+def _compiled_backward_refusal(err: RuntimeError) -> RuntimeError | None:
+    """What to do where torch.compile's backward refused to run twice (inductor's donated buffers), or None."""
+    if "donated_buffer" not in str(err):
+        return None
+    return RuntimeError(
+        "torch.compile compiled a backward that frees its buffers as it runs (inductor's donated buffers), so it "
+        "cannot be back-propagated twice; the engine back-propagates a step more than once where the graph does not "
+        "prove which sample each row belongs to (a compiled region is opaque to it: its tag passes read the rows), "
+        "and the two-pass clipping modes always do. Set torch._functorch.config.donated_buffer = False before the "
+        "first compiled step (it costs a little memory, no speed), or compile only parts of the model between its "
+        "trainable layers. Nothing of this backward was accumulated")

@@ -8,6 +8,8 @@ parameter was registered anywhere in the process, and their ``requires_grad`` fl
 """
 from __future__ import annotations
 
+import weakref
+
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -95,7 +97,9 @@ def build_trainable_set(model: nn.Module, *, allow_fallback: bool, batch_first: 
 
 class TrainableKey:
     """Identifies a model's trainable set cheaply: its parameter list (walked again only after a module or
-    parameter was registered anywhere, which ``_Registrations`` counts) and their ``requires_grad`` flags."""
+    parameter was registered into an attached model, which ``_Registrations`` counts) and their ``requires_grad``
+    flags. A walk that finds the same parameters keeps the key: a forward that builds containers of the model's
+    modules (Llama's ``self.layers[:n]``) changes nothing."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -104,13 +108,16 @@ class TrainableKey:
 
     def __call__(self) -> tuple:
         if self._seen != _Registrations.version or self._params is None:
-            self._params = list(self.model.parameters())
+            params = list(self.model.parameters())
+            if self._params is None or len(params) != len(self._params) or any(
+                    a is not b for a, b in zip(params, self._params)):
+                self._params = params
             self._seen = _Registrations.version
         return (id(self._params), *(p.requires_grad for p in self._params))
 
     @staticmethod
-    def watch() -> None:
-        _Registrations.watch()
+    def watch(model: nn.Module) -> None:
+        _Registrations.watch(model)
 
     @staticmethod
     def unwatch() -> None:
@@ -118,32 +125,44 @@ class TrainableKey:
 
 
 def registrations() -> int:
-    """Changes whenever a module or parameter is registered anywhere while an engine is attached: a key for
-    caches of what a model holds (``TrainableKey``, ``state_writes.StateWrites``)."""
+    """Changes whenever a module or parameter is registered into an attached model's modules: a key for caches of
+    what a model holds (``TrainableKey``, ``state_writes.StateWrites``)."""
     return _Registrations.version
 
 
 class _Registrations:
-    """Counts module and parameter registrations in the process while an engine is attached (torch's global
-    registration hooks), so each model call can re-read the trainable set from a cached parameter list
-    (walking a large model's modules at every call costs milliseconds)."""
+    """Counts module and parameter registrations into the modules of attached models (torch's global registration
+    hooks), so each model call can re-read the trainable set from a cached parameter list (walking a large model's
+    modules at every call costs milliseconds). A registration into a module of no attached model (a container the
+    forward builds, another model) is not counted."""
 
     version = 0
     _handles: list = []
     _watchers = 0
+    #: the modules of the attached models, and those registered into them since
+    _members: weakref.WeakSet = weakref.WeakSet()
 
     @classmethod
-    def _changed(cls, *args):
+    def _module_registered(cls, module, name, submodule):
+        if module in cls._members:
+            cls.version += 1
+            if submodule is not None:
+                cls._members.update(submodule.modules())
+
+    @classmethod
+    def _parameter_registered(cls, module, name, param):
+        if module in cls._members:
+            cls.version += 1
+
+    @classmethod
+    def watch(cls, model: nn.Module) -> None:
+        cls._members.update(model.modules())
         cls.version += 1
-
-    @classmethod
-    def watch(cls) -> None:
         cls._watchers += 1
         if cls._watchers == 1:
-            cls.version += 1
             hooks = nn.modules.module
-            cls._handles = [hooks.register_module_parameter_registration_hook(cls._changed),
-                            hooks.register_module_module_registration_hook(cls._changed)]
+            cls._handles = [hooks.register_module_parameter_registration_hook(cls._parameter_registered),
+                            hooks.register_module_module_registration_hook(cls._module_registered)]
 
     @classmethod
     def unwatch(cls) -> None:
@@ -152,6 +171,7 @@ class _Registrations:
             for handle in cls._handles:
                 handle.remove()
             cls._handles = []
+            cls._members = weakref.WeakSet()
             cls.version += 1
 
 

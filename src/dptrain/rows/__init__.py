@@ -4,8 +4,8 @@
 - ``reading``: the tags of a tag pass and the reading of a call's rows from them;
 - ``sketch``: the per-row sketches the reading keeps instead of whole tagged gradients (bounded memory);
 - ``inputs``: the rows of the model's input, carried through the graph;
-- ``losses``: the loss at every ``engine.backward``; ``proof``: layouts proven from the autograd graph, ``memo`` the
-  proofs by the structure of the graph they were made on;
+- ``losses``: the loss at every ``engine.backward``; ``proof``: layouts proven from the autograd graph by the node
+  types' ``rules``, ``memo`` the proofs by the structure of the graph they were made on;
 - ``outputs``: the model's outputs, tagged for a plain ``loss.backward()``;
 - ``reader``: what is kept across steps (``RowReader``: the tags' generator, the proofs' memo) and for one backward
   (``BackwardRows``);

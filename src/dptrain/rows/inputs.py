@@ -88,3 +88,45 @@ class _InputRowsNode(torch.autograd.Function):
     def backward(ctx, grad):
         ctx.record(ctx.reading, grad)
         return None, grad if ctx.needs_input_grad[1] else None, None, None
+
+
+class CarriedRows(torch.Tensor):
+    """A copy that carries the model input's rows (``_InputRowsNode``'s output), and its views.
+
+    It requires gradients without being a leaf, where the forward expects its input as a leaf that does not: code that
+    sets ``requires_grad = True`` on its input or a view of it (wav2vec2's feature encoder, for gradient
+    checkpointing) would fail on it. Setting it to True is a no-op here (it already does); a view of it is one again,
+    so the same holds for ``x[:, None]``; any other operation returns an ordinary tensor (so only operations on the
+    input itself pass through this class's Python)."""
+
+    @classmethod
+    @torch._dynamo.disable  # (traced, dynamo recursed into it; run eagerly: only operations on the input come here)
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **(kwargs or {}))
+        if func in _VIEWS and isinstance(out, torch.Tensor) and out._is_view():
+            return out.as_subclass(CarriedRows)
+        return out
+
+    @property
+    def requires_grad(self) -> bool:
+        return torch._C.TensorBase.requires_grad.__get__(self)
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        if not (value and self.requires_grad):
+            torch._C.TensorBase.requires_grad.__set__(self, value)
+
+    def requires_grad_(self, requires_grad: bool = True):
+        if not (requires_grad and self.requires_grad):
+            torch._C.TensorBase.requires_grad_(self, requires_grad)
+        return self
+
+
+_VIEWS = {
+    torch.Tensor.__getitem__, torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.unsqueeze,
+    torch.unsqueeze, torch.Tensor.squeeze, torch.squeeze, torch.Tensor.transpose, torch.transpose,
+    torch.Tensor.permute, torch.permute, torch.Tensor.flatten, torch.flatten, torch.Tensor.unflatten,
+    torch.Tensor.narrow, torch.narrow, torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand,
+    torch.Tensor.expand_as,
+}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from . import proof as _proof
+from . import rules as _rules
 from .proof import CALL_EDGE, Proof, prove
 
 # The attributes each rule reads (by node type). The sizes the rules read are not in the key: they follow from the
@@ -29,11 +29,11 @@ from .proof import CALL_EDGE, Proof, prove
 # batch to batch without changing which rows meet), and a layout taken from the memo must fit each call's shape.
 _DIM = ("_saved_dim",)
 _ATTRIBUTES: dict[str, tuple[str, ...]] = {
-    **{name: ("_saved_dim", "_saved_keepdim") for name in _proof._REDUCTIONS},
+    **{name: ("_saved_dim", "_saved_keepdim") for name in _rules._REDUCTIONS},
     **{name: _DIM for name in ("Softmax", "LogSoftmax", "SafeSoftmax", "Cumsum", "Cumprod", "Logcumsumexp", "Cummax",
                                 "Cummin", "Sort", "Topk", "Gather", "Select", "Cat", "Split", "SplitWithSizes",
                                 "Unbind", "Chunk", "IndexSelect")},
-    **{name: ("_saved_reduction",) for name in (*_proof._POINTWISE_LOSSES, "NllLoss", "NllLoss2D", "NllLoss2d")},
+    **{name: ("_saved_reduction",) for name in (*_rules._POINTWISE_LOSSES, "NllLoss", "NllLoss2D", "NllLoss2d")},
     "Permute": ("_saved_dims",), "Transpose": ("_saved_dim0", "_saved_dim1"),
     "NativeLayerNorm": ("_saved_normalized_shape",),
 }
@@ -47,7 +47,7 @@ class _Reads:
 
     def __init__(self, name: str):
         base = name[: name.find("Backward")] if "Backward" in name else name
-        ruled = _proof.rule_of_name(name) is not None
+        ruled = _rules.rule_of_name(name) is not None
         self.attributes = _ATTRIBUTES.get(base, ()) if ruled else ()
         self.is_slice = base in ("Slice", "Narrow")
         self.is_index = base == "Index"
@@ -60,10 +60,10 @@ def _facts(node, reads: _Reads) -> tuple:
     facts = [getattr(node, a, _MISSING) for a in reads.attributes]
     facts = [None if f is _MISSING else tuple(f) if isinstance(f, list) else f for f in facts]
     if reads.is_slice:  # whether it keeps every row of its axis depends on its bounds and sizes
-        dim = node._saved_dim % max(1, len(_proof._shape(node, 0)))
-        facts.append((dim, _proof._whole(node, dim)))
+        dim = _rules._axis(node._saved_dim, len(_rules._shape(node, 0)))
+        facts.append((dim, _rules._whole(node, dim)))
     if reads.is_index:  # which dimensions it indexes (not by which values)
-        facts.append(_proof.index_pattern(node))
+        facts.append(_rules.index_pattern(node))
     return tuple(facts)
 
 
@@ -84,12 +84,12 @@ class ProofMemo:
         try:
             nexts, key = _structure(roots, batch, stop)
         finally:
-            _proof._SHAPES.clear()
-            _proof._NEXT.clear()
+            _rules._SHAPES.clear()
+            _rules._NEXT.clear()
         try:
             return self._proof(key, roots, batch, stop, nexts)
         finally:
-            _proof._SHAPES.clear()
+            _rules._SHAPES.clear()
 
     def _proof(self, key: tuple, roots: list, batch: int, stop, nexts: list) -> Proof:
         entry = self._entries.get(key)
@@ -103,13 +103,13 @@ class ProofMemo:
             return found
         self.reused += 1
         self._entries.move_to_end(key)
-        values, unproven, stopped_at = entry
+        values, unproven, stopped_at, recomputes = entry
         edges = {(node, nr): rows for node, nr, rows in roots if node is not None}
         for i, k, value in values:
             edge = nexts[i][k]
-            edges[edge] = _concrete(value, _proof._shape(*edge), batch) if type(value) is tuple else value
+            edges[edge] = _concrete(value, _rules._shape(*edge), batch) if type(value) is tuple else value
         stops = {nexts[i][k] for i, k, _ in values if stop is not None and stop(*nexts[i][k])}
-        return Proof(edges, {nexts[i][k] for i, k in unproven}, stops, stopped_at)
+        return Proof(edges, {nexts[i][k] for i, k in unproven}, stops, stopped_at, recomputes)
 
 
 def _interesting(node) -> bool:
@@ -172,14 +172,14 @@ def _remember(found: Proof, nexts: list) -> tuple:
             if edge in found.unproven:
                 unproven.append((i, k))
             if edge in found.stops or _interesting(nxt):
-                values.append((i, k, _abstract(found.edges.get(edge, _proof.UNPROVEN))))
-    return values, unproven, found.stopped_at
+                values.append((i, k, _abstract(found.edges.get(edge, _rules.UNPROVEN))))
+    return values, unproven, found.stopped_at, found.recomputes
 
 
 def _abstract(value):
     """A proven ``Rows`` as the memo keeps it: where the batch sits, and how a sample's rows are laid out along that
     axis (each its own row, in blocks, interleaved), not how many rows it has (a sequence length)."""
-    if not isinstance(value, _proof.Rows):
+    if not isinstance(value, _rules.Rows):
         return value
     if value.inner == 1 and value.outer == 1:
         return (value.axis, "identity")
@@ -194,8 +194,8 @@ def _concrete(value: tuple, shape, batch: int):
     """``_abstract``'s form as the ``Rows`` of an edge of ``shape``; unproven where it does not fit."""
     axis, kind = value
     if shape is None or axis >= len(shape) or shape[axis] % batch:
-        return _proof.UNPROVEN
+        return _rules.UNPROVEN
     count = shape[axis] // batch
     if kind == "identity":
-        return _proof.Rows(axis) if count == 1 else _proof.UNPROVEN
-    return _proof.Rows(axis, count, 1) if kind == "blocks" else _proof.Rows(axis, 1, count)
+        return _rules.Rows(axis) if count == 1 else _rules.UNPROVEN
+    return _rules.Rows(axis, count, 1) if kind == "blocks" else _rules.Rows(axis, 1, count)

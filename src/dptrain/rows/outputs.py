@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -129,11 +130,12 @@ def tag_rows(output, batch: int | None, axis: int, run, from_input: bool = False
     ``from_input``: only tensors computed from the model's input are per-sample (``carries_input_rows``): a
     table returned next to the features, whatever its number of rows, is not. Where no output can be followed
     to the input (a compiled model's graph hides the copy), every output of ``batch`` rows is tagged. ``tagged``
-    (a list) gets the gradient edge and the batch axis of each tensor tagged."""
+    (a list) gets a weak reference to the ``_TagRows`` node of each tensor tagged (its ``edge`` and ``axis``)."""
     def tag(t: torch.Tensor, found: int) -> torch.Tensor:
-        if tagged is not None:
-            tagged.append((gradient_edge(t), found))
-        return _TagRows.apply(t, run, found)
+        out = _TagRows.apply(t, run, found)
+        if tagged is not None:  # (its node, held weakly: the graph holds this list, through ``run``)
+            tagged.append(weakref.ref(out.grad_fn))
+        return out
 
     return map_per_sample(output, batch, axis, tag, from_input)
 

@@ -25,8 +25,8 @@ class RowReader:
         # two samples' gradients) from landing on a third sample's tag.
         self.generator = torch.Generator()
         self.generator.manual_seed(0x5EED if seed is None else seed + 1)
-        #: layer calls were recomputed in a backward (reentrant activation checkpointing): such calls are only known
-        #: once recomputed, after any proof, so every backward reads rows by tag passes
+        #: layer calls received their gradient as recomputed in a backward (reentrant activation checkpointing): such
+        #: calls are only known once recomputed, after any proof, so every backward reads rows by tag passes
         self.recomputes = False
 
     @staticmethod
@@ -46,10 +46,10 @@ class RowReader:
             return not unread
         proof = self.proofs.prove(roots, batch)
         by_edge = edges_by_call(proof)
-        complete = not self.recomputes
+        complete = not self.recomputes and not proof.recomputes
         for state, call in unread:
             layout = None
-            if call.shared_use is None and not call.recomputed and call.batch_size == batch:
+            if call.shared_use is None and not call.recomputed and not call.hooked and call.batch_size == batch:
                 layout = call_layout(proof, by_edge, call, batch, getattr(state.rule, "rows_fold_into_tokens", False))
             rowmap = map_from_layout(layout, call.shape, batch) if layout is not None else None
             if rowmap is None or (not rowmap.identity and not can_regroup(state.rule, call.activation, call.shape,
@@ -84,7 +84,7 @@ class BackwardRows:
 
     def __init__(self, reader: RowReader):
         self.reader = reader
-        self.projections = reader.new_projections()
+        self._projections: Projections | None = None
         #: a tag pass is running: output gradients that arrive are tagged ones
         self.tagging = False
         #: the tags of every tag pass of this backward, and which pass runs
@@ -103,6 +103,14 @@ class BackwardRows:
         #: the padded samples of a fixed-shape batch ([B] bool; None: none): rows that hold inf or NaN are read
         #: around where the layout puts them in padded samples
         self.padded: torch.Tensor | None = None
+
+    @property
+    def projections(self) -> Projections:
+        """The random projections of this backward's sketches, drawn at its first sketch (a backward whose rows are
+        all proven draws none)."""
+        if self._projections is None:
+            self._projections = self.reader.new_projections()
+        return self._projections
 
     def begin_tags(self, tags: list[torch.Tensor]) -> None:
         self.tags = tags
@@ -191,6 +199,7 @@ class BackwardRows:
         call.tagged = None
         if call.recomputed and self.reader.pattern(state, call) is not None:
             self.resolved[self.reader.pattern(state, call)] = rowmap
+            self.reader.recomputes = True
         return rowmap
 
     def _read_around_padding(self, real, tagged, tags, batch, shape, axes, eps, rel, bad: torch.Tensor) -> RowMap:

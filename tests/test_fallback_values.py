@@ -65,7 +65,7 @@ class Gate(nn.Module):
 
     def forward(self, x):
         h = torch.tanh(x * self.weight)
-        return torch.where(x[:, :1] > 2, h.roll(1, 0), h)
+        return torch.where(x[..., :1] > 2, h.roll(1, 0), h)
 
 
 class Mixing(nn.Module):
@@ -99,8 +99,8 @@ class SeqFirstMixing(nn.Module):
 
 
 class Net(nn.Module):
-    """``block`` on the samples' rows ([B, d]), on their tokens folded into the batch ([B * T, d]), or sequence-first
-    ([T, B, d]); a linear head on the mean over tokens."""
+    """``block`` on the samples' rows ([B, d]), on their tokens ([B, T, d]), on their tokens folded into the batch
+    ([B * T, d]), or sequence-first ([T, B, d]); a linear head on the mean over tokens."""
 
     def __init__(self, block: nn.Module, layout: str = "rows"):
         super().__init__()
@@ -109,6 +109,8 @@ class Net(nn.Module):
     def forward(self, x):  # x [B, d] (rows) or [B, T, d]
         if self.layout == "rows":
             h = self.block(x)
+        elif self.layout == "tokens":
+            h = self.block(x).mean(1)
         elif self.layout == "folded":
             B, T, _ = x.shape
             h = self.block(x.reshape(B * T, D))
@@ -122,7 +124,7 @@ def losses_fn(model, x, y):
     return F.cross_entropy(model(x), y, reduction="none")
 
 
-# --------------------------------------------------------------------------- the scenarios: ordinary steps, then the hazard
+# --------------------------------------------------------------------------- scenarios: ordinary steps, then the hazard
 def _data(seed: int, shape: tuple, first: float | None = None, low: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(x, y): ``first`` sets every row's first feature; ``low`` keeps them in (-1, 1)."""
     g = torch.Generator().manual_seed(seed)
@@ -138,6 +140,13 @@ def _one_routed(seed, shape):
     """Every first feature negative but the first row's (first token's): one routed row, within any capacity."""
     x, y = _data(seed, shape, first=-1.0)
     x.view(-1, D)[0, 0] = 1.0
+    return x, y
+
+
+def _open_one_gate(seed, shape, sample: int):
+    """Ordinary data but for one sample whose first features are all 3 (its gate opens)."""
+    x, y = _data(seed, shape, low=True)
+    x[sample, ..., 0] = 3.0
     return x, y
 
 
@@ -175,10 +184,17 @@ SCENARIOS = {
     # a gate that opens on one sample's data only in the hazard
     "gate": lambda: Scenario(lambda: Net(Gate()), [_data(s, (4, D), low=True) for s in range(3)],
                              _data(9, (4, D), first=3.0), None, r"block \(Gate\)"),
+    # on [B, T, d] with T = B (the leading rows checked every row apart on the first call only): the gate of one
+    # sample opens, which changing row 0 does not show (the row after it takes its row): the backward's checks refuse
+    "gate-tokens": lambda: Scenario(lambda: Net(Gate(), "tokens"), [_data(s, (4, 4, D), low=True) for s in range(3)],
+                                    _open_one_gate(9, (4, 4, D), sample=2), None, r"block \(Gate\)"),
     # a mixing weight that is 0 on the first steps, then 0.5 (the same data as the last ordinary step)
     "coefficient": lambda: Scenario(lambda: Net(Mixing()), [_data(s, (4, D)) for s in range(3)], _data(2, (4, D)),
                                     _set_mix(0.5), r"block \(Mixing\)"),
-    # the same, run sequence-first: the batch axes verified on the first steps, then mixing along them
+    # the same on [B, T, d] with T = B
+    "coefficient-tokens": lambda: Scenario(lambda: Net(Mixing(), "tokens"), [_data(s, (4, 4, D)) for s in range(3)],
+                                           _data(2, (4, 4, D)), _set_mix(0.5), r"block \(Mixing\)"),
+    # the same, run sequence-first (B = T, B != T): the batch axes verified on the first steps, then mixing along them
     "coefficient-seq-first": lambda: Scenario(lambda: Net(SeqFirstMixing(), "seq-first"),
                                               [_data(s, (4, 4, D)) for s in range(3)], _data(2, (4, 4, D)),
                                               _set_mix(0.5), r"block \(SeqFirstMixing\)"),
@@ -259,8 +275,8 @@ def _clip_every_and_none(model, batch) -> tuple[float, float]:
 
 
 @pytest.mark.parametrize("mode, path", MODES_PATHS)
-@pytest.mark.parametrize("name", ["capacity", "capacity-tuple", "capacity-one-by-one", "capacity-folded", "gate", "coefficient",
-                                  "coefficient-seq-first-B3", "one-sample-first-folded"])
+@pytest.mark.parametrize("name", ["capacity", "capacity-tuple", "capacity-one-by-one", "capacity-folded", "gate",
+                                  "gate-tokens", "coefficient", "coefficient-seq-first-B3", "one-sample-first-folded"])
 def test_neighbour_test_holds_on_the_ordinary_steps_and_the_hazard_is_refused(name, mode, path):
     """DP's own definition on the last ordinary step after the others (warm): removing any one sample moves the clipped
     sum by at most R, at an R that clips every sample (by R exactly, then) and one that clips none. With the hazard

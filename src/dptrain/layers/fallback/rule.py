@@ -92,7 +92,7 @@ class FallbackRule(_CallArguments, _ContainerOutputs, _GuardedOutputs, _BatchAxe
         return call
 
     def _checked_just_now(self, output, signature) -> bool:
-        """Whether ``batch_not_leading`` checked this very call's leading rows (every row apart) just before."""
+        """Whether ``batch_not_leading`` checked this very call's leading rows just before (``_check_rows``)."""
         return self._verified_for(output, "rows") == signature
 
     def _verified_for(self, output, kind: str):

@@ -1268,7 +1268,8 @@ def test_sequence_first_module_that_mixes_the_batch_is_refused(kind, B):
 
 
 def test_sequence_first_axes_are_searched_once_per_call_pattern(monkeypatch):
-    """The verified assignment is kept per call pattern: later steps do not search again."""
+    """The verified assignment is kept per call pattern: later steps verify it again on their values (a few replays,
+    test_fallback_values.py) without searching again."""
     case = _seq_first_case(4, "tensor")
     model = copy.deepcopy(case.model)
     calls = []

@@ -97,8 +97,8 @@ def test_as_many_samples_as_windows(order, mask):
 
 @pytest.mark.parametrize("mode,path", [("bk-mixopt", "engine"), ("bk-mixopt", "mean"), ("ghost", "engine")])
 def test_later_steps_with_a_checked_layout_are_exact(float64, mode, path):
-    """The replay's checks run once per layout: the steps after the first replay without them, exactly. A model
-    with equal rows per sample (one vmap) and one with rows picked by the data (one replay per sample)."""
+    """The steps after the first, checked again at every call (the checks read values), are as exact. A model with
+    equal rows per sample (one vmap) and one with rows picked by the data (one replay per sample)."""
     for model, x in ((Windowed(mask=True), _input(3)), (Routed(), _input(4, windows=1, tokens=6, seed=1))):
         torch.manual_seed(0)
         model = spread_init(model)

@@ -18,11 +18,13 @@ This is instantiation only (modules 4 + 5 of the book-keeping paper): it costs o
 forward of the module per call, vectorised over the batch, and a per-sample gradient of
 each of its own parameters (``B x`` their size), never a ghost norm.
 
-A replay is only exact when the module treats samples independently. On the first call per
-module, input shapes and mode the rule checks this twice and refuses otherwise: it perturbs
-one sample's input and checks that no other sample's output moves (and that the replay
-reproduces the recorded output at all, which random operations such as dropout break), and
-it checks that the per-sample gradients sum to the gradient of the whole batch.
+A replay is only exact when the module treats samples independently. At every call the rule
+checks this and refuses otherwise: it perturbs one sample's input and checks that no other
+sample's output moves (and that the replay reproduces the recorded output at all, which random
+operations such as dropout break), that each sample replayed alone gives its rows of the call,
+and that the per-sample gradients sum to the gradient of the whole batch. Every call, since
+each check reads values: a module may mix samples only on some data (an expert's capacity), once
+a coefficient is no longer 0, or once a batch has more than one sample.
 
 A call whose rows are not the samples in order (windows or tokens folded into the batch, as window attention
 calls its modules on ``[B * windows, N, d]``) is regrouped by ``FallbackRule.regroup_call`` with the sample of

@@ -23,17 +23,21 @@ class _FlatBags:
         if len(per_bag) != g.shape[0]:
             raise RuntimeError(f"{self._name(module)}: {len(per_bag)} bags for an output of {g.shape[0]} rows")
         grads: dict[str, list[torch.Tensor]] = {n: [] for n in primals}
+        outs = []
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             for (bag_args, bag_kwargs), g_i in zip(per_bag, g):
                 out, pullback = autograd_vjp(lambda p: self._replay(module, bag_args, bag_kwargs, p), primals)
                 for n, t in pullback(g_i.unsqueeze(0).to(out.dtype))[0].items():
                     grads[n].append(t)
+                outs.append(out)
         stacked = {n: torch.stack(ts) if ts else torch.zeros(0, *primals[n].shape, dtype=primals[n].dtype,
                                                                   device=primals[n].device)
                    for n, ts in grads.items()}
-        if call.signature not in self._backward_checked:
-            self._check_gradient_sum(module, call, g, primals, stacked)
-            self._backward_checked.add(call.signature)
+        # at every call, as every replay: each bag alone gives its row of the call, and the gradients sum to its own
+        whole = self._whole_vjp(module, call, primals)
+        if outs and not self._rows_reproduced(call, torch.cat(outs), whole[0]):
+            raise self._split_refusal(module, one_by_one=False)
+        self._check_gradient_sum(module, call, g, primals, stacked, whole)
         return stacked
 
 

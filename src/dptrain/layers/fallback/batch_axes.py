@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,6 @@ from .independence import SampleMixingError, _close, _perturb_first, _rows_kept
 from .records import FallbackCall
 
 
-_UNKNOWN = object()
 #: the most assignments of batch axes verified for one call pattern (each costs a few replays of the module)
 _MAX_ASSIGNMENTS = 16
 
@@ -48,16 +48,9 @@ class _BatchAxes:
     the arguments moves that sample's outputs along the chosen output axes and no other sample's; replaying each
     sample alone (its slice along each chosen axis, the other arguments whole) reproduces its outputs. Where two
     assignments verify, their per-sample gradients (for a random output gradient) must agree, or the call is
-    refused. The result is kept per call pattern (``_axes_found``)."""
-
-    def _batch_axes(self, module, call: FallbackCall, output, leaves: list, depends: tuple[int, ...],
-                    paths: tuple[str, ...], batch: int) -> _AxisAssignment | None:
-        """The assignment found for a call of this pattern with a container output, or None: the reading by leading
-        rows applies (the batch first, or rows folded into the batch that the row reader maps to samples). Its own
-        check searches other axes only if it fails (``_axes_after_refusal``): a module that works token by token
-        verifies the tokens as the batch where T = B, so a search before it would take them for the samples."""
-        known = self._axes_found.get((call.signature, depends), _UNKNOWN)
-        return None if known is _UNKNOWN else known
+    refused. The assignment found is kept per call pattern (``_axes_found``), as the one to try first: each later
+    call verifies it again on its own values (a few replays, not a search) and searches again where it fails. (An
+    assignment that failed on some call is no reading of the module; the one kept verifies on every call.)"""
 
     def _axes_after_refusal(self, module, call: FallbackCall, leaves: list, depends: tuple[int, ...],
                             paths: tuple[str, ...], batch: int | None, err: SampleMixingError) -> _AxisAssignment:
@@ -65,14 +58,55 @@ class _BatchAxes:
         axes, or that refusal, naming the module."""
         found = None
         if not self.swapped and batch is not None and batch > 1:
-            found = self._search_axes(module, call, leaves, depends, paths, batch)
+            found = self._axes_of_call(module, call, leaves, depends, paths, batch)
         if found is None:
             raise SampleMixingError(
                 f"{err} (No assignment of the batch to other axes of size {batch} of its arguments and outputs "
                 "verified either: replaying each sample alone did not reproduce the call, or changing one sample "
                 "moved the others.)") from None
-        self._keep_axes((call.signature, depends), found)
         return found
+
+    def _axes_of_call(self, module, call: FallbackCall, leaves: list, depends: tuple[int, ...],
+                      paths: tuple[str, ...], batch: int) -> _AxisAssignment | None:
+        """The assignment of batch axes verified on this call: the one verified last for this call pattern where it
+        verifies again (each call's values decide: a search runs once per pattern, its verification at every call),
+        else the one a search verifies (kept for the next calls), else None."""
+        key = (call.signature, depends)
+        known = self._axes_found.get(key)
+        if known is not None:
+            if self._assignment_holds(module, call, leaves, depends, known):
+                return known
+            del self._axes_found[key]
+        found = self._search_axes(module, call, leaves, depends, paths, batch)
+        if found is not None:
+            self._keep_axes(key, found)
+        return found
+
+    def _assignment_holds(self, module, call: FallbackCall, leaves: list, depends: tuple[int, ...],
+                          found: _AxisAssignment) -> bool:
+        """The checks ``_search_axes`` verified ``found`` with, on this call's values: the whole replay reproduces the
+        call, one sample changed along its axes moves that sample's outputs alone, each sample alone gives its own."""
+        axes, per_sample, outs = dict(found.args), found.picked.per_sample, found.picked.axes
+        device, enabled, dtype = call.autocast
+        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            whole = self._whole_leaves(module, call, leaves, depends)
+            expected = [whole[k].movedim(o, 0) for k, o in zip(per_sample, outs)]
+            return (self._moves_one_sample(module, call, axes, per_sample, outs, expected) is True
+                    and self._samples_reproduce(module, call, axes, per_sample, outs, expected))
+
+    def _check_rows(self, module, call: FallbackCall, output, again=None) -> None:
+        """``_check_independence`` of a call whose leading rows may not be the samples, every row apart on the first
+        call of its pattern (2 log2(rows) replays) and while they are seen so, row 0 alone after (``_apart``)."""
+        every_row = call.signature not in self._apart
+        try:
+            self._check_independence(module, call, output, every_row=every_row, again=again)
+        except SampleMixingError:
+            self._apart.discard(call.signature)
+            raise
+        if every_row:
+            if len(self._apart) >= 256:
+                self._apart.clear()
+            self._apart.add(call.signature)
 
     def _keep_axes(self, key, found) -> None:
         if len(self._axes_found) >= 256:  # shapes that change at every step: verifying again is always safe
@@ -81,9 +115,9 @@ class _BatchAxes:
 
     def batch_not_leading(self, module, args, kwargs, output: torch.Tensor, batch: int | None) -> bool:
         """For the capture: whether a call with a tensor output has its batch at another axis than the first
-        (verified); such a call is then taken through its leaves (``capture_leaves``), whose gradient the engine
-        hands over with the batch first. Looks only at a call whose output has an axis of size ``batch`` after the
-        first; once per call pattern."""
+        (verified on this call); such a call is then taken through its leaves (``capture_leaves``), whose gradient
+        the engine hands over with the batch first. Looks only at a call whose output has an axis of size ``batch``
+        after the first."""
         if (self.swapped or output.is_meta or batch is None or batch <= 1 or output.dim() < 2
                 or batch not in tuple(output.shape[1:]) or not output.is_floating_point()):
             return False
@@ -94,32 +128,50 @@ class _BatchAxes:
             return False
         call = self._keep_call(module, args, kwargs, output.device)
         key = (call.signature, (0,))
-        known = self._axes_found.get(key, _UNKNOWN)
-        if known is not _UNKNOWN:
-            return known is not None
         err = None
         # The reading by leading rows first (the batch first, or rows folded into the batch, which the row reader
-        # then maps to samples: windows [B * W, N, d] with N = B), checked as capture_call would: where changing one
-        # leading row of the arguments moves only that row of the output, the call is left to it.
-        # Where the leading rows are not the batch and mix, the search below decides, and a call none verifies is
-        # left to the row reader too (rows of one sample that interact are replayed together: regroup_call).
+        # then maps to samples: windows [B * W, N, d] with N = B), checked as capture_call would, every row apart:
+        # where changing one leading row of the arguments moves only that row of the output, the call is left to it
+        # (and capture_call does not check it again). Where the leading rows are not the batch and mix, an
+        # assignment of batch axes decides, and a call none verifies is left to the row reader too (rows of one
+        # sample that interact are replayed together: regroup_call). Checked at every call: the values decide.
         self._set_rows(module, args, kwargs, call, output.shape[0])
         if call.batched:
             try:
-                self._check_independence(module, call, output, every_row=True)
+                self._check_rows(module, call, output)
             except SampleMixingError as e:
                 err = e if output.shape[0] == batch else None
             else:
-                self._forward_checked.add(call.signature)
-                self._keep_axes(key, None)
+                self._verified_now = (weakref.ref(output), "rows", call.signature)
                 return False
         call.batched, call.batch = [], 0
         if err is not None:
             found = self._axes_after_refusal(module, call, [output], (0,), ("",), batch, err)
+        elif key in self._axes_found and self._axes_found[key] is None:
+            # no assignment verified on this pattern before: a route, not a verdict, since the row reader and the
+            # checks of the rows' replays read this call's values (a search costs tens of replays)
+            return False
         else:
-            found = self._search_axes(module, call, [output], (0,), ("",), batch)
-            self._keep_axes(key, found)
-        return found is not None
+            found = self._axes_of_call(module, call, [output], (0,), ("",), batch)
+            if found is None:
+                self._keep_axes(key, None)
+        if found is None:
+            return False
+        self._verified_now = (weakref.ref(output), "axes", found)
+        return True
+
+    def _whole_leaves(self, module, call: FallbackCall, leaves: list, depends: tuple[int, ...]) -> list:
+        """The leaves of the call replayed whole, each that depends on the parameters as recorded (else refused);
+        under the caller's no_grad and autocast."""
+        try:
+            whole = pytree.tree_leaves(self._replay(module, *call.arguments()))
+        except (RuntimeError, ValueError, TypeError) as err:
+            raise self._cannot_replay(module, err) from err
+        if len(whole) != len(leaves) or not all(
+                isinstance(whole[k], torch.Tensor) and whole[k].shape == leaves[k].shape
+                and _close(whole[k], leaves[k]) for k in depends):
+            raise self._not_reproduced(module)
+        return whole
 
     def _search_axes(self, module, call: FallbackCall, leaves: list, depends: tuple[int, ...],
                      paths: tuple[str, ...], batch: int) -> _AxisAssignment | None:
@@ -134,14 +186,7 @@ class _BatchAxes:
         device, enabled, dtype = call.autocast
         verified = []
         with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            try:
-                whole = pytree.tree_leaves(self._replay(module, *call.arguments()))
-            except (RuntimeError, ValueError, TypeError) as err:
-                raise self._cannot_replay(module, err) from err
-            if len(whole) != len(leaves) or not all(
-                    isinstance(whole[k], torch.Tensor) and whole[k].shape == leaves[k].shape
-                    and _close(whole[k], leaves[k]) for k in depends):
-                raise self._not_reproduced(module)
+            whole = self._whole_leaves(module, call, leaves, depends)
             out_options = itertools.product(*[[a for a, n in enumerate(leaves[k].shape) if n == batch]
                                               for k in per_sample])
             tried = 0
@@ -267,9 +312,7 @@ class _BatchAxes:
             raise
         except (RuntimeError, ValueError, TypeError) as err:
             raise self._cannot_replay(module, err, " one sample at a time") from err
-        if call.signature not in self._backward_checked:
-            self._check_gradient_sum(module, call, g, primals, grads)
-            self._backward_checked.add(call.signature)
+        self._check_gradient_sum(module, call, g, primals, grads)  # at every call: it reads values
         return grads
 
 

@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from .independence import SampleMixingError, _close
+from .independence import SampleMixingError
 from .records import FallbackOperands, FoldedRows
 from .replay_context import autograd_vjp
 
@@ -25,9 +25,9 @@ class _FoldedRowReplays:
         the rows' output gradients: a vmap over the samples where each has as many rows, one replay per sample
         otherwise. That is the module call a one-sample forward makes, row for row: a mask over the windows given
         once for all images (Swin's shifted windows) pairs with each sample's windows as it does there. The rows'
-        independence is checked when the call is recorded (perturbing one row moves no other), and once per
-        layout that each sample's replay reproduces its rows of the call and that the per-sample gradients sum
-        to the call's gradient. The two-pass modes' second pass replays the whole call once, each row's output
+        independence is checked when the call is recorded (perturbing one row moves no other), and at every call
+        that each sample's replay reproduces its rows of the call and that the per-sample gradients sum to the
+        call's gradient. The two-pass modes' second pass replays the whole call once, each row's output
         gradient scaled by its sample's factor.
         """
         (store,) = self.operands(module, activation, grad)  # (its inputs unchanged since the call)
@@ -68,43 +68,32 @@ class _FoldedRowReplays:
 
     def _per_sample_of_rows(self, module, rows: FoldedRows, primals) -> dict[str, torch.Tensor]:
         """[batch, *param] per-sample gradients of a call with rows folded into its batch: each sample's rows
-        replayed alone.
+        replayed alone, checked at every call (whether they reproduce the call depends on the data: an expert's
+        capacity that some batches overflow).
 
         An argument that leads with as many entries as there are samples, while the outputs' rows are their tokens,
         may be per sample (a router given [B, T, d] that returns [B * T, experts]: each sample's replay then takes
         its own row of it) or shared (a mask over B windows that happen to be as many as the samples). Which one
-        is read, not assumed: the replay is checked first with every such argument whole, then by sample, and the
-        one that reproduces the call is kept for the layout."""
+        is read, not assumed, at every call: the replay by sample first, kept if it reproduces the call (where the
+        samples' rows are alike, FiLM conditioned on one class for every sample, both readings do, and by sample
+        gives no sample another's row); else every such argument whole."""
         call = rows.call
-        key = (call.signature, rows.batch, hash(rows.samples.numpy().tobytes()))
         candidates = [k for k, t in enumerate(call.leaves)
                       if k not in call.batched and rows.batch != call.batch and isinstance(t, torch.Tensor)
                       and t.dim() > 0 and t.shape[0] == rows.batch]
-        known = self._folded_checked.get(key)
-        if known is not None:
-            return self._replay_rows(module, rows, primals, candidates if known else [], check=False)
-        passed, first_error = {}, None
-        for by_sample in ([[], candidates] if candidates else [[]]):
+        if not candidates:
+            return self._replay_rows(module, rows, primals, [])
+        try:
+            return self._replay_rows(module, rows, primals, candidates)
+        except (SampleMixingError, RuntimeError, ValueError, TypeError) as by_sample:
             try:
-                passed[bool(by_sample)] = self._replay_rows(module, rows, primals, by_sample, check=True)
-            except (SampleMixingError, RuntimeError, ValueError, TypeError) as err:
-                first_error = first_error or err
-        if not passed:
-            raise first_error
-        if len(passed) == 2:
-            # Both readings reproduce this call (the samples' rows of the argument are alike: FiLM conditioned on one
-            # class for every sample): the data cannot tell, so nothing is remembered, and this call is replayed by
-            # sample, which gives no sample another's row.
-            return passed[True]
-        if len(self._folded_checked) >= 256:  # rows picked by the data: a new layout at most steps
-            self._folded_checked.clear()      # (checking again is always safe)
-        by_sample = next(iter(passed))
-        self._folded_checked[key] = by_sample
-        return passed[by_sample]
+                return self._replay_rows(module, rows, primals, [])
+            except (SampleMixingError, RuntimeError, ValueError, TypeError) as whole:
+                raise whole from by_sample
 
-    def _replay_rows(self, module, rows: FoldedRows, primals, by_sample: list[int], check: bool):
-        """``_per_sample_of_rows`` with the arguments at ``by_sample`` taken one row per sample; ``check``: the
-        replays must reproduce the call's rows and sum to its gradient (``SampleMixingError`` otherwise)."""
+    def _replay_rows(self, module, rows: FoldedRows, primals, by_sample: list[int]):
+        """``_per_sample_of_rows`` with the arguments at ``by_sample`` taken one row per sample: the replays must
+        reproduce the call's rows and sum to its gradient (``SampleMixingError`` otherwise)."""
         call, g = rows.call, rows.grad
         order, counts = rows.chunks()
         positions = [*call.batched, *by_sample]
@@ -112,9 +101,8 @@ class _FoldedRowReplays:
         def one_sample(sample_leaves, g_s, vjp=torch.func.vjp):
             args, kwargs = call.arguments(dict(zip(positions, sample_leaves)))
             out, pullback = vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
-            grads = pullback(self._cotangent(call, out, g_s))[0]
-            # the outputs only for the check (vmap returns tensors only)
-            return (grads, self._joined(call, out)) if check else grads
+            # the outputs for the check (vmap returns tensors only)
+            return pullback(self._cotangent(call, out, g_s))[0], self._joined(call, out)
 
         device, enabled, dtype = call.autocast
         try:
@@ -129,7 +117,7 @@ class _FoldedRowReplays:
                     except RuntimeError:  # control flow on the data (experts picked by a router): replays below
                         vmapped = None
                 if vmapped is not None:
-                    grads, outs = (vmapped[0], vmapped[1].flatten(0, 1)) if check else (vmapped, None)
+                    grads, outs = vmapped[0], vmapped[1].flatten(0, 1)
                 else:  # samples with different numbers of rows (or none), or no vmap: one replay each
                     grads, outs, start = {n: [] for n in primals}, [], 0
                     for sample, count in enumerate(counts.tolist()):
@@ -141,32 +129,30 @@ class _FoldedRowReplays:
                             continue
                         leaves = [call.leaves[k][idx.to(call.leaves[k].device)] for k in call.batched]
                         leaves += [call.leaves[k][sample:sample + 1] for k in by_sample]
-                        got = one_sample(leaves, g[idx.to(g.device)], autograd_vjp)  # (no vmap: plain autograd)
-                        sample_grads = got[0] if check else got
+                        sample_grads, out = one_sample(leaves, g[idx.to(g.device)], autograd_vjp)  # (plain autograd)
                         for n, t in sample_grads.items():
                             grads[n].append(t)
-                        if check:
-                            outs.append(got[1])
+                        outs.append(out)
                     grads = {n: torch.stack(ts) if ts else p.new_zeros(0, *p.shape)
                              for (n, ts), p in zip(grads.items(), primals.values())}
-                    outs = torch.cat(outs) if check and outs else None
+                    outs = torch.cat(outs) if outs else None
         except SampleMixingError:
             raise
         except (RuntimeError, ValueError, TypeError) as err:
             raise self._cannot_replay(module, err, " one sample's rows at a time") from err
-        if check:
-            self._check_folded_outputs(module, call, order, outs)
-            known = (rows.samples >= 0).to(g.device).reshape(-1, *([1] * (g.dim() - 1)))
-            self._check_gradient_sum(module, call, g * known, primals, grads)
+        whole = self._whole_vjp(module, call, primals)  # one replay for both checks
+        self._check_folded_outputs(module, call, order, outs, whole[0])
+        known = (rows.samples >= 0).to(g.device).reshape(-1, *([1] * (g.dim() - 1)))
+        self._check_gradient_sum(module, call, g * known, primals, grads, whole)
         return grads
 
-    def _check_folded_outputs(self, module, call, order, outs):
-        """Each sample's rows replayed alone reproduce those rows of the call: the module pairs no row with
-        another input by its position in the whole call (a mask laid out for another order of the rows)."""
+    def _check_folded_outputs(self, module, call, order, outs, whole):
+        """Each sample's rows replayed alone reproduce those rows of the call (``whole``: its replayed output): the
+        module pairs no row with another input by its position in the whole call (a mask laid out for another order
+        of the rows), and drops or routes no row by the others (an expert's capacity)."""
         if outs is None:
             return
-        whole = self._whole_output(module, call)
-        if not _close(outs, whole[order.to(whole.device)]):
+        if not self._rows_reproduced(call, outs, whole, order):
             raise SampleMixingError(
                 f"{self._name(module)}: its rows are samples folded into the batch (windows, tokens), and replaying "
                 "each sample's rows alone does not reproduce them: the module treats a row by its place in the whole "

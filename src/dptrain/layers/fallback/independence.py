@@ -1,7 +1,12 @@
-"""The checks that a module keeps the samples of a batch apart, once per call signature: the replay reproduces the
-call, changing one sample's (or row's) input moves no other's output, each sample replayed alone reproduces its
-rows, and the per-sample gradients sum to the whole call's; their tolerances and perturbations, and the refusal
-they raise (``SampleMixingError``)."""
+"""The checks that a module keeps the samples of a batch apart, at every call: the replay reproduces the call,
+changing one sample's (or row's) input moves no other's output, each sample replayed alone reproduces its rows, and
+the per-sample gradients sum to the whole call's; their tolerances and perturbations, and the refusal they raise
+(``SampleMixingError``).
+
+Every one of them reads values, so none is kept for the next call: a module may mix samples only on some data (an
+expert with a capacity that overflows on some batches, a mixing weight that is 0 at first, a mask that keeps every
+row apart on some batches, a batch of one sample, which nothing can mix), and a verdict read on one call says
+nothing about the next of the same shapes."""
 from __future__ import annotations
 
 import torch
@@ -40,28 +45,32 @@ class SampleMixingError(RuntimeError):
 class _SampleChecks:
     """``FallbackRule``'s checks that samples stay apart (mixed into it)."""
 
-    def _whole_output(self, module, call) -> torch.Tensor:
-        """The call replayed whole, under its autocast state, its outputs joined as the per-sample replays' are."""
+    def _whole_vjp(self, module, call, primals):
+        """(output, pullback) of the call replayed whole under its autocast state (``autograd_vjp``): one replay that
+        serves the backward's checks, the per-sample replays' outputs against it and the gradient sum."""
         device, enabled, dtype = call.autocast
-        with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            args, kwargs = call.arguments()
-            return self._joined(call, self._replay_out(module, call, args, kwargs))
+        args, kwargs = call.arguments()
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            return autograd_vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
 
-    def _check_independence(self, module, call, output, every_row: bool = False):
+    def _check_independence(self, module, call, output, every_row: bool = False, again=None):
         """Forward check: the replay reproduces the output, and perturbing sample 0 moves no other sample.
+
+        ``again``: the leaves of a replay of the call already made (``_depending``'s), used instead of another.
 
         ``every_row``: where the leading rows may not be the samples (the batch also sits at another axis, or the rows
         are not as many as the samples), also no row moves another: row 0 alone may be apart by the data (a token
         every sample masks, XLNet's left padding) while the others mix. Perturbing, for each bit of a row's number,
         the rows with that bit set, then those without it, moves each row apart from each other at least once:
-        2 log2(rows) more replays, once per call signature."""
+        2 log2(rows) more replays."""
         device, enabled, dtype = call.autocast
         picked = call.outputs
         with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
-            try:
-                again = self._replay(module, *call.arguments())
-            except (RuntimeError, ValueError, TypeError) as err:
-                raise self._cannot_replay(module, err) from err
+            if again is None:
+                try:
+                    again = self._replay(module, *call.arguments())
+                except (RuntimeError, ValueError, TypeError) as err:
+                    raise self._cannot_replay(module, err) from err
             if picked is None:
                 if not isinstance(again, torch.Tensor) or not _close(again, output):
                     raise self._not_reproduced(module)
@@ -99,39 +108,36 @@ class _SampleChecks:
         rows = call.batch
         picked = call.outputs
         number = torch.arange(rows)
+        shifts = {k: _row_shift(call.leaves[k]) for k in call.batched}  # (the same change at every bit)
+        same = [4 * torch.finfo(min_dtype(a.dtype, torch.float32)).eps for a in again]
         for bit in range(max(1, (rows - 1).bit_length())):
             has_bit = (number >> bit) & 1 == 1
             for changed in (has_bit, ~has_bit):
                 if not changed.any() or changed.all():
                     continue
-                perturbed = {k: _perturb_rows(call.leaves[k], changed) for k in call.batched}
+                perturbed = {k: _perturb_rows(call.leaves[k], changed, shifts[k]) for k in call.batched}
                 try:
                     moved = self._replay(module, *call.arguments(perturbed))
                     moved = [moved] if picked is None else list(picked.pick(moved))
                 except (RuntimeError, ValueError, TypeError) as err:
                     raise self._cannot_replay(module, err, " with some rows changed") from err
-                for m, a in zip(moved, again):
+                for m, a, tol in zip(moved, again, same):
                     if m.shape != a.shape:
                         return False
                     rest = a[~changed.to(a.device)]
-                    same = 4 * torch.finfo(min_dtype(a.dtype, torch.float32)).eps
-                    if rest.numel() and not _close(m[~changed.to(m.device)], rest, rest.abs().max(), same):
+                    if rest.numel() and not _close(m[~changed.to(m.device)], rest, rest.abs().max(), tol):
                         return False
         return True
 
-    def _check_gradient_sum(self, module, call, g, primals, per_sample):
-        """Backward check: the per-sample gradients sum to the whole batch's gradient."""
+    def _check_gradient_sum(self, module, call, g, primals, per_sample, whole=None):
+        """Backward check: the per-sample gradients sum to the whole batch's gradient. ``whole``: the call's
+        ``_whole_vjp`` where the caller has made it already."""
         device, enabled, dtype = call.autocast
-        args, kwargs = call.arguments()
+        out, pullback = self._whole_vjp(module, call, primals) if whole is None else whole
         with torch.autocast(device, dtype=dtype, enabled=enabled):
-            out, pullback = autograd_vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
             whole = pullback(self._cotangent(call, out, g))[0]
-            # the same sums with a random sign on each term: their size is that of the terms each gradient entry
-            # adds up (an RMS estimate), the scale its rounding errors are relative to when the terms cancel
-            gen = torch.Generator(device=g.device).manual_seed(12345)  # never the user's random stream
-            signs = torch.randint(0, 2, g.shape, generator=gen, device=g.device).to(g.dtype) * 2 - 1
-            terms = pullback(self._cotangent(call, out, g * signs))[0]
         computed_in = min_dtype(g.dtype, *(t.dtype for t in whole.values()), *([dtype] if enabled else []))
+        tol = _tolerance(computed_in)
         # One scale for the whole module, absolute rather than relative to each entry: the largest of its
         # per-sample gradient magnitudes and of the terms its gradients sum. A parameter whose true gradient is 0
         # (`scale * x + bias` before a norm that removes each channel's mean and scale) has per-sample gradients
@@ -139,17 +145,33 @@ class _SampleChecks:
         # terms that cancelled they are a few roundings, as any error left in the per-sample norms. Mixing
         # samples moves the sums by as much as the terms themselves.
         sizes = [t.detach().abs().sum(0).max() for t in per_sample.values() if t.numel()]
-        sizes += [t.detach().abs().max() for t in terms.values() if t.numel()]
         scale = max((float(s) for s in sizes), default=0.0)
+        summed = {name: per_sample[name].sum(0) for name in whole}
+        if all(_close(summed[name], batch_grad, scale, tol) for name, batch_grad in whole.items()):
+            return  # within the smaller scale: the terms' size, which only widens it, need not be read
+        with torch.autocast(device, dtype=dtype, enabled=enabled):
+            # the same sums with a random sign on each term: their size is that of the terms each gradient entry
+            # adds up (an RMS estimate), the scale its rounding errors are relative to when the terms cancel
+            gen = torch.Generator(device=g.device).manual_seed(12345)  # never the user's random stream
+            signs = torch.randint(0, 2, g.shape, generator=gen, device=g.device).to(g.dtype) * 2 - 1
+            terms = pullback(self._cotangent(call, out, g * signs))[0]
+        scale = max([scale] + [float(t.detach().abs().max()) for t in terms.values() if t.numel()])
         for name, batch_grad in whole.items():
-            summed = per_sample[name].sum(0)
-            if not _close(summed, batch_grad, scale, _tolerance(computed_in)):
+            if not _close(summed[name], batch_grad, scale, tol):
                 raise SampleMixingError(
                     f"{self._name(module)} mixes the samples of a batch: its per-sample gradients of {name!r} do not "
                     "sum to the gradient of the whole batch (batch statistics, or a backward that couples samples), "
                     "so per-sample clipping would be wrong. Use a per-sample normalisation (nn.GroupNorm, "
                     "nn.LayerNorm), register a rule for it with dptrain.register_layer, or freeze its parameters"
                 )
+
+    def _rows_reproduced(self, call, outs, whole, order=None) -> bool:
+        """Whether the per-sample replays' outputs ``outs`` (joined, rows in ``order`` of the call's rows) are those
+        rows of the whole call's replayed output ``whole`` (``_whole_vjp``'s)."""
+        joined = self._joined(call, whole)
+        if order is not None:
+            joined = joined[order.to(joined.device)]
+        return _close(outs, joined)
 
     def _not_reproduced(self, module) -> SampleMixingError:
         return SampleMixingError(
@@ -173,16 +195,19 @@ def _rows_kept(moved: torch.Tensor, again: torch.Tensor) -> bool:
     return _close(moved[1:], rest, rest.abs().max(), same)
 
 
-def _perturb_rows(t: torch.Tensor, changed: torch.Tensor) -> torch.Tensor:
-    """``t`` with the rows where ``changed`` is set changed: shifted by noise of the data's scale (floats), or set to the
-    next row's values (ids)."""
-    changed = changed.to(t.device)
+def _row_shift(t: torch.Tensor) -> torch.Tensor:
+    """What ``_perturb_rows`` puts in a changed row of ``t``: ``t`` shifted by noise of the data's scale (floats), or
+    the next row's values (ids)."""
     if t.is_floating_point() or t.is_complex():
         gen = torch.Generator(device=t.device).manual_seed(12345)  # never the user's random stream
         noise = torch.randn(t.shape, generator=gen, device=t.device, dtype=t.dtype)
-        mask = changed.reshape(-1, *([1] * (t.dim() - 1))).to(t.dtype)
-        return t + noise * mask * (t.abs().max() + 1)
-    return torch.where(changed.reshape(-1, *([1] * (t.dim() - 1))), t.roll(-1, 0), t)
+        return t + noise * (t.abs().max() + 1)
+    return t.roll(-1, 0)
+
+
+def _perturb_rows(t: torch.Tensor, changed: torch.Tensor, shifted: torch.Tensor) -> torch.Tensor:
+    """``t`` with the rows where ``changed`` is set taken from ``shifted`` (``_row_shift``'s)."""
+    return torch.where(changed.to(t.device).reshape(-1, *([1] * (t.dim() - 1))), shifted, t)
 
 
 def _perturb_first(t: torch.Tensor) -> torch.Tensor:

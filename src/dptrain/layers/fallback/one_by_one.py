@@ -8,7 +8,7 @@ import warnings
 import torch
 
 from ...checks import first_line
-from .independence import SampleMixingError, _close
+from .independence import SampleMixingError
 from .replay_context import autograd_vjp
 
 
@@ -18,12 +18,11 @@ class _OneSampleAtATime:
     def _per_sample_one_by_one(self, module, call, g, primals, vmap_error: BaseException | None = None):
         """Per-sample gradients of a batch-first call that vmap cannot run: each sample's rows replayed alone (a
         batch of one), differentiated by plain autograd, B replays in a loop. As exact as the vmap (the same
-        replay, sample by sample) and as checked: once per call signature, each sample's replay must reproduce its
-        rows of the call's output, and the per-sample gradients must sum to the whole call's gradient. Slower (B
+        replay, sample by sample) and as checked, at every call: each sample's replay must reproduce its rows of the
+        call's output, and the per-sample gradients must sum to the whole call's gradient. Slower (B
         forwards and backwards of the module instead of one vectorised), never larger: one sample's gradient graph
         at a time."""
         device, enabled, dtype = call.autocast
-        check = call.signature not in self._backward_checked
         grads: dict[str, list[torch.Tensor]] = {n: [] for n in primals}
         outs = []
         try:
@@ -33,8 +32,7 @@ class _OneSampleAtATime:
                     out, pullback = autograd_vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
                     for n, t in pullback(self._cotangent(call, out, g[i:i + 1]))[0].items():
                         grads[n].append(t)
-                    if check:
-                        outs.append(self._joined(call, out))
+                    outs.append(self._joined(call, out))
         except SampleMixingError:
             raise
         except (RuntimeError, ValueError, TypeError) as err:
@@ -43,10 +41,11 @@ class _OneSampleAtATime:
             raise self._cannot_replay(module, err, how) from err
         stacked = {n: torch.stack(ts) if ts else primals[n].new_zeros(0, *primals[n].shape)
                    for n, ts in grads.items()}
-        if check:
-            self._check_split_outputs(module, call, torch.cat(outs) if outs else None)
-            self._check_gradient_sum(module, call, g, primals, stacked)
-            self._backward_checked.add(call.signature)
+        # checked at every call, as the vmap is: whether a sample alone computes as in the batch depends on the data
+        whole = self._whole_vjp(module, call, primals)
+        if outs and not self._rows_reproduced(call, torch.cat(outs), whole[0]):
+            raise self._split_refusal(module, one_by_one=True)
+        self._check_gradient_sum(module, call, g, primals, stacked, whole)
         if vmap_error is not None and not self._warned_one_by_one:
             self._warned_one_by_one = True
             warnings.warn(
@@ -55,22 +54,21 @@ class _OneSampleAtATime:
                 "instead of one vectorised (the memory plan() shows is unchanged). Register a rule for "
                 f"{type(module).__name__} with dptrain.register_layer for speed, or freeze its parameters",
                 stacklevel=2)
+        # Which replay runs a signature is a choice of method, not a verdict: each call is checked whichever runs it.
         if len(self._one_by_one) >= 256:
             self._one_by_one.clear()
         self._one_by_one.add(call.signature)
         return stacked
 
-    def _check_split_outputs(self, module, call, outs):
-        """Each sample replayed alone reproduces its rows of the call's output: the module computes a sample's rows
-        the same in a batch of one as in the batch (no branch on the batch's size or content, no randomness)."""
-        if outs is None:
-            return
-        whole = self._whole_output(module, call)
-        if not _close(outs, whole):
-            raise SampleMixingError(
-                f"{self._name(module)}: replaying each sample alone (vmap cannot run this module, so the per-sample "
-                "fallback replays one sample at a time) does not reproduce that sample's output in the batch: the "
-                "module computes a sample differently by the batch it is in (a branch on the batch's size or "
-                "values, random operations), so the per-sample fallback cannot split it. Register a rule for "
-                f"{type(module).__name__} with dptrain.register_layer, or freeze its parameters"
-            )
+    def _split_refusal(self, module, one_by_one: bool) -> SampleMixingError:
+        """Each sample replayed alone does not reproduce its rows of the call's output: the module computes a sample
+        differently by the batch it is in (no branch on the batch's size or content, no randomness may do so)."""
+        how = (" (vmap cannot run this module, so the per-sample fallback replays one sample at a time)"
+               if one_by_one else "")
+        return SampleMixingError(
+            f"{self._name(module)}: replaying each sample alone{how} does not reproduce that sample's output in the "
+            "batch: the module computes a sample differently by the batch it is in (a branch on the batch's size or "
+            "values, a capacity or a selection across the batch, random operations), so the per-sample fallback "
+            f"cannot split it. Register a rule for {type(module).__name__} with dptrain.register_layer, or freeze "
+            "its parameters"
+        )

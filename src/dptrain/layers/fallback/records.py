@@ -30,7 +30,7 @@ class FallbackCall:
     #: a container output (tuple, dict, ModelOutput): the leaves replayed and differentiated; None: a tensor output
     outputs: OutputLeaves | None = None
     #: the batch axis of each leaf in ``batched`` where the call's batch is not its arguments' first axis (a module
-    #: run sequence-first in a batch-first model), found and verified by ``FallbackRule._batch_axes``; None: axis 0
+    #: run sequence-first in a batch-first model), found and verified by ``FallbackRule._axes_of_call``; None: axis 0
     axes: list[int] | None = None
     #: one row broadcast over the batch (``expand_batch``): each sample's rows are that row
     broadcast: bool = False

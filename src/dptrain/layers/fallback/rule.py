@@ -46,23 +46,24 @@ class FallbackRule(_CallArguments, _ContainerOutputs, _GuardedOutputs, _BatchAxe
         # batch_first=False: the engine hands rules every tensor of 2 or more dims with dims 0 and 1
         # swapped (the batch first), the output and its gradient too; a replay swaps them back
         self.swapped = not batch_first
-        self._forward_checked: set[tuple] = set()   # call signatures whose outputs were checked
-        self._backward_checked: set[tuple] = set()  # ... whose per-sample gradients were checked
-        #: ... with rows folded into the batch, by their samples: whether the replay takes arguments by sample
-        self._folded_checked: dict[tuple, bool] = {}
-        #: container outputs: which leaves depend on the trainable parameters (and which tensors hidden in objects),
-        #: per call signature and trainable set
-        self._depends: dict[tuple, tuple[tuple[int, ...], tuple]] = {}
+        # Nothing read from a call's values is kept for another call (see independence.py): what is kept per call
+        # signature chooses how a call is replayed or which reading to verify first, and each call is checked.
         #: call signatures that vmap cannot replay: one replay per sample (``_per_sample_one_by_one``)
         self._one_by_one: set[tuple] = set()
         self._warned_one_by_one = False
         #: calls whose batch is not the leading axis of every argument and output: per call signature and output
-        #: leaves, the verified assignment of batch axes (``_AxisAssignment``), or None for the batch-first reading
+        #: leaves, the assignment of batch axes (``_AxisAssignment``) verified last, verified again at each call
+        #: before it is used; None where none verified and the leading rows are left to the row reader
         self._axes_found: dict[tuple, _AxisAssignment | None] = {}
+        #: call signatures whose leading rows were seen apart, every row from every other (``_rows_apart``): a route to
+        #: the reading by leading rows, whose later calls check row 0 and, in the backward, each sample's replay
+        #: against the call and the gradient sum (a row that moves another then refuses the call: exact or refused)
+        self._apart: set[tuple] = set()
+        #: what ``batch_not_leading`` verified of the call whose capture follows it: (a weak reference to its output,
+        #: "rows" and the call's signature where its leading rows were checked, or "axes" and the assignment verified)
+        self._verified_now: tuple | None = None
         #: the objects among the arguments of the call running now, as they were before it (``before_call``)
         self._before: dict[int, tuple[Any, Any]] = {}
-        #: per call signature, the arguments as long as the batch that every sample shares (``_shared_arguments``)
-        self._shared_found: dict[tuple, tuple[int, ...]] = {}
         #: the side channels' state before the call running now (``before_call``)
         self._channels: list = []
 
@@ -76,10 +77,8 @@ class FallbackRule(_CallArguments, _ContainerOutputs, _GuardedOutputs, _BatchAxe
         self._refuse_output_hooks(module, output)
         call = self._keep_call(module, args, kwargs, output.device)
         self._set_rows(module, args, kwargs, call, output.shape[0])
-        shared = self._shared_found.get(call.signature)
-        if shared:
-            self._share(call, shared)
-        if call.signature not in self._forward_checked and call.batch > 1 and not output.is_meta:  # meta: plan
+        if call.batch > 1 and not output.is_meta and not self._checked_just_now(output, call.signature):  # meta: plan
+            # at every call: a module may mix samples only on some data, and one sample cannot show it
             try:
                 self._check_independence(module, call, output)
             except SampleMixingError:
@@ -88,14 +87,20 @@ class FallbackRule(_CallArguments, _ContainerOutputs, _GuardedOutputs, _BatchAxe
                 shared = self._shared_arguments(module, call, output)
                 if not shared:
                     raise
-                base = call.signature
                 self._share(call, shared)
                 self._check_independence(module, call, output)
-                if len(self._shared_found) >= 256:
-                    self._shared_found.clear()
-                self._shared_found[base] = shared
-            self._forward_checked.add(call.signature)
         return call
+
+    def _checked_just_now(self, output, signature) -> bool:
+        """Whether ``batch_not_leading`` checked this very call's leading rows just before (``_check_rows``)."""
+        return self._verified_for(output, "rows") == signature
+
+    def _verified_for(self, output, kind: str):
+        """What ``batch_not_leading`` verified (``kind``) of the call whose output is ``output``, once; else None."""
+        seen, self._verified_now = self._verified_now, None
+        if seen is None or seen[0]() is not output or seen[1] != kind:
+            return None
+        return seen[2]
 
     def _refuse_output_hooks(self, module, output: torch.Tensor) -> None:
         if output._backward_hooks:
@@ -244,6 +249,9 @@ class FallbackRule(_CallArguments, _ContainerOutputs, _GuardedOutputs, _BatchAxe
         if call.signature in self._one_by_one:
             return self._per_sample_one_by_one(module, call, g, primals)
         batched = call.batched
+        # each sample's replayed rows, returned by the vmap at no cost, are checked against the whole call's (one row
+        # broadcast over the batch, or no argument with the batch: every sample's replay is the same call)
+        rows_checked = bool(batched) and not call.broadcast
 
         def one_sample(batched_leaves, g_i):
             args, kwargs = call.arguments({k: t.unsqueeze(0) for k, t in zip(batched, batched_leaves)})
@@ -252,7 +260,8 @@ class FallbackRule(_CallArguments, _ContainerOutputs, _GuardedOutputs, _BatchAxe
                 return self._replay_out(module, call, args, kwargs, p)
 
             out, pullback = torch.func.vjp(forward, primals)
-            return pullback(self._cotangent(call, out, g_i.unsqueeze(0)))[0]
+            grads = pullback(self._cotangent(call, out, g_i.unsqueeze(0)))[0]
+            return (grads, self._joined(call, out)) if rows_checked else grads
 
         device, enabled, dtype = call.autocast
         try:
@@ -264,9 +273,13 @@ class FallbackRule(_CallArguments, _ContainerOutputs, _GuardedOutputs, _BatchAxe
             # vmap cannot run the module (data-dependent control flow, .item(), a boolean mask, a custom
             # autograd.Function without setup_context): one replay per sample, checked the same way
             return self._per_sample_one_by_one(module, call, g, primals, err)
-        if call.signature not in self._backward_checked:
-            self._check_gradient_sum(module, call, g, primals, grads)
-            self._backward_checked.add(call.signature)
+        # Checked at every call: whether the module keeps these samples apart depends on their values.
+        whole = self._whole_vjp(module, call, primals)  # one replay for both checks
+        if rows_checked:
+            grads, outs = grads
+            if not self._rows_reproduced(call, outs.flatten(0, 1), whole[0]):
+                raise self._split_refusal(module, one_by_one=False)
+        self._check_gradient_sum(module, call, g, primals, grads, whole)
         return grads
 
     def _cannot_replay(self, module, err: BaseException, how: str = "") -> RuntimeError:

@@ -9,6 +9,7 @@ import copy
 import csv
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the harness lives in the checkout's benchmarks/, not in the package
 
 from dptrain_bench import cli, harness, memory, options, presets, reports, workers, zoo  # noqa: E402
+from dptrain_bench import gpu_table, gpu_table_report, gpu_table_rows  # noqa: E402
 
 ARMS = ["non-private", "bk"]
 
@@ -327,3 +329,242 @@ def test_host_cost_times_the_forward_and_the_step_against_non_private_training()
     for phase in ("forward", "backward", "update", "step"):
         assert step[f"private_{phase}_ms"] > 0 and step[f"{phase}_ratio"] > 0
     assert step["private_operations"] > step["non_private_operations"]  # (the norms and clipped sums)
+
+
+# --------------------------------------------------------------------------- issue 43's GPU table (gpu_table.sh)
+
+
+TABLE_ROWS = {  # key: (batch, sequence length or image side, autocast), as issue 43 lists them, in the order they run
+    "llama-1b-t256": (8, 256, "bfloat16"), "llama-1b-lora-t256": (8, 256, "bfloat16"),
+    "llama-1b-t4096": (2, 4096, "bfloat16"), "gpt2-small-t100": (32, 100, None), "vit-b16-224": (32, 224, None),
+    "resnet18-gn-224-b128": (128, 224, None), "resnet18-gn-224-b128-bf16": (128, 224, "bfloat16"),
+    "resnet18-gn-224-b32": (32, 224, None), "vgg11-gn-224-b32": (32, 224, None)}
+
+
+def test_gpu_table_has_issue_43s_rows_and_runs_the_most_informative_jobs_first():
+    rows = gpu_table_rows.table_rows()
+    assert list(gpu_table_rows.rows_by_key()) == list(TABLE_ROWS)
+    for row in rows:
+        task = row.config.task()
+        side = task.seq_len if task.kind == "lm" else task.image_size
+        assert (row.config.batch_size, side, row.config.autocast) == TABLE_ROWS[row.key]
+        assert row.config.build_on_device and set(row.arms()) <= set(row.step_s)
+    assert zoo.LLAMA_1B == dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                                num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)
+    by_key = gpu_table_rows.rows_by_key()
+    assert "bk" in by_key["llama-1b-t256"].arms() and "opacus-ghost" in by_key["llama-1b-lora-t256"].arms()
+    jobs = gpu_table_rows.plan_jobs(rows)
+    assert len({job.id for job in jobs}) == len(jobs)
+    first_tier = [(job.row, job.arm) for job in jobs if job.tier == 1]
+    assert first_tier == [(key, arm) for key in TABLE_ROWS for arm in ("non-private", "bk-mixopt")]
+    assert jobs[:len(first_tier)] == [job for job in jobs if job.tier == 1]  # tier 1 runs first
+    assert [job.tier for job in jobs] == sorted(job.tier for job in jobs)
+    searched = {(job.row, job.arm) for job in jobs if job.kind == "largest-batch"}
+    assert {("resnet18-gn-224-b128", "non-private"), ("resnet18-gn-224-b128", "bk-mixopt"),
+            ("vgg11-gn-224-b32", "non-private"), ("vgg11-gn-224-b32", "bk-mixopt")} <= searched
+    assert {row for row, _ in searched} == {"resnet18-gn-224-b128", "vgg11-gn-224-b32"}
+    assert all(job.timeout_s >= job.expected_s > 0 for job in jobs)
+    # the core of the table (tiers 1-3) is expected to fit the default budget with room for the processes' starts
+    core = sum(job.expected_s for job in jobs if job.tier <= 3)
+    assert core + 30 < gpu_table.DEFAULT_BUDGET_S <= 330
+    stand_ins = gpu_table_rows.table_rows(dry_run=True)
+    assert [r.key for r in stand_ins] == list(TABLE_ROWS)
+    assert all(r.stand_in.batch_size == 2 and r.stand_in.autocast == r.config.autocast for r in stand_ins)
+    assert gpu_table_rows.select_jobs(jobs, ["vgg11-gn-224-b32/*"]) == [j for j in jobs if j.row == "vgg11-gn-224-b32"]
+    with pytest.raises(ValueError, match="matches no job"):
+        gpu_table_rows.select_jobs(jobs, ["no-such-row/*"])
+
+
+@pytest.mark.slow
+def test_gpu_table_full_size_models_are_the_issues_built_on_the_meta_device():
+    """The GPU's models, checked here without their memory: the Llama's shape and size (issue 43 calls it 1.1 B; its
+    configuration has 852.6 M parameters), LoRA on every linear layer, GPT-2 untied with its position table frozen,
+    and the CNNs without in-place operations, VGG-11 with its GroupNorms."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    pytest.importorskip("timm")
+    models = {}
+    for row in gpu_table_rows.table_rows():
+        with torch.device("meta"):
+            models[row.key] = row.config.task().build()
+
+    def count(model, trainable=False):
+        return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable)
+
+    assert count(models["llama-1b-t256"]) == count(models["llama-1b-t4096"]) == 852_559_872
+    assert models["llama-1b-t256"].config.num_hidden_layers == 16
+    linear_shapes = [(2048, 2048), (2048, 512), (2048, 512), (2048, 2048), (2048, 5632), (2048, 5632), (5632, 2048)]
+    lora_per_layer = sum(16 * (n_in + n_out) for n_in, n_out in linear_shapes)  # q k v o gate up down, r 16
+    assert count(models["llama-1b-lora-t256"], trainable=True) == 16 * lora_per_layer
+    gpt2 = models["gpt2-small-t100"]
+    assert not gpt2.transformer.wpe.weight.requires_grad and gpt2.lm_head.weight is not gpt2.transformer.wte.weight
+    assert 85e6 < count(models["vit-b16-224"]) < 88e6
+    for key in ("resnet18-gn-224-b128", "vgg11-gn-224-b32"):
+        assert not any(getattr(m, "inplace", False) for m in models[key].modules())
+        assert any(isinstance(m, torch.nn.GroupNorm) for m in models[key].modules())
+        assert not any(isinstance(m, torch.nn.BatchNorm2d) for m in models[key].modules())
+
+
+def _fake_events(spec, clock_s):
+    if spec["kind"] == "probe":
+        return [{"event": "environment", "environment": {"gpu": "Fake GPU", "versions": {}, "torch_defaults": {}}}]
+    if spec["kind"] == "arm":
+        steps = [{"event": "step", "i": i, "s": 0.1 + 0.01 * i, "peak_bytes": 2**30 + i} for i in range(13)]
+        return [{"event": "built", "warmup": 3, "steps": 10}, *steps, {"event": "done"}]
+    return [{"event": "trial", "batch": 128, "fits": True}, {"event": "trial", "batch": 256, "fits": False},
+            {"event": "search", "found": 128, "too_large": 256, "stopped": "", "described": "128", "cap": 4096}]
+
+
+class _FakeRunner:
+    """Jobs that take ``spend(job timeout)`` seconds of a fake clock; a forked probe can be made to fail."""
+
+    def __init__(self, clock, spend, fork_fails=False):
+        self.clock, self.spend, self.fork_fails = clock, spend, fork_fails
+        self.mode, self.specs = "fork", []
+
+    def run(self, spec, timeout_s, label):
+        self.specs.append((spec, timeout_s))
+        taken = self.spend(timeout_s)
+        self.clock[0] += taken
+        if spec["kind"] == "probe" and self.fork_fails and self.mode == "fork":
+            return [{"event": "error", "error": "RuntimeError: CUDA error: initialization error"}], \
+                {"exit": "exit status 1", "killed": False, "wall_s": taken, "timeout_s": timeout_s}
+        return _fake_events(spec, self.clock[0]), {"exit": "exit status 0", "killed": False, "wall_s": taken,
+                                                   "timeout_s": timeout_s}
+
+
+@pytest.mark.parametrize("worst_case", [False, True])
+def test_gpu_table_never_outlasts_its_budget_and_says_what_it_left_out(tmp_path, monkeypatch, worst_case):
+    monkeypatch.delenv("FASTDP_DIR", raising=False)
+    clock = [1000.0]
+    runner = _FakeRunner(clock, (lambda timeout: timeout) if worst_case else (lambda timeout: 2.0))
+    jobs = gpu_table_rows.plan_jobs(gpu_table_rows.table_rows())
+    results = gpu_table.run_table(jobs, dry_run=False, out=tmp_path, budget_s=330, started=1000.0,
+                                  runner_mode="fork", runner=runner, clock=lambda: clock[0], log=lambda *_: None)
+    assert clock[0] - 1000.0 <= 330 - gpu_table.REPORT_RESERVE_S
+    assert [job["id"] for job in results["jobs"]] == [job.id for job in jobs]
+    statuses = {job["id"]: job["status"] for job in results["jobs"]}
+    assert all(status == "unavailable" for job_id, status in statuses.items() if "fastdp" in job_id)
+    assert not any("fastdp" in spec.get("arm", "") for spec, _ in runner.specs)  # no process for a missing arm
+    if worst_case:
+        assert "skipped" in statuses.values()
+        assert all("not started" in job["reason"] for job in results["jobs"] if job["status"] == "skipped")
+    else:
+        assert {s for job_id, s in statuses.items() if "fastdp" not in job_id} <= {"ok", "unavailable"}
+        llama = results["rows"]["llama-1b-t256"]["arms"]
+        assert llama["non-private"]["first_step_s"] == 0.1
+        assert llama["non-private"]["steady_median_s"] == pytest.approx(0.175)  # the median of steps 3 to 12
+        vgg = results["rows"]["vgg11-gn-224-b32"]["arms"]["bk-mixopt"]
+        assert vgg["largest_batch"]["found"] == 128 and vgg["largest_batch_ratio"] == 1.0
+    text = (tmp_path / "gpu-table.md").read_text()
+    assert "Fake GPU" in text and "fastDP not provided" in text
+    assert json.loads((tmp_path / "gpu-table.json").read_text())["rows"].keys() == TABLE_ROWS.keys()
+
+
+def test_gpu_table_runs_its_jobs_in_fresh_interpreters_where_a_forked_one_cannot_use_the_gpu(tmp_path):
+    clock = [0.0]
+    runner = _FakeRunner(clock, lambda timeout: 1.0, fork_fails=True)
+    jobs = gpu_table_rows.select_jobs(gpu_table_rows.plan_jobs(gpu_table_rows.table_rows()), ["gpt2-small-t100/*"])
+    results = gpu_table.run_table(jobs, dry_run=False, out=tmp_path, budget_s=330, started=0.0, runner_mode="fork",
+                                  runner=runner, clock=lambda: clock[0], log=lambda *_: None)
+    assert runner.mode == "spawn" and results["runner"] == "spawn"
+    assert [spec["kind"] for spec, _ in runner.specs[:2]] == ["probe", "probe"]
+    assert results["rows"]["gpt2-small-t100"]["arms"]["non-private"]["status"] == "ok"
+
+
+def test_gpu_table_figures_from_a_job_stopped_by_the_budget():
+    built = {"event": "built", "warmup": 3, "steps": 10}
+    steps = [{"event": "step", "i": i, "s": s, "peak_bytes": p}
+             for i, (s, p) in enumerate([(2.0, 300), (0.5, 200), (0.4, 210), (0.3, 220), (0.2, 205), (0.4, 200)])]
+    killed = {"exit": "SIGKILL (timeout)", "killed": True, "wall_s": 40.0, "timeout_s": 40.0}
+    rec = gpu_table_report.summarise_arm([built, *steps], killed)
+    assert rec["status"] == "partial" and "3 of 10 timed steps" in rec["error"] and "time budget" in rec["error"]
+    assert rec["first_step_s"] == 2.0 and rec["steady_median_s"] == 0.3  # the timed steps: 0.3, 0.2, 0.4
+    assert (rec["first_step_peak_bytes"], rec["steady_peak_bytes"], rec["peak_bytes"]) == (300, 220, 300)
+    assert gpu_table_report.summarise_arm([built], killed)["status"] == "stopped"
+    trials = [{"event": "trial", "batch": b, "fits": b <= 512} for b in (128, 256, 512, 1024)]
+    search = gpu_table_report.summarise_search(trials, killed)
+    assert (search["found"], search["too_large"], search["status"]) == (512, 1024, "partial")
+    assert "512 fits, 1024 does not" in search["described"]
+
+
+def test_gpu_table_job_killed_at_its_timeout_leaves_its_events(tmp_path):
+    """A real forked job, killed by its timeout (a second, less than the tiny VGG's build and two steps take here)."""
+    runner = gpu_table.JobRunner("fork", tmp_path / "jobs-log.txt", tmp_path)
+    spec = {"kind": "arm", "row": "vgg11-gn-224-b32", "arm": "non-private", "device": "cpu", "dry_run": True,
+            "threads": 1}
+    events, outcome = runner.run(spec, 1.0, "killed-job")
+    assert outcome["killed"] and outcome["exit"] == "SIGKILL (timeout)" and 1.0 <= outcome["wall_s"] < 30
+    assert gpu_table_report.summarise_arm(events, outcome)["status"] in ("stopped", "partial")
+    assert "killed-job (forked" in (tmp_path / "jobs-log.txt").read_text()
+
+
+def test_gpu_table_reports_of_two_calls_merge_into_one_table(tmp_path, capsys):
+    def run(arms, date, gpu="Fake GPU"):
+        rows = {"r": {"title": "a row", "description": "d", "batch_size": 8, "warmup": 3, "steps": 10,
+                      "autocast": None, "arms": arms}}
+        jobs = [{"id": f"r/{a}", "tier": 1, "status": rec["status"]} for a, rec in arms.items()]
+        return {"environment": {"gpu": gpu, "date": date}, "rows": rows, "jobs": jobs, "budget_s": 330,
+                "wall_s": 300}
+
+    first = run({"non-private": {"status": "ok", "steady_median_s": 0.1, "peak_bytes": 100},
+                 "bk-mixopt": {"status": "skipped", "error": "not started"}}, "day 1")
+    second = run({"non-private": {"status": "not run"}, "bk-mixopt": {"status": "ok", "steady_median_s": 0.15,
+                                                                       "peak_bytes": 110}}, "day 1, later")
+    merged = gpu_table_report.merge([first, second])
+    arms = merged["rows"]["r"]["arms"]
+    assert arms["non-private"]["steady_median_s"] == 0.1 and arms["bk-mixopt"]["steady_ratio"] == pytest.approx(1.5)
+    assert {job["id"]: job["status"] for job in merged["jobs"]} == {"r/non-private": "ok", "r/bk-mixopt": "ok"}
+    with pytest.raises(ValueError, match="different devices"):
+        gpu_table_report.merge([first, run({}, "day 2", gpu="Other GPU")])
+    paths = [tmp_path / "a.json", tmp_path / "b.json"]
+    for path, res in zip(paths, (first, second)):
+        path.write_text(json.dumps(res))
+    assert gpu_table.main(["--report-from", *map(str, paths), "--out", str(tmp_path / "merged")]) == 0
+    assert "1.50×" in (tmp_path / "merged" / "gpu-table.md").read_text()
+
+
+DRY_RUN_JOBS = ["llama-1b-lora-t256/*", "llama-1b-t256/bk", "gpt2-small-t100/non-private",
+                "gpt2-small-t100/fastdp-mixopt", "vit-b16-224/bk-mixopt", "resnet18-gn-224-b128-bf16/bk-mixopt",
+                "vgg11-gn-224-b32/non-private", "vgg11-gn-224-b32/non-private/largest-batch"]
+
+
+@pytest.mark.slow
+def test_gpu_table_dry_run_end_to_end(tmp_path):
+    """``--dry-run`` as benchmarks/gpu_table.sh runs it, on jobs that take every code path (LoRA, bf16 autocast, dptrain
+    and Opacus where installed, fastDP missing, a largest-batch search, the reports); the whole dry run (every job,
+    about 2-3 minutes on two shared cores) is the check to run by hand before a GPU call."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    pytest.importorskip("timm")
+    env = {k: v for k, v in os.environ.items() if k != "FASTDP_DIR"}
+    env["PYTHONPATH"] = os.pathsep.join([str(BENCHMARKS.parent / "src"), str(BENCHMARKS), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-m", "dptrain_bench.gpu_table", "--dry-run", "--out", str(tmp_path),
+                          "--only", *DRY_RUN_JOBS], capture_output=True, text=True, timeout=600, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((tmp_path / "gpu-table.json").read_text())
+    assert results["dry_run"] and results["runner"] == "fork" and results["environment"]["device"] == "cpu"
+    statuses = {job["id"]: job["status"] for job in results["jobs"]}
+    assert statuses.pop("gpt2-small-t100/fastdp-mixopt") == "unavailable"
+    assert statuses.pop("llama-1b-lora-t256/opacus-ghost") in ("ok", "unavailable")  # opacus is optional here
+    assert set(statuses.values()) == {"ok"}, results["jobs"]
+    lora = results["rows"]["llama-1b-lora-t256"]["arms"]["bk-mixopt"]
+    assert lora["autocast"] == "bfloat16" and 0 < lora["trainable_parameters"] < lora["parameters"]
+    assert lora["first_step_s"] > 0 and lora["steady_median_s"] > 0 and lora["timed_steps"] == 1
+    assert lora["peak_bytes"] >= lora["first_step_peak_bytes"] > 0 and lora["steady_ratio"] > 0
+    search = results["rows"]["vgg11-gn-224-b32"]["arms"]["non-private"]["largest_batch"]
+    assert search["found"] == 4 and [t["batch"] for t in search["trials"]] == [2, 4]  # the dry run's cap: 4
+    text = (tmp_path / "gpu-table.md").read_text()
+    assert "DRY RUN" in text and f"| {gpu_table_rows.rows_by_key()['llama-1b-lora-t256'].title} | non-private |" in text
+    assert "fastDP not provided" in text
+    assert list(results["rows"]["gpt2-small-t100"]["arms"]) == ["non-private", "fastdp-mixopt"]  # what --only chose
+    assert text in run.stdout and (tmp_path / "jobs-log.txt").is_file()
+
+
+@pytest.mark.slow
+def test_gpu_table_job_in_a_fresh_interpreter(tmp_path):
+    runner = gpu_table.JobRunner("spawn", tmp_path / "jobs-log.txt", tmp_path)
+    events, outcome = runner.run({"kind": "probe", "device": "cpu", "threads": 1}, 300, "probe")
+    assert outcome["exit"] == "exit status 0" and not outcome["killed"], (tmp_path / "jobs-log.txt").read_text()
+    env = next(e["environment"] for e in events if e["event"] == "environment")
+    assert env["device"] == "cpu" and env["torch_defaults"]["cudnn.benchmark"] is False

@@ -6,7 +6,10 @@ It lives in a checkout's ``benchmarks/``, not in the installed package. Its modu
 - ``zoo``: the models and their batches; ``arms``: the ways of training them that are compared;
 - ``memory``: peak-memory probes and the largest-batch search; ``workers``: the measurements, each in a fresh process;
 - ``harness``: a run over configurations and arms; ``presets``: fixed plans within a time budget;
-- ``environment``: hardware, versions and commit; ``reports``: ratios, targets, JSON, CSV, Markdown and PNG.
+- ``environment``: hardware, versions and commit; ``reports``: ratios, targets, JSON, CSV, Markdown and PNG;
+- ``gpu_table`` (``python -m dptrain_bench.gpu_table``, ``benchmarks/gpu_table.sh``): issue 43's GPU table in one
+  device call, with ``gpu_table_rows`` (its rows and jobs), ``gpu_table_measure`` (one job, in its own process) and
+  ``gpu_table_report`` (its figures, ratios and Markdown).
 
 See benchmarks/README.md.
 """

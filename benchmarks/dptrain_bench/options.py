@@ -9,6 +9,7 @@ from dptrain.algorithms import CLIPPING_MODES
 NON_PRIVATE = "non-private"
 OPACUS_ARMS = ("opacus-hooks", "opacus-ghost")
 ALL_ARMS = (NON_PRIVATE, *CLIPPING_MODES, *OPACUS_ARMS)
+FASTDP_ARM = "fastdp-mixopt"  # issue 43's GPU table only (benchmarks/dptrain_bench/gpu_table.py): needs FASTDP_DIR
 SCALES = ("cpu", "full")
 PRESET_NAMES = ("gpu-quick",)  # presets.PRESETS holds them
 

@@ -69,7 +69,11 @@ def build(config: BenchConfig, device: torch.device, batch_size: int, n_batches:
     """(task, model in training mode on ``device``, ``n_batches`` batches), seeded: what every arm of a row trains."""
     task = config.task()
     torch.manual_seed(SEED)
-    model = task.build().to(device).train()
+    if config.build_on_device:
+        with torch.device(device):
+            model = task.build().train()
+    else:
+        model = task.build().to(device).train()
     generator = torch.Generator().manual_seed(SEED + 1)
     batches = [{k: v.to(device) for k, v in task.make_batch(batch_size, generator).items()} for _ in range(n_batches)]
     return task, model, batches
@@ -79,7 +83,7 @@ def _worker_memory(task: dict) -> dict:
     device = _setup_worker(task)
     config = zoo.configs_for(task["scale"])[task["config"]]
     task_, model, batches = build(config, device, config.batch_size, 2)
-    arm = make_arm(task["arm"], model, task_, config.batch_size)
+    arm = make_arm(task["arm"], model, task_, config.batch_size, config.autocast_dtype())
     meter = PeakMemory(device)
     meter.start()
     baseline = meter.baseline
@@ -125,7 +129,7 @@ def _worker_time(task: dict) -> dict:
     for name in task["arms"]:
         arm = None
         try:
-            arm = make_arm(name, copy.deepcopy(reference), task_, config.batch_size)
+            arm = make_arm(name, copy.deepcopy(reference), task_, config.batch_size, config.autocast_dtype())
             for batch in batches[:warmup]:
                 arm.step(batch)
             _sync(device)
@@ -186,7 +190,7 @@ def _worker_max_batch(task: dict) -> dict:
             # drawn on the device: a batch of thousands of 224x224 images takes seconds on the CPU
             generator = torch.Generator(device).manual_seed(SEED + 1)
             batches = [task_.make_batch(batch_size, generator)]
-            arm = make_arm(task["arm"], model, task_, batch_size)
+            arm = make_arm(task["arm"], model, task_, batch_size, config.autocast_dtype())
             for _ in range(n_steps):
                 _sync(device)
                 t0 = time.perf_counter()
@@ -228,7 +232,7 @@ def _worker_arm(task: dict) -> dict:
     # Two batches, taken in turn: every arm's peak includes the batches it holds, so thirteen of them
     # (a GiB for ResNet-18 at batch 128) would dilute the ratios between arms.
     task_, model, batches = build(config, device, config.batch_size, min(2, warmup + steps))
-    arm = make_arm(task["arm"], model, task_, config.batch_size)
+    arm = make_arm(task["arm"], model, task_, config.batch_size, config.autocast_dtype())
     meter = PeakMemory(device)
     meter.start()
     baseline = meter.baseline

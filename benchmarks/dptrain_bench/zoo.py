@@ -1,6 +1,7 @@
 """The benchmark models at the papers' sizes (and scaled down for a CPU), their batches and per-sample losses."""
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -42,9 +43,14 @@ def vgg11_gn(num_classes: int = 10, head: str = "cifar", hidden: int = 4096) -> 
     ``head="imagenet"``: torchvision's classifier (7x7 average pool, two hidden layers of width
     ``hidden`` with dropout), as the papers use at 224x224.
     """
-    import torchvision
+    from torchvision.models.vgg import VGG, cfgs, make_layers
 
-    model = torchvision.models.vgg11_bn(weights=None, num_classes=num_classes)
+    features = make_layers(cfgs["A"], batch_norm=True)  # vgg11_bn's
+    replaced = head == "cifar" or hidden != 4096
+    # a head that is replaced below is built on the meta device: filling torchvision's 4096-wide one (120 M weights)
+    # takes seconds on a CPU, for nothing
+    with torch.device("meta") if replaced else contextlib.nullcontext():
+        model = VGG(features, num_classes=num_classes)
     for i, layer in enumerate(model.features):
         if isinstance(layer, nn.BatchNorm2d):
             model.features[i] = _group_norm(layer.num_features)
@@ -72,11 +78,73 @@ def timm_vit(name: str, num_classes: int = 10, image_size: int = 224) -> nn.Modu
     return timm.create_model(name, pretrained=False, num_classes=num_classes, img_size=image_size)
 
 
-def gpt2(layers: int, width: int, heads: int) -> nn.Module:
+def gpt2(layers: int, width: int, heads: int, *, vocab: int = 50257, tied: bool = True, dropout: float | None = None,
+         train_positions: bool = True) -> nn.Module:
+    """HF GPT-2 with random weights. ``tied``: the head shares the token embedding (GPT-2's own);
+    ``dropout``: every dropout probability (None: GPT-2's 0.1); ``train_positions=False`` freezes the
+    position embedding (issue 43's table: Opacus cannot take the [1, T] position ids of an untied model)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=1024, use_cache=False)
-    return GPT2LMHeadModel(config)
+    drop = {} if dropout is None else {"attn_pdrop": dropout, "resid_pdrop": dropout, "embd_pdrop": dropout}
+    config = GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=1024, vocab_size=vocab,
+                        use_cache=False, tie_word_embeddings=tied, **drop)
+    model = GPT2LMHeadModel(config)
+    if not train_positions:
+        model.transformer.wpe.weight.requires_grad_(False)
+    return model
+
+
+#: Issue 43's Llama (random weights; ``llama(**LLAMA_1B)``). The issue calls it "of 1.1 B parameters"; with 16
+#: layers it has 852.6 M (TinyLlama's 1.1 B has 22 layers of this shape). The configuration is the issue's.
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+                num_key_value_heads=4, vocab_size=32000)
+#: LoRA on every linear layer of a Llama block (issue 43: r 16, alpha 32).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def llama(hidden_size: int, intermediate_size: int, num_hidden_layers: int, num_attention_heads: int,
+          num_key_value_heads: int, vocab_size: int = 32000, max_position_embeddings: int = 4096) -> nn.Module:
+    """HF ``LlamaForCausalLM`` with random weights: grouped-query attention, SwiGLU, RMSNorm, rotary positions.
+
+    ``max_position_embeddings`` is 4096 so that the long-context row (T = 4096) is within the configuration;
+    the default rotary embedding computes the same values whatever it is."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                         num_key_value_heads=num_key_value_heads, vocab_size=vocab_size,
+                         max_position_embeddings=max_position_embeddings, attention_dropout=0.0)
+    return LlamaForCausalLM(config)
+
+
+def with_lora(model: nn.Module, r: int = 16, alpha: int = 32, targets: tuple[str, ...] = LORA_TARGETS) -> nn.Module:
+    """``peft``'s LoRA adapters on ``targets`` (the base weights frozen), no dropout."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets)))
+
+
+def _basic_block_out_of_place(self, x):
+    """torchvision's ``BasicBlock.forward`` with the residual added out of place (Opacus' hooks refuse ``+=``)."""
+    identity = x if self.downsample is None else self.downsample(x)
+    out = self.relu(self.bn1(self.conv1(x)))
+    out = self.bn2(self.conv2(out))
+    return self.relu(out + identity)
+
+
+def without_inplace_ops(model: nn.Module) -> nn.Module:
+    """In-place activations turned off and ResNet's residual adds made out of place, on this model only:
+    what Opacus' and fastDP's backward hooks need. Issue 43's table trains this model in every arm."""
+    import types
+
+    from torchvision.models.resnet import BasicBlock
+
+    for module in model.modules():
+        if getattr(module, "inplace", False) is True:
+            module.inplace = False
+        if isinstance(module, BasicBlock):
+            module.forward = types.MethodType(_basic_block_out_of_place, module)
+    return model
 
 
 def roberta(layers: int, width: int, heads: int, num_labels: int = 2) -> nn.Module:
@@ -99,6 +167,9 @@ class Task:
     seq_len: int = 0
     vocab: int = 0
     num_classes: int = 10
+    # position ids of a language model: None gives them as [B, T] to the Opacus arms only (which need every layer's
+    # input batched) and lets the model broadcast its own [1, T] elsewhere; True or False: the same for every arm
+    batched_positions: bool | None = None
 
     def make_batch(self, batch_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         if self.kind == "image":
@@ -115,9 +186,12 @@ class Task:
                                                device=generator.device)}
 
     def forward(self, model: nn.Module, batch: dict[str, torch.Tensor], batched_positions: bool = False) -> torch.Tensor:
-        """``batched_positions``: give GPT-2 its position ids as [B, T] instead of letting it broadcast [1, T]."""
+        """``batched_positions``: give GPT-2 its position ids as [B, T] instead of letting it broadcast [1, T]
+        (the task's own ``batched_positions``, where set, decides instead)."""
         if self.kind == "image":
             return model(batch["x"])
+        if self.batched_positions is not None:
+            batched_positions = self.batched_positions
         if batched_positions and self.kind == "lm":
             ids = batch["ids"]
             positions = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
@@ -147,6 +221,11 @@ class BenchConfig:
     warmup: int
     steps: int
     task: Callable[[], Task] = field(repr=False, compare=False)
+    autocast: str | None = None   # the forward and loss under ``torch.autocast`` to this dtype ("bfloat16")
+    build_on_device: bool = False  # build the model under ``torch.device(device)`` (a 0.85 B Llama takes long on a CPU)
+
+    def autocast_dtype(self) -> torch.dtype | None:
+        return getattr(torch, self.autocast) if self.autocast else None
 
 
 def _configs(scale: str) -> list[BenchConfig]:
@@ -195,6 +274,17 @@ def _configs(scale: str) -> list[BenchConfig]:
         "RoBERTa " + ("4 layers, width 256 (scaled from base)" if cpu else "base") + " sequence classification, T=256",
         4 if cpu else 32, 1 if cpu else 3, 3 if cpu else 10,
         lambda: Task("seq-cls", lambda: roberta(*rob_size), seq_len=256, vocab=50265, num_classes=2)))
+    if not cpu:  # issue 43's Llama, bf16 autocast, built on the GPU; the per-sample loss is each sequence's token mean
+        described = ("issue 43's Llama (HF LlamaForCausalLM, 16 layers, width 2048, GQA 16/4 heads, SwiGLU 5632, vocab "
+                     "32000: 852.6 M parameters), bf16 autocast")
+        for name, lora, T, batch in (("llama-1b-t256", False, 256, 8), ("llama-1b-lora-t256", True, 256, 8),
+                                     ("llama-1b-t4096", False, 4096, 2)):
+            build = (lambda: with_lora(llama(**LLAMA_1B))) if lora else (lambda: llama(**LLAMA_1B))
+            out.append(BenchConfig(
+                name, described + (", LoRA r 16 on every linear layer" if lora else ", full fine-tuning") + f", T={T}",
+                batch, 3, 10, lambda build=build, T=T: Task("lm", build, seq_len=T, vocab=LLAMA_1B["vocab_size"],
+                                                             batched_positions=False),
+                autocast="bfloat16", build_on_device=True))
     return out
 
 

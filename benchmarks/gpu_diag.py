@@ -25,7 +25,7 @@ import torch
 
 
 def _patch_log(log: list[str]) -> None:
-    import dptrain.backward as backward
+    import dptrain.core.backward as backward
     import dptrain.rows.reader as reader
     import dptrain.rows.watch as watch
 
@@ -105,7 +105,7 @@ def case(args) -> None:
     """The test case in float32 on the CPU, then on CUDA ``--repeat`` times (``--deterministic``: torch's deterministic
     algorithms), each against the float64 oracle, with the per-sample gradient norms the engine read (the squared norms
     ``finish`` summed, per group) next to the oracle's: wrong norms mean wrong clipping factors."""
-    from dptrain.backward import Backward
+    from dptrain.core.backward import Backward
     from dptrain.testing import clipped_gradient, per_sample_gradients, reference_clipped_gradient
     from helpers import assert_matches, get_case, split_max_grad_norm
 

@@ -685,7 +685,7 @@ def one_sample_contributes(losses_fn):
 @contextlib.contextmanager
 def tag_passes_counted():
     """A list that gets an entry for every tag pass the engine runs while it is open."""
-    from dptrain import backward
+    from dptrain.core import backward
 
     passes = []
     original = backward.Backward._tag_pass

@@ -22,7 +22,7 @@ from dptrain.audit import (
     subsampled_gaussian_scores,
 )
 from dptrain.cli import main
-from dptrain.models import build_image_model
+from dptrain.models.build import build_image_model
 from dptrain.testing import reference_clipped_gradient
 
 MODES = tuple(dptrain.CLIPPING_MODES)

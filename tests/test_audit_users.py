@@ -22,7 +22,7 @@ from dptrain.audit import (
     run_audit,
 )
 from dptrain.cli import main
-from dptrain.models import build_image_model
+from dptrain.models.build import build_image_model
 from dptrain.testing import reference_user_clipped_gradient
 
 MODES = tuple(dptrain.CLIPPING_MODES)

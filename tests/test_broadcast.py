@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptrain.broadcast import BroadcastRows
+from dptrain.core.broadcast import BroadcastRows
 from dptrain.testing import clipped_gradient, reference_clipped_gradient
 from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches, one_sample_update
 from test_engine import RUN, R, _backward, _engine

@@ -6,32 +6,32 @@ import math
 import numpy as np
 import pytest
 
-from dptrain import accounting, checks, data
+from dptrain import accounting, _checks, data
 
 
 @pytest.mark.parametrize("value", [np.int64(3), np.int32(3), 3])
 def test_integers_are_whatever_operator_index_takes(value):
-    assert checks.positive_int("steps", value) == 3 and type(checks.positive_int("steps", value)) is int
+    assert _checks.positive_int("steps", value) == 3 and type(_checks.positive_int("steps", value)) is int
 
 
 @pytest.mark.parametrize("value", [True, False, 2.5, "3", None])
 def test_bools_floats_and_text_are_not_integers(value):
     with pytest.raises(ValueError, match=r"^steps must be a positive integer, got "):
-        checks.positive_int("steps", value)
+        _checks.positive_int("steps", value)
 
 
 def test_integral_floats_only_where_asked():
-    assert checks.integer("steps", 10.0, 0, integral_floats=True) == 10
+    assert _checks.integer("steps", 10.0, 0, integral_floats=True) == 10
     with pytest.raises(ValueError, match=r"^steps must be an integer >= 0, got 10.5$"):
-        checks.integer("steps", 10.5, 0, integral_floats=True)
+        _checks.integer("steps", 10.5, 0, integral_floats=True)
 
 
 @pytest.mark.parametrize("check, value, message", [
-    (checks.rate, 0.0, "q must be in (0, 1], got 0.0"),
-    (checks.rate, True, "q must be a real number, got True"),
-    (checks.open_unit, 1.0, "q must be in (0, 1), got 1.0"),
-    (checks.positive, math.inf, "q must be a finite number > 0, got inf"),
-    (checks.non_negative, -1, "q must be a finite number >= 0, got -1"),
+    (_checks.rate, 0.0, "q must be in (0, 1], got 0.0"),
+    (_checks.rate, True, "q must be a real number, got True"),
+    (_checks.open_unit, 1.0, "q must be in (0, 1), got 1.0"),
+    (_checks.positive, math.inf, "q must be a finite number > 0, got inf"),
+    (_checks.non_negative, -1, "q must be a finite number >= 0, got -1"),
 ])
 def test_one_message_style(check, value, message):
     with pytest.raises(ValueError) as err:
@@ -40,10 +40,10 @@ def test_one_message_style(check, value, message):
 
 
 def test_index_is_an_integer_below_its_bound():
-    assert checks.index("rank", np.int64(1), 2, "num_replicas") == 1
+    assert _checks.index("rank", np.int64(1), 2, "num_replicas") == 1
     for bad in (2, -1, True, 0.0):
         with pytest.raises(ValueError, match=r"^rank must be an integer with 0 <= rank < num_replicas=2, got "):
-            checks.index("rank", bad, 2, "num_replicas")
+            _checks.index("rank", bad, 2, "num_replicas")
 
 
 def test_accounting_and_data_take_numpy_integers_and_refuse_bools():
@@ -60,10 +60,10 @@ def test_one_default_clipping_mode():
     import inspect
 
     from dptrain import PrivacyEngine
-    from dptrain.algorithms import CLIPPING_MODES, DEFAULT_CLIPPING_MODE
+    from dptrain.core.algorithms import CLIPPING_MODES, DEFAULT_CLIPPING_MODE
     from dptrain.audit import AUDIT_DEFAULTS
     from dptrain.cli import TRAIN_DEFAULTS, build_parser
-    from dptrain.planning import plan
+    from dptrain.core.planning import plan
 
     assert DEFAULT_CLIPPING_MODE in CLIPPING_MODES
     defaults = {

@@ -14,8 +14,8 @@ import torch
 import dptrain
 from dptrain import accounting
 from dptrain.cli import DATASETS, main, plan_report
-from dptrain.algorithms import Grad, Norm
-from dptrain.planning import LayerDecision, plan
+from dptrain.core.algorithms import Grad, Norm
+from dptrain.core.planning import LayerDecision, plan
 
 torchvision = pytest.importorskip("torchvision")
 

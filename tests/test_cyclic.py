@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from dptrain.cyclic import (CyclicDistributedPoissonSampler, CyclicPoissonSampler, cyclic_groups_of,
-                            default_cyclic_steps)
+from dptrain.data.cyclic import (CyclicDistributedPoissonSampler, CyclicPoissonSampler, cyclic_groups_of,
+                                 default_cyclic_steps)
 from dptrain.data import FixedShapeBatch, poisson_loader
 
 

@@ -1,6 +1,6 @@
 """Evaluation in eval() mode with gradients enabled: after a first such call, the next ones are deferred (run with the
 layers' hooks set aside, nothing recorded), and a deferred call that engine.backward reaches is replayed, recorded and
-checked, so that training in eval() mode after an evaluation is exact (``dptrain/deferred.py``). Every test runs a
+checked, so that training in eval() mode after an evaluation is exact (``dptrain/core/deferred.py``). Every test runs a
 sequence: private steps first, then the evaluation, then the hazard, then ordinary steps again."""
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from dptrain.deferred import _DeferredOutput
+from dptrain.core.deferred import _DeferredOutput
 from dptrain.rows.errors import RowsMixSamples
 from dptrain.testing import attached_engine, reference_clipped_gradient, reference_user_clipped_gradient
 from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches
@@ -205,7 +205,7 @@ def test_the_replay_runs_in_the_random_state_of_the_deferred_call(float64):
 
 
 def _deferred_reached(losses, engine) -> bool:
-    from dptrain.deferred import reached
+    from dptrain.core.deferred import reached
     return bool(reached(losses, engine._capture.model))
 
 

@@ -1304,7 +1304,7 @@ def test_secure_rng_refuses_a_seed_and_draws_fresh_noise():
 
 
 def test_secure_noise_combines_independent_streams_and_is_standard_gaussian(monkeypatch):
-    from dptrain.noise import GaussianNoise
+    from dptrain.core.noise import GaussianNoise
 
     # torch's CPU generator keeps 32 bits of a seed: the secure noise must not hinge on one such seed.
     import os

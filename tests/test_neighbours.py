@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptrain.neighbours import CLIPS_EVERY, CLIPS_NONE, CLIPS_SOME
+from dptrain.testing.neighbours import CLIPS_EVERY, CLIPS_NONE, CLIPS_SOME
 from dptrain.testing import assert_neighbours_bounded, neighbour_test, per_sample_gradients
 
 B = 16

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from dptrain.pipeline import StepSums, clipping_factors_by_group
+from dptrain.core.pipeline import StepSums, clipping_factors_by_group
 
 
 def test_factors_from_group_norms():

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dptrain
-import dptrain.pipeline
+import dptrain.core.pipeline
 import dptrain.testing
 from dptrain.testing import attached_engine, per_sample_gradients, trainable_named_parameters
 from helpers import MODES, SINGLE_BACKWARD_MODES, classify, classify_tokens, per_sample
@@ -498,17 +498,17 @@ def setting(name: str, autocast: bool) -> Setting:
 @pytest.fixture
 def observed(monkeypatch):
     """Every (norms, factors) the engine passes through ``clipping_factors``."""
-    if not hasattr(dptrain.pipeline, "clipping_factors"):
-        pytest.fail("dptrain.pipeline no longer calls clipping_factors: update this spy on the per-sample norms")
+    if not hasattr(dptrain.core.pipeline, "clipping_factors"):
+        pytest.fail("dptrain.core.pipeline no longer calls clipping_factors: update this spy on the per-sample norms")
     seen = []
-    original = dptrain.pipeline.clipping_factors
+    original = dptrain.core.pipeline.clipping_factors
 
     def spy(norms, *args, **kwargs):
         factors = original(norms, *args, **kwargs)
         seen.append((norms.detach().clone(), factors.detach().clone()))
         return factors
 
-    monkeypatch.setattr(dptrain.pipeline, "clipping_factors", spy)
+    monkeypatch.setattr(dptrain.core.pipeline, "clipping_factors", spy)
     return seen
 
 

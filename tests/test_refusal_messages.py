@@ -12,7 +12,7 @@ from torch import nn
 
 import dptrain
 from dptrain.rows import RowsMixSamples
-from dptrain.validation import find_problems, grouped_problems
+from dptrain.models.validation import find_problems, grouped_problems
 
 B = 4
 

@@ -14,9 +14,9 @@ from torch import nn
 
 import dptrain
 from dptrain.cli import main
-from dptrain.models import SmallCNN
-from dptrain.plan_report import Plan
-from dptrain.privacy_report import PrivacyReport
+from dptrain.models.build import SmallCNN
+from dptrain.core.plan_report import Plan
+from dptrain.privacy.report import PrivacyReport
 
 
 def run(argv, capsys):

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import dptrain
 from dptrain.data import poisson_loader, split_batches
-from dptrain.sampling import CHECK_EVERY, WINDOWS, PoissonTest, SamplesPerStep, SamplingMismatch
+from dptrain.privacy.sampling import CHECK_EVERY, WINDOWS, PoissonTest, SamplesPerStep, SamplingMismatch
 
 CONFIGS = [  # (sample_size, expected batch size, max_batch_size)
     (10_000, 1, None), (10_000, 4, None), (6_400, 64, None), (1_000, 500, None), (50, 49, None), (60_000, 256, 270),

@@ -84,8 +84,8 @@ def test_cli_choices_are_the_library_ones():
     import torch
 
     from dptrain import cli
-    from dptrain.clipping import CLIPPING_FNS
-    from dptrain.planning import DECISION_RULES
+    from dptrain.core.clipping import CLIPPING_FNS
+    from dptrain.core.planning import DECISION_RULES
 
     assert cli.CLIPPING_FNS == CLIPPING_FNS
     assert cli.DECISION_RULES == DECISION_RULES

@@ -1,4 +1,4 @@
-"""The private step (dptrain.step): what a step means, and the step's own state.
+"""The private step (dptrain.core.step): what a step means, and the step's own state.
 
 What a step means: closures (``optimizer.step(closure)``), ``zero_grad()`` between a backward and the step,
 and optimizers other than the attached one. Each case is checked against the one-sample-at-a-time oracle (float64,
@@ -406,10 +406,10 @@ def test_the_noise_is_the_same_draw_for_draw_whatever_the_buckets_it_is_added_in
     """The step draws each parameter's noise in the parameters' order and adds a bucket's at once
     (step.NOISE_BUCKET_BYTES): a bucket per parameter gives the very same gradients as one bucket for all, step after
     step (correlated noise keeps its per-parameter streams), and the noise has the calibrated standard deviation."""
-    import dptrain.step
+    import dptrain.core.step
 
     def run(bucket_bytes: int) -> list[torch.Tensor]:
-        monkeypatch.setattr(dptrain.step, "NOISE_BUCKET_BYTES", bucket_bytes)
+        monkeypatch.setattr(dptrain.core.step, "NOISE_BUCKET_BYTES", bucket_bytes)
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(30, 40), nn.Tanh(), nn.Linear(40, 20))
         extra = {"bands": 2, "steps": 4} if noise == "bandmf" else {}
@@ -508,7 +508,7 @@ def test_secure_noise_is_never_saved_nor_continued():
 def test_every_completed_backward_tells_its_samples_on_both_paths(mode, monkeypatch):
     """What the engine feeds SamplesPerStep.add_backward: each completed backward's batch (Backward.batch),
     from engine.backward's losses and from a plain loss.backward()'s model call alike."""
-    from dptrain.runner import BackwardRunner
+    from dptrain.core.runner import BackwardRunner
 
     seen = []
     done = BackwardRunner._done

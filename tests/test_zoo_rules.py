@@ -145,7 +145,7 @@ def test_embedding_shaped_like_a_scaled_one_that_computes_more_is_refused():
 
 # --------------------------------------------------------------------------- the fallback's memory in plan()
 def test_plan_shows_the_per_sample_gradient_size_of_each_fallback_layer():
-    from dptrain.planning import fallback_costs
+    from dptrain.core.planning import fallback_costs
 
     net = WeightNormNet()
     x = torch.randn(2, 2, 5)

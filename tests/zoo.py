@@ -201,7 +201,7 @@ def _no_dropout(model: nn.Module) -> nn.Module:
 def _fixed(model: nn.Module) -> nn.Module:
     """``dptrain.fix(model)`` where it changes something (BatchNorm, torch's MultiheadAttention and RNNs), the
     documented remedy for what the engine refuses in them."""
-    from dptrain.fixer import planned_fixes
+    from dptrain.models.fixer import planned_fixes
     return dptrain.fix(model) if planned_fixes(model) else model
 
 

@@ -136,7 +136,7 @@ def _has_torch_sequence_modules(spec: dict) -> bool:
     """Whether the default model holds torch's nn.MultiheadAttention or a recurrent layer (which dptrain.fix swaps; a
     model that holds BatchNorm is not swept without the fix: it mixes samples, and the refusal says to call fix)."""
     import transformers
-    from dptrain.fixer import planned_fixes
+    from dptrain.models.fixer import planned_fixes
     try:
         with torch.device("meta"), warnings.catch_warnings():
             warnings.simplefilter("ignore")

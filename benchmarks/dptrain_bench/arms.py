@@ -10,8 +10,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from dptrain import checks
-from dptrain.algorithms import CLIPPING_MODES
+from dptrain import _checks
+from dptrain.core.algorithms import CLIPPING_MODES
 
 from .options import ALL_ARMS, FASTDP_ARM, NON_PRIVATE, OPACUS_ARMS
 from .zoo import SEED, Task
@@ -76,7 +76,7 @@ def make_arm(name: str, model: nn.Module, task: Task, batch_size: int, autocast:
         return _opacus_arm(name, model, task, batch_size, optimizer, autocast)
     if name == FASTDP_ARM:
         return _fastdp_arm(model, batch_size, optimizer, losses)
-    raise checks.unknown("arm", name, (*ALL_ARMS, FASTDP_ARM))
+    raise _checks.unknown("arm", name, (*ALL_ARMS, FASTDP_ARM))
 
 
 def _autocast(batch: dict, dtype: torch.dtype | None):

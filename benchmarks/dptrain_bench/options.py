@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from dptrain.algorithms import CLIPPING_MODES
+from dptrain.core.algorithms import CLIPPING_MODES
 
 NON_PRIVATE = "non-private"
 OPACUS_ARMS = ("opacus-hooks", "opacus-ghost")

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dptrain import checks
+from dptrain import _checks
 
 from . import zoo
 from .arms import Arm, make_arm
@@ -49,7 +49,7 @@ def describe_error(exc: BaseException) -> str:
 
 
 def first_line(exc: BaseException) -> str:
-    return checks.first_line(exc)[:400]
+    return _checks.first_line(exc)[:400]
 
 
 def _setup_worker(task: dict) -> torch.device:

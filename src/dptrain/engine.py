@@ -1,14 +1,13 @@
 """PrivacyEngine: the facade. Validated configuration, attach/detach, which backward runs, reports, checkpoints.
 
-The parts it wires together: the hooks (``capture.Capture``), the trainable set (``trainable``), one
-``backward.Backward`` per backward (the stages are ``pipeline``'s), the private step (``step``), the
-budget (``budget``), the loader's checks (``loader_checks``), the GradScaler protocol (``precision``) and data
-parallelism (``distributed``).
+The parts it wires together, one step's machinery from ``core``: the hooks (``capture.Capture``), the trainable set
+(``trainable``), one ``backward.Backward`` per backward (the stages are ``pipeline``'s), the private step (``step``),
+the GradScaler protocol (``precision``) and data parallelism (``distributed``); from ``privacy``, the ledger, the
+budget and the loader's checks; from ``models``, the validation of the model.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -17,29 +16,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import accounting, attached, checks, data, distributed
-from .algorithms import DEFAULT_CLIPPING_MODE
-from .backward import BackwardSetup
-from .budget import Budget, PrivacyBudgetExceeded
-from .capture import Capture
-from .config import EngineConfig, FromConfig, make_config
+from . import accounting, _checks, data
+from .core import attached, distributed
+from .core.algorithms import DEFAULT_CLIPPING_MODE
+from .core.backward import BackwardSetup
+from .privacy.budget import Budget, PrivacyBudgetExceeded
+from .core.capture import Capture
+from .core.config import EngineConfig, FromConfig, make_config
 from .correlated.privacy import CorrelatedAccountant
 from .correlated.streaming import CorrelatedNoise
 from .layers.fallback import FallbackRule, fallback_warning
-from .ledger import Ledger
-from .loader_checks import (check_cyclic_step, check_loader, loader_padding, no_cyclic_loader_warning,
-                            not_poisson_warning)
-from .noise import GaussianNoise
-from .pipeline import StepSums
-from .planning import DEFAULT_DECISION_RULE, LayerDecision
-from .precision import LossScaling
-from .privacy_report import PrivacyReport
+from .privacy.ledger import Ledger
+from .privacy.loader_checks import (check_cyclic_step, check_loader, loader_padding, no_cyclic_loader_warning,
+                                    not_poisson_warning)
+from .core.noise import GaussianNoise
+from .core.pipeline import StepSums
+from .core.planning import DEFAULT_DECISION_RULE, LayerDecision
+from .core.precision import LossScaling
+from .privacy.report import PrivacyReport
 from .rows import RowReader
-from .runner import BackwardRunner
-from .sampling import SamplingMismatch
-from .step import PrivateStep
-from .trainable import TrainableKey, TrainableSet, build_trainable_set
-from .validation import frozen_batchnorm_checks, validate
+from .core.runner import BackwardRunner
+from .privacy.sampling import SamplingMismatch
+from .core.step import PrivateStep
+from .core.trainable import TrainableKey, TrainableSet, build_trainable_set
+from .models.validation import frozen_batchnorm_checks, validate
 
 __all__ = ["EngineConfig", "PrivacyBudgetExceeded", "PrivacyEngine", "SamplingMismatch"]
 
@@ -427,7 +427,7 @@ class PrivacyEngine:
         return self._ledger.epsilon(delta)
 
     def _check_delta(self, delta: float) -> float:
-        delta = checks.open_unit("delta", delta)
+        delta = _checks.open_unit("delta", delta)
         problem = accounting.small_delta_problem(delta, self.sample_size, self.privacy_unit)
         if problem is not None:
             warnings.warn(problem, stacklevel=3)
@@ -435,31 +435,11 @@ class PrivacyEngine:
 
     def privacy_report(self, delta: float | None = None) -> PrivacyReport:
         """This engine's configuration and what the steps taken spent, at ``delta`` (default ``target_delta``): a
-        dict (its keys: :class:`~dptrain.privacy_report.PrivacyReport`) whose ``str()`` reads "epsilon = ... at
+        dict (its keys: :class:`~dptrain.privacy.report.PrivacyReport`) whose ``str()`` reads "epsilon = ... at
         delta = ... after t of T planned steps", with the noise multiplier and the sample rate."""
         delta = self.target_delta if delta is None else self._check_delta(delta)
-        return PrivacyReport({
-            "noise_multiplier": self.noise_multiplier,
-            "sample_rate": self.sample_rate,
-            "steps": self.steps_taken,
-            "planned_steps": self.planned_steps,
-            "epsilon": self._epsilon(delta),
-            "target_epsilon": self.target_epsilon,
-            "delta": delta,
-            "accountant": self.accountant.name,
-            "max_grad_norm": self.max_grad_norm,
-            "clipping_mode": self.clipping_mode,
-            "privacy_unit": self.privacy_unit,
-            "max_batch_size": self.max_batch_size,
-            "truncation_delta": (self._ledger.truncation_delta() if self.config.mechanism is None else 0.0
-                                 if self.max_batch_size is None else accounting.truncation_delta(
-                                     self.sample_size, self.config.inclusion_rate, self.max_batch_size,
-                                     self.steps_taken)),
-            "history": [dataclasses.asdict(segment) for segment in self._ledger.segments],
-            "noise": self.noise,
-            "cyclic_groups": self.cyclic_groups,
-            "strategy": None if self.config.mechanism is None else self.config.mechanism.strategy.as_dict(),
-        })
+        return PrivacyReport.of_run(self.config, self._ledger, self.accountant.name, self.steps_taken,
+                                    self._epsilon(delta), delta)
 
     # ------------------------------------------------------------------ checkpoints
     def state_dict(self) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import checks
+from . import _checks
 
 LOSS_REDUCTIONS = ("mean", "sum")  # of a loss over its tokens or samples: the one list of them
 
@@ -79,7 +79,7 @@ def sequence_losses(
     a masked LM, a token classifier or an encoder-decoder whose labels are already aligned with
     the logits, ``shift=False`` (the default).
     """
-    checks.choice("reduction", reduction, LOSS_REDUCTIONS)
+    _checks.choice("reduction", reduction, LOSS_REDUCTIONS)
     losses, valid = token_losses(
         logits, labels, ignore_index=ignore_index, attention_mask=attention_mask, shift=shift,
         label_smoothing=label_smoothing,

@@ -33,6 +33,9 @@ The parts, one concept per module (every name is imported from ``dptrain.account
   adds (:func:`truncation_delta`, :func:`default_max_batch_size`, :func:`poisson_delta`).
 * :mod:`~dptrain.accounting.calibration`: one-shot computations: :func:`compute_epsilon` and
   :func:`calibrate_noise_multiplier`.
+
+It imports nothing of dptrain but ``_checks``: everything else that counts epsilon (the run's ledger, correlated
+noise) builds on it.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import math
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from .. import checks
+from .. import _checks
 
 if TYPE_CHECKING:
     import dp_accounting
@@ -62,24 +62,24 @@ _GDP_WARNING = (
 
 
 def _check_accountant_name(name: Any) -> str:
-    return checks.choice("accountant", name, ACCOUNTANTS)
+    return _checks.choice("accountant", name, ACCOUNTANTS)
 
 
 def _check_noise_multiplier(noise_multiplier: Any) -> float:
-    return checks.non_negative("noise_multiplier", noise_multiplier, "0 means no noise, i.e. infinite epsilon")
+    return _checks.non_negative("noise_multiplier", noise_multiplier, "0 means no noise, i.e. infinite epsilon")
 
 
 def _check_count(value: Any, what: str, minimum: int) -> int:
     # 10.0 is taken (from epochs * steps_per_epoch arithmetic), 10.5 is not
-    return checks.integer(what, value, minimum, integral_floats=True)
+    return _checks.integer(what, value, minimum, integral_floats=True)
 
 
 def _check_max_batch_size(value: Any) -> int:
-    return checks.positive_int("max_batch_size", value, "the fixed number of rows of every batch, K")
+    return _checks.positive_int("max_batch_size", value, "the fixed number of rows of every batch, K")
 
 
 def _check_delta(delta: Any) -> float:
-    return checks.open_unit("delta", delta, "a common choice is default_delta(len(dataset)) = 1 / (10 * len(dataset))")
+    return _checks.open_unit("delta", delta, "a common choice is default_delta(len(dataset)) = 1 / (10 * len(dataset))")
 
 
 def small_delta_problem(delta: float, sample_size: int, unit: str = "example") -> str | None:
@@ -101,7 +101,7 @@ def default_delta(sample_size: int) -> float:
     A meaningful delta must be well below ``1 / sample_size``: a mechanism that
     publishes one random record outright is (0, 1/n)-DP.
     """
-    n = checks.integer("sample_size", sample_size, 1, "the number of training examples", integral_floats=True)
+    n = _checks.integer("sample_size", sample_size, 1, "the number of training examples", integral_floats=True)
     return 1.0 / (10.0 * n)
 
 
@@ -254,7 +254,7 @@ def epsilon_of_history(history: Sequence[HistoryEntry], delta: float, accountant
     """Epsilon of the composition of ``history``, ``[(noise_multiplier, sample_rate, steps), ...]``, at ``delta``:
     the steps of a run whose noise or sample rate changed (a resumed run, a schedule). No warning for ``"gdp"``."""
     name = _check_accountant_name(accountant)
-    entries = [(_check_noise_multiplier(sigma), checks.sample_rate(q), _check_count(count, "steps", 0))
+    entries = [(_check_noise_multiplier(sigma), _checks.sample_rate(q), _check_count(count, "steps", 0))
                for sigma, q, count in history]
     return _epsilon(name, entries, _check_delta(delta))
 
@@ -283,7 +283,7 @@ class Accountant:
     def step(self, noise_multiplier: float, sample_rate: float, num_steps: int = 1) -> None:
         """Record ``num_steps`` steps with noise multiplier sigma and sample rate q."""
         sigma = _check_noise_multiplier(noise_multiplier)
-        q = checks.sample_rate(sample_rate)
+        q = _checks.sample_rate(sample_rate)
         count = _check_count(num_steps, "num_steps", 1)
         if self._history and self._history[-1][0] == sigma and self._history[-1][1] == q:
             self._history[-1][2] += count

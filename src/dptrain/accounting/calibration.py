@@ -7,7 +7,7 @@ import math
 import warnings
 from collections.abc import Sequence
 
-from .. import checks
+from .. import _checks
 from .accountants import (
     _GDP_WARNING,
     DEFAULT_ACCOUNTANT,
@@ -46,7 +46,7 @@ def compute_epsilon(
     """
     name = _check_accountant_name(accountant)
     sigma = _check_noise_multiplier(noise_multiplier)
-    q = checks.sample_rate(sample_rate)
+    q = _checks.sample_rate(sample_rate)
     steps = _check_count(steps, "steps", 0)
     delta = _fixed_shape_delta(_check_delta(delta), sample_size, q, max_batch_size, steps)
     if name == "gdp":
@@ -80,13 +80,13 @@ def calibrate_noise_multiplier(
     ``target_delta``.)
     """
     name = _check_accountant_name(accountant)
-    target = checks.positive("target_epsilon", target_epsilon)
-    q = checks.sample_rate(sample_rate)
+    target = _checks.positive("target_epsilon", target_epsilon)
+    q = _checks.sample_rate(sample_rate)
     steps = _check_count(steps, "steps", 1)
     delta = _fixed_shape_delta(_check_delta(target_delta), sample_size, q, max_batch_size, steps)
     if name == "gdp":
         warnings.warn(_GDP_WARNING, GDPApproximationWarning, stacklevel=2)
-    prior = [(_check_noise_multiplier(s), checks.sample_rate(r), _check_count(c, "steps", 0)) for s, r, c in history]
+    prior = [(_check_noise_multiplier(s), _checks.sample_rate(r), _check_count(c, "steps", 0)) for s, r, c in history]
     if prior:
         spent = _epsilon(name, prior, delta)
         if spent >= target:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from .. import checks
+from .. import _checks
 from .accountants import _check_count, _check_delta, _check_max_batch_size
 
 # A fixed-shape loader (dptrain.data.poisson_loader(..., max_batch_size=K)) draws a Poisson
@@ -84,8 +84,8 @@ def truncation_delta(sample_size: int, sample_rate: float, max_batch_size: int, 
     with one more example must not be truncated either. Computed exactly (an upper bound
     within ~1e-9 relative), without scipy; 0.0 when ``K > sample_size``.
     """
-    n = checks.integer("sample_size", sample_size, 1, "the number of training examples", integral_floats=True)
-    q = checks.sample_rate(sample_rate)
+    n = _checks.integer("sample_size", sample_size, 1, "the number of training examples", integral_floats=True)
+    q = _checks.sample_rate(sample_rate)
     k = _check_max_batch_size(max_batch_size)
     steps = _check_count(steps, "steps", 0)
     if steps == 0:
@@ -103,8 +103,8 @@ def default_max_batch_size(sample_size: int, sample_rate: float, delta: float, s
     epsilon at ``0.9 * delta`` or more (:func:`poisson_delta`). Any larger K (e.g. rounded
     up to a multiple of 8 for the accelerator) costs even less.
     """
-    n = checks.integer("sample_size", sample_size, 1, "the number of training examples", integral_floats=True)
-    q = checks.sample_rate(sample_rate)
+    n = _checks.integer("sample_size", sample_size, 1, "the number of training examples", integral_floats=True)
+    q = _checks.sample_rate(sample_rate)
     budget = _check_delta(delta) / 10.0
     steps = _check_count(steps, "steps", 1)
     low, high = 0, n + 1  # truncation_delta(high) <= budget (it is 0 at n + 1); low fails or is 0

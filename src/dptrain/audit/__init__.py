@@ -43,6 +43,9 @@ The parts, one concept per module (every name is imported from ``dptrain.audit``
 * :mod:`~dptrain.audit.canaries`: :class:`CanaryModel` and :func:`canary_losses`, the canaries in the engine's path.
 * :mod:`~dptrain.audit.run`: :func:`run_audit`, its defaults and data checks, and :class:`AuditResult`.
 * :mod:`~dptrain.audit.report`: the text report, the warnings of a deliberately broken run, ``dptrain audit``.
+
+Built on the engine as a user's code is: it may import ``engine`` and what is below it (``core``'s clipping modes,
+``correlated``, ``accounting``, ``data``, ``models``), never ``cli``, ``testing`` or ``integrations``.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import scipy.stats
 
-from .. import checks
+from .. import _checks
 
 # Numbers of guesses the bound tries (then split between "in" and "out" guesses).
 _GUESS_COUNTS = 8
@@ -112,7 +112,7 @@ def epsilon_lower_bound(
                          f"{scores.shape} and {included.shape}")
     if not np.isfinite(scores).all():
         raise ValueError("scores must be finite")
-    confidence = checks.open_unit("confidence", confidence)
+    confidence = _checks.open_unit("confidence", confidence)
     if not 0 <= delta < 1:
         raise ValueError(f"delta must be in [0, 1), got {delta}")
     m = len(scores)

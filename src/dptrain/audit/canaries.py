@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import checks
+from .. import _checks
 
 # A canary's gradient norm, in units of R: far above R, so that a canary that escaped
 # clipping would stand out 64-fold, and a power of two, so that the clipping factor 1/64
@@ -28,7 +28,7 @@ class CanaryModel(nn.Module):
 
     def __init__(self, model: nn.Module, canaries: int):
         super().__init__()
-        canaries = checks.positive_int("canaries", canaries)
+        canaries = _checks.positive_int("canaries", canaries)
         self.model = model
         self.canaries = canaries
         self.probe = nn.Embedding(canaries + 1, 1, padding_idx=canaries)

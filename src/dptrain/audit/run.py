@@ -13,8 +13,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .. import checks
-from ..algorithms import DEFAULT_CLIPPING_MODE
+from .. import _checks
+from ..core.algorithms import DEFAULT_CLIPPING_MODE
 from .bounds import banded_scores, epsilon_lower_bound, subsampled_gaussian_scores
 from .canaries import CANARY_NORM_OVER_R, CanaryModel, canary_losses
 
@@ -142,7 +142,7 @@ def _checked_unit(privacy_unit: str, examples_per_canary, users, clip_per_exampl
         return 1
     if examples_per_canary is None:
         return AUDIT_DEFAULTS["examples_per_canary"]
-    return checks.positive_int("examples_per_canary", examples_per_canary)
+    return _checks.positive_int("examples_per_canary", examples_per_canary)
 
 
 def run_audit(
@@ -206,29 +206,29 @@ def run_audit(
     independent observations for this one-run test; its epsilon rests on the sensitivity of its strategy.
     """
     started = time.perf_counter()
-    epsilon = checks.positive("epsilon", epsilon)
-    delta = checks.open_unit("delta", delta)
-    canaries = checks.positive_int("canaries", canaries)
-    steps = checks.positive_int("steps", steps)
-    sample_rate = checks.rate("sample_rate", sample_rate)
-    confidence = checks.open_unit("confidence", confidence)
-    noise_scale = checks.non_negative("noise_scale", noise_scale)
+    epsilon = _checks.positive("epsilon", epsilon)
+    delta = _checks.open_unit("delta", delta)
+    canaries = _checks.positive_int("canaries", canaries)
+    steps = _checks.positive_int("steps", steps)
+    sample_rate = _checks.rate("sample_rate", sample_rate)
+    confidence = _checks.open_unit("confidence", confidence)
+    noise_scale = _checks.non_negative("noise_scale", noise_scale)
     per_canary = _checked_unit(privacy_unit, examples_per_canary, users, clip_per_example)
     if noise == "blt":
         raise ValueError("the audit supports noise='gaussian' and 'bandmf'; BLT noise is not amplified and its "
                          "columns overlap, so the one-run audit's per-step likelihood does not apply "
                          "(docs/correlated-noise.md)")
-    noise = checks.choice("noise", noise, ("gaussian", "bandmf"))
+    noise = _checks.choice("noise", noise, ("gaussian", "bandmf"))
     if noise == "gaussian" and bands is not None:
         raise ValueError("bands applies to noise='bandmf'")
-    bands = 1 if noise == "gaussian" else checks.positive_int("bands", AUDIT_DEFAULTS["bands"] if bands is None
+    bands = 1 if noise == "gaussian" else _checks.positive_int("bands", AUDIT_DEFAULTS["bands"] if bands is None
                                                               else bands)
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
     from .. import accounting
     from ..data import poisson_loader
     from ..engine import PrivacyEngine
-    from ..models import build_image_model
+    from ..models.build import build_image_model
 
     if data is None:
         images, labels = _digits()

@@ -7,6 +7,8 @@ traceback; an exception that is not a user error (a bug) still shows its traceba
 
 torch and the parts of the library built on it are imported inside the functions that use
 them: ``dptrain --help`` and a usage error answer at once, without loading torch.
+
+The top floor: it may import every part of dptrain but ``testing`` and ``integrations``; nothing imports it.
 """
 from __future__ import annotations
 

@@ -6,9 +6,9 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from .. import accounting, checks  # light: dp_accounting is imported when an accountant first runs
-from ..algorithms import CLIPPING_MODES, DEFAULT_CLIPPING_MODE
-from ..model_specs import HF_HEADS
+from .. import accounting, _checks  # light: dp_accounting is imported when an accountant first runs
+from ..core.algorithms import CLIPPING_MODES, DEFAULT_CLIPPING_MODE
+from ..models.specs import HF_HEADS
 from .datasets import DATASETS
 
 
@@ -31,7 +31,7 @@ class _OtherCommandsOption(argparse.Action):
 
 
 def _number(kind: type, check: Callable[[str, Any], Any]):
-    """An argparse type: ``kind`` (int or float) of the text, checked by a ``dptrain.checks`` function."""
+    """An argparse type: ``kind`` (int or float) of the text, checked by a ``dptrain._checks`` function."""
 
     def parse(text: str):
         try:
@@ -40,28 +40,28 @@ def _number(kind: type, check: Callable[[str, Any], Any]):
             value = math.nan if kind is float else text
         try:
             return check("value", value)
-        except checks.CheckError as err:
+        except _checks.CheckError as err:
             raise argparse.ArgumentTypeError(f"must be {err.requirement}, got {text}") from None
 
     return parse
 
 
-positive_float = _number(float, checks.positive)
-non_negative_float = _number(float, checks.non_negative)
-positive_int = _number(int, checks.positive_int)
-probability = _number(float, checks.open_unit)
-sample_rate_type = _number(float, checks.rate)
+positive_float = _number(float, _checks.positive)
+non_negative_float = _number(float, _checks.non_negative)
+positive_int = _number(int, _checks.positive_int)
+probability = _number(float, _checks.open_unit)
+sample_rate_type = _number(float, _checks.rate)
 
 
 def bands_type(text: str):
     """``--bands``: a positive integer b, or ``auto`` (dptrain.correlated.resolve.choose_bands)."""
-    return "auto" if text == "auto" else _number(int, lambda name, value: checks.positive_int(
+    return "auto" if text == "auto" else _number(int, lambda name, value: _checks.positive_int(
         name, value, "or auto"))(text)
 
 
 def max_batch_size_type(text: str):
     """``--max-batch-size``: a positive integer K, or ``auto`` (accounting.default_max_batch_size)."""
-    return "auto" if text == "auto" else _number(int, lambda name, value: checks.positive_int(
+    return "auto" if text == "auto" else _number(int, lambda name, value: _checks.positive_int(
         name, value, "or auto"))(text)
 
 
@@ -101,7 +101,7 @@ RESUME_MAY_CHANGE = ("epochs", "device", "threads", "data_dir", "output", "resum
 # costs more than it saves (and stalls badly on a busy machine): one thread is faster.
 SMALL_MODEL_PARAMETERS = 1_000_000
 # Choices the parser needs before torch is imported; tests/test_startup.py checks that they are the
-# library's own (dptrain.clipping.CLIPPING_FNS, dptrain.planning.DECISION_RULES).
+# library's own (dptrain.core.clipping.CLIPPING_FNS, dptrain.core.planning.DECISION_RULES).
 CLIPPING_FNS = ("abadi", "automatic", "global")
 DECISION_RULES = ("memory", "space", "time")
 OPTIMIZERS = {"adam": "Adam", "sgd": "SGD"}  # --optimizer -> the torch.optim class

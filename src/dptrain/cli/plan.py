@@ -5,8 +5,8 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from ..model_specs import parse_spec
-from ..plan_report import Plan, plan_report  # noqa: F401  (plan_report: dptrain.cli's, as before)
+from ..models.specs import parse_spec
+from ..core.plan_report import Plan, plan_report  # noqa: F401  (plan_report: dptrain.cli's, as before)
 from .output import CLIError, one_line
 
 if TYPE_CHECKING:
@@ -17,8 +17,8 @@ def run(args: argparse.Namespace) -> int:
     source, _ = parse_spec(args.model)  # before torch: a misspelt model answers at once
     import torch
 
-    from ..models import build_image_model, build_text_model, with_lora
-    from ..validation import find_problems
+    from ..models.build import build_image_model, build_text_model, with_lora
+    from ..models.validation import find_problems
 
     if args.lora_targets and args.lora is None:
         raise CLIError("--lora-targets names the modules of --lora R: give --lora R too")
@@ -87,7 +87,7 @@ def _plan_decisions(build, example, args) -> tuple[nn.Module, list[str], Plan]:
     """
     import torch
 
-    from ..planning import plan
+    from ..core.planning import plan
 
     for device in (torch.device("meta"), torch.device("cpu")):
         try:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..model_specs import parse_image_spec
+from ..models.specs import parse_image_spec
 from .datasets import load_dataset
 from .options import (CHECKPOINT_NAME, OPTIMIZERS, PLOT_NAME, REPORT_NAME, RESUME_MAY_CHANGE, SMALL_MODEL_PARAMETERS,
                       TRAIN_DEFAULTS)
@@ -123,8 +123,8 @@ class TrainingRun(TrainingReport):
     def _setup(self) -> None:
         import torch
 
-        from ..models import build_image_model
-        from ..validation import find_problems
+        from ..models.build import build_image_model
+        from ..models.validation import find_problems
 
         c = self.config
         self.device = _resolve_device(c["device"])

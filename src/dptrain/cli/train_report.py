@@ -7,12 +7,12 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..model_specs import parse_spec
+from ..models.specs import parse_spec
 from .options import OPTIMIZERS
 from .output import plural
 
 if TYPE_CHECKING:
-    from ..planning import LayerDecision
+    from ..core.planning import LayerDecision
 
 
 class TrainingReport:
@@ -83,7 +83,7 @@ class TrainingReport:
         return accounting.truncation_delta(len(self.data.train), self.sample_rate, self.max_batch_size, steps)
 
     def _layer_decisions(self) -> list[LayerDecision]:
-        from ..planning import plan
+        from ..core.planning import plan
 
         example = self.data.preprocess(self.data.test_x[:1].to(self.device))
         return plan(self.model, example, clipping_mode=self.config["clipping_mode"])

@@ -9,6 +9,9 @@
 * :mod:`~dptrain.correlated.resolve`: the engine's noise arguments, checked and built into a mechanism.
 * :mod:`~dptrain.correlated.comparison`: a run's expected error against DP-SGD's at the same epsilon (the engine
   warns when DP-SGD is better).
+
+It may import ``accounting`` and ``_checks``, nothing of the engine: the engine builds its noise source from this
+package (and gives it its i.i.d. Gaussian draws), not the other way round.
 """
 from __future__ import annotations
 

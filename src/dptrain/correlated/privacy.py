@@ -3,7 +3,7 @@
 Both mechanisms release ``C x + sigma R kappa z`` (``z`` standard Gaussian, ``kappa`` the largest column norm
 of ``C`` over the planned ``n`` steps, so that ``sigma`` is the noise multiplier one participation sees, as in
 DP-SGD and jax_privacy's ``BandMFConfig``); the optimizer sees ``x + sigma R kappa C^{-1} z``, post-processing.
-Units are split into ``g`` cyclic groups (:mod:`dptrain.cyclic`): unit ``u`` can only be sampled at the steps
+Units are split into ``g`` cyclic groups (:mod:`dptrain.data.cyclic`): unit ``u`` can only be sampled at the steps
 ``t`` with ``t mod g = group(u)``, each time with probability ``q`` (Poisson, within its group).
 
 ``noise="bandmf"`` (amplified banded matrix factorization; Choquette-Choo et al. 2023b, Theorems 1, 4 and 5)
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import accounting, checks
+from .. import accounting, _checks
 from .strategies import BandedToeplitz, BufferedToeplitz, Strategy, strategy_from_dict
 from . import toeplitz
 
@@ -55,13 +55,13 @@ class CorrelatedMechanism:
     planned_steps: int
 
     def __post_init__(self):
-        checks.choice("noise", self.noise, CORRELATED_NOISES)
+        _checks.choice("noise", self.noise, CORRELATED_NOISES)
         expected = BandedToeplitz if self.noise == "bandmf" else BufferedToeplitz
         if not isinstance(self.strategy, expected):
             raise ValueError(f"noise={self.noise!r} takes a {expected.__name__} strategy, got "
                              f"{type(self.strategy).__name__}")
-        checks.positive_int("cyclic_groups", self.cyclic_groups)
-        checks.positive_int("planned_steps", self.planned_steps)
+        _checks.positive_int("cyclic_groups", self.cyclic_groups)
+        _checks.positive_int("planned_steps", self.planned_steps)
         if self.noise == "bandmf" and self.strategy.bands > self.cyclic_groups:
             raise ValueError(
                 f"a {self.strategy.bands}-banded strategy is amplified only when a unit's steps are at least "

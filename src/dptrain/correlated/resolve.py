@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .. import checks
+from .. import _checks
 from .privacy import CorrelatedMechanism
 from .strategies import BandedToeplitz, BufferedToeplitz, banded_strategy, blt_strategy, check_noising_stable
 
@@ -20,7 +20,7 @@ def noise_kind(noise: Any, bands: Any, buffers: Any, cyclic_groups: Any) -> tupl
     elif isinstance(noise, BufferedToeplitz):
         name = "blt"
     else:
-        name = checks.choice("noise", noise, NOISES)
+        name = _checks.choice("noise", noise, NOISES)
     if name == "gaussian":
         for arg, value in (("bands", bands), ("buffers", buffers), ("cyclic_groups", cyclic_groups)):
             if value is not None:
@@ -42,8 +42,8 @@ def noise_kind(noise: Any, bands: Any, buffers: Any, cyclic_groups: Any) -> tupl
                 raise ValueError("bands='auto' chooses the cyclic groups too (as many as bands): leave cyclic_groups "
                                  "out")
             return name, 0  # chosen with the noise (choose_bands)
-        bands = checks.positive_int("bands", bands, "the number of bands of the strategy, or 'auto'")
-        groups = bands if cyclic_groups is None else checks.positive_int("cyclic_groups", cyclic_groups)
+        bands = _checks.positive_int("bands", bands, "the number of bands of the strategy, or 'auto'")
+        groups = bands if cyclic_groups is None else _checks.positive_int("cyclic_groups", cyclic_groups)
         if groups < bands:
             raise ValueError(f"cyclic_groups={groups} is below bands={bands}: amplification needs every unit's steps "
                              "at least `bands` apart; use cyclic_groups >= bands")
@@ -51,10 +51,10 @@ def noise_kind(noise: Any, bands: Any, buffers: Any, cyclic_groups: Any) -> tupl
     if bands is not None:
         raise ValueError("bands applies to noise='bandmf'; a BLT strategy has buffers")
     if buffers is not None:
-        checks.positive_int("buffers", buffers, "the number of noise buffers of the BLT")
+        _checks.positive_int("buffers", buffers, "the number of noise buffers of the BLT")
     if isinstance(noise, BufferedToeplitz) and buffers is not None and buffers != noise.buffers:
         raise ValueError(f"buffers={buffers} but the given strategy has {noise.buffers} buffers")
-    groups = 1 if cyclic_groups is None else checks.positive_int("cyclic_groups", cyclic_groups)
+    groups = 1 if cyclic_groups is None else _checks.positive_int("cyclic_groups", cyclic_groups)
     return name, groups
 
 

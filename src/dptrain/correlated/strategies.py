@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import checks
+from .. import _checks
 from . import toeplitz
 
 __all__ = [
@@ -206,11 +206,11 @@ def _minimize(loss, x0: np.ndarray, max_iterations: int) -> np.ndarray:
 
 
 def _check_common(n: int, momentum: float, error: str) -> tuple[int, float, str]:
-    n = checks.positive_int("steps", n, "the number of steps the strategy is optimized for")
+    n = _checks.positive_int("steps", n, "the number of steps the strategy is optimized for")
     momentum = float(momentum)
     if not 0.0 <= momentum < 1.0:
         raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-    return n, momentum, checks.choice("error", error, ERRORS)
+    return n, momentum, _checks.choice("error", error, ERRORS)
 
 
 def optimize_banded(n: int, bands: int, *, momentum: float = 0.0, error: str = "mean",
@@ -220,7 +220,7 @@ def optimize_banded(n: int, bands: int, *, momentum: float = 0.0, error: str = "
     the first ``bands`` coefficients of ``A^{1/2}`` (as jax_privacy's ``optimize_banded_toeplitz``); returns
     ``||c|| = 1``."""
     n, momentum, error = _check_common(n, momentum, error)
-    bands = checks.positive_int("bands", bands)
+    bands = _checks.positive_int("bands", bands)
     if bands > n:
         raise ValueError(f"bands={bands} exceeds the {n} steps of the run")
     if bands == 1:
@@ -277,8 +277,8 @@ def optimize_blt(n: int, buffers: int, *, min_sep: int = 1, max_participations: 
     ``(max_participations, min_sep)`` participation (None: as many as ``min_sep`` allows). A few starts,
     spread over time scales from ``n^(1/(d+1))`` to ``n`` steps; the best is kept."""
     n, momentum, error = _check_common(n, momentum, error)
-    buffers = checks.positive_int("buffers", buffers)
-    min_sep = checks.positive_int("min_sep", min_sep)
+    buffers = _checks.positive_int("buffers", buffers)
+    min_sep = _checks.positive_int("min_sep", min_sep)
     workload = _workload(n, momentum)
 
     def loss(x: torch.Tensor) -> torch.Tensor:

@@ -16,15 +16,28 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
-from ..noise import GaussianNoise
 from .privacy import CorrelatedMechanism
 from .strategies import BandedToeplitz
 
 __all__ = ["CorrelatedNoise", "NoisePlan", "plan_noise"]
+
+
+class IidGaussian(Protocol):
+    """The i.i.d. Gaussian draws correlated noise is made of: the engine's ``core.noise.GaussianNoise`` (seeded or
+    secure). A protocol, so that this package needs nothing of the engine's."""
+
+    secure: bool
+
+    def sample(self, like: torch.Tensor, std: float) -> torch.Tensor: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict, keep_stream: bool = False) -> None: ...
 
 
 @dataclass
@@ -42,7 +55,7 @@ class CorrelatedNoise:
     ``param_name``), ``(p, sum, std) -> noise``; ``std = sigma R``.
     """
 
-    def __init__(self, mechanism: CorrelatedMechanism, gaussian: GaussianNoise,
+    def __init__(self, mechanism: CorrelatedMechanism, gaussian: IidGaussian,
                  param_name: Callable[[nn.Parameter], str]):
         self.mechanism, self.gaussian, self.param_name = mechanism, gaussian, param_name
         self.secure = gaussian.secure
@@ -151,17 +164,17 @@ def plan_noise(model: nn.Module, noise: str = "gaussian", *, bands: int | None =
     """The memory of the noise state ``noise`` keeps for ``model``'s trainable parameters: none for ``"gaussian"``,
     ``bands - 1`` model-sized buffers for ``"bandmf"``, ``buffers`` for ``"blt"`` (default 4, as the engine).
     No strategy is optimized: the size does not depend on it."""
-    from .. import checks
+    from .. import _checks
 
-    checks.choice("noise", noise, ("gaussian", "bandmf", "blt"))
+    _checks.choice("noise", noise, ("gaussian", "bandmf", "blt"))
     if noise == "gaussian":
         count = 0
     elif noise == "bandmf":
-        count = checks.positive_int("bands", bands) - 1 if bands is not None else None
+        count = _checks.positive_int("bands", bands) - 1 if bands is not None else None
         if count is None:
             raise ValueError("noise='bandmf' needs bands: the number of bands of the strategy")
     else:
-        count = checks.positive_int("buffers", 4 if buffers is None else buffers)
+        count = _checks.positive_int("buffers", 4 if buffers is None else buffers)
     params = [p for p in model.parameters() if p.requires_grad]
     numbers = sum(p.numel() for p in params)
     width = sum(p.numel() * max(4, p.element_size() if p.is_floating_point() else 4) for p in params)

@@ -21,22 +21,24 @@ can be zero. A shuffled fixed-size ``DataLoader`` does not match that analysis.
   privacy): each user is in a batch independently with probability q, with up to
   ``max_examples_per_user`` of their examples, and every batch is a :class:`UserBatch`
   ``(data, users)`` that says whose each row is (:class:`UserPoissonSampler`).
-* ``poisson_loader(..., cyclic_groups=g)`` samples *cyclically* (:mod:`dptrain.cyclic`): each unit in one of g
+* ``poisson_loader(..., cyclic_groups=g)`` samples *cyclically* (:mod:`dptrain.data.cyclic`): each unit in one of g
   fixed groups, step t samples group ``t mod g`` (what amplified banded matrix factorization needs).
 
 The modules, one concept each: ``poisson`` (``PoissonSampler``, its checkpoint and resume), ``users``
 (user-level sampling, ``UserBatch``), ``distributed`` (one rank's shard), ``batches`` (a batch's structure, empty
 batches), ``fixed_shape`` (``FixedShapeBatch``, ``masked_losses``), ``loaders`` (``poisson_loader``,
-``DPDataLoader``) and ``physical_batches`` (``split_batches``). Import the names from ``dptrain.data``.
+``DPDataLoader``), ``physical_batches`` (``split_batches``) and ``cyclic`` (the cyclic samplers). Import the names from
+``dptrain.data``. The package imports nothing of dptrain but ``_checks``: the engine reads its loaders, never the
+other way round.
 """
 
 from __future__ import annotations
 
 # In the order of the API reference (mkdocstrings renders them in import order). Besides __all__, the private
 # names the rest of dptrain imports from here: batch_len (testing, integrations.loaders), _EmptyBatchCollate and
-# _FixedShapeCollate (integrations.loaders), _user_ids (cyclic).
+# _FixedShapeCollate (integrations.loaders).
 from .poisson import PoissonSampler
-from .users import UserPoissonSampler, UserBatch, FixedShapeUserBatch, _user_ids
+from .users import UserPoissonSampler, UserBatch, FixedShapeUserBatch
 from .distributed import DistributedPoissonSampler, DistributedUserPoissonSampler
 from .batches import _EmptyBatchCollate, batch_len
 from .fixed_shape import FixedShapeBatch, masked_losses, _FixedShapeCollate

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .. import checks
+from .. import _checks
 from .poisson import PoissonSampler
 from .users import UserPoissonSampler
 
@@ -108,18 +108,18 @@ class DistributedPoissonSampler(PoissonSampler):
         steps: int | None = None,
         generator: torch.Generator | None = None,
     ):
-        num_samples = checks.positive_int("num_samples", num_samples)
+        num_samples = _checks.positive_int("num_samples", num_samples)
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}")
         num_replicas = _distributed_default(num_replicas, "num_replicas")
         rank = _distributed_default(rank, "rank")
-        self.num_replicas = checks.positive_int("num_replicas", num_replicas)
+        self.num_replicas = _checks.positive_int("num_replicas", num_replicas)
         if self.num_replicas > num_samples:
             raise ValueError(
                 f"num_replicas={self.num_replicas} exceeds the dataset size {num_samples}: "
                 "every rank needs at least one example of its own to sample."
             )
-        self.rank = checks.index("rank", rank, self.num_replicas, "num_replicas")
+        self.rank = _checks.index("rank", rank, self.num_replicas, "num_replicas")
         # Validate sample_rate / steps before drawing from the caller's generator.
         PoissonSampler.__init__(self, num_samples, sample_rate, steps=steps, generator=None)
         self.generator = _rank_generator(generator, self.rank, self.num_replicas)
@@ -185,13 +185,13 @@ class DistributedUserPoissonSampler(UserPoissonSampler):
         # Everything checked before drawing from the caller's generator.
         UserPoissonSampler.__init__(self, users, sample_rate, steps=steps, generator=None,
                                     max_examples_per_user=max_examples_per_user)
-        self.num_replicas = checks.positive_int("num_replicas", _distributed_default(num_replicas, "num_replicas"))
+        self.num_replicas = _checks.positive_int("num_replicas", _distributed_default(num_replicas, "num_replicas"))
         if self.num_replicas > self.num_users:
             raise ValueError(
                 f"num_replicas={self.num_replicas} exceeds the number of users {self.num_users}: every rank needs "
                 "at least one user of its own to sample."
             )
-        self.rank = checks.index("rank", _distributed_default(rank, "rank"), self.num_replicas, "num_replicas")
+        self.rank = _checks.index("rank", _distributed_default(rank, "rank"), self.num_replicas, "num_replicas")
         self.generator = _rank_generator(generator, self.rank, self.num_replicas)
         self.own_users = torch.arange(self.rank, self.num_users, self.num_replicas)  # this rank's users
 

@@ -1,6 +1,6 @@
 """The loaders: :func:`poisson_loader` builds a :class:`DPDataLoader` from a dataset and the sampler it asks for.
 
-It picks the sampler (examples or users, one rank's shard, cyclic groups through :mod:`dptrain.cyclic`) and the
+It picks the sampler (examples or users, one rank's shard, cyclic groups through :mod:`dptrain.data.cyclic`) and the
 collate (empty batches, fixed shapes, user batches); :func:`is_poisson_loader` tells the engine whether a loader
 draws its batches by Poisson sampling.
 """
@@ -15,7 +15,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from torch.utils.data.dataloader import default_collate
 
-from .. import checks
+from .. import _checks
+from . import cyclic
 from .batches import _EmptyBatchCollate, batch_len
 from .distributed import DistributedPoissonSampler, DistributedUserPoissonSampler
 from .fixed_shape import _FixedShapeCollate
@@ -51,7 +52,7 @@ class DPDataLoader(DataLoader):
     def __init__(self, dataset: Dataset, sampler: PoissonSampler, **kwargs: Any):
         super().__init__(dataset, batch_sampler=sampler, **kwargs)
         self.sample_rate = sampler.sample_rate
-        #: g of cyclic Poisson sampling (dptrain.cyclic; 1: plain Poisson sampling): q is then the rate within a group
+        #: g of cyclic Poisson sampling (dptrain.data.cyclic; 1: plain Poisson sampling): q is then the rate within a group
         self.cyclic_groups = getattr(sampler, "cyclic_groups", 1)
         self.expected_batch_size = sampler.sample_rate * sampler.num_samples / self.cyclic_groups
         #: with cyclic groups, the run's step number of the last batch handed out (None before the first)
@@ -195,7 +196,7 @@ def poisson_loader(
     disjoint sets of users, all of a user's examples on one rank
     (:class:`DistributedUserPoissonSampler`). Not available with ``max_batch_size`` yet.
 
-    ``cyclic_groups=g`` makes the sampling *cyclic* (:mod:`dptrain.cyclic`, what amplified banded matrix
+    ``cyclic_groups=g`` makes the sampling *cyclic* (:mod:`dptrain.data.cyclic`, what amplified banded matrix
     factorization needs: ``PrivacyEngine(..., noise="bandmf", bands=b)`` with ``g >= b``): every unit (example,
     or user) is assigned once to one of g groups, uniformly at random, and step t samples only group
     ``t mod g``, each of its units with probability q, the *within-group* rate: ``q = batch_size * g / N`` for
@@ -223,10 +224,10 @@ def poisson_loader(
             "Give exactly one of sample_rate (probability q that an example is in a batch) "
             "or batch_size (the expected batch size, q = batch_size / len(dataset))."
         )
-    groups = 1 if cyclic_groups is None else checks.positive_int("cyclic_groups", cyclic_groups,
+    groups = 1 if cyclic_groups is None else _checks.positive_int("cyclic_groups", cyclic_groups,
                                                                 "the number of cyclic groups, g")
     if batch_size is not None:
-        batch_size = checks.positive_int("batch_size", batch_size)
+        batch_size = _checks.positive_int("batch_size", batch_size)
         if groups > 1 and batch_size * groups > num_samples:
             raise ValueError(
                 f"batch_size={batch_size} with cyclic_groups={groups} needs batch_size * cyclic_groups <= "
@@ -245,7 +246,7 @@ def poisson_loader(
     if not isinstance(distributed, bool):
         raise ValueError(f"distributed must be True or False, got {distributed!r}")
     if max_batch_size is not None:
-        max_batch_size = checks.positive_int("max_batch_size", max_batch_size,
+        max_batch_size = _checks.positive_int("max_batch_size", max_batch_size,
                                              "the fixed number of rows of every batch, K")
         if distributed:
             raise ValueError(
@@ -298,8 +299,7 @@ def poisson_loader(
 
 def _cyclic_sampler(num_samples, sample_rate, groups, distributed, num_replicas, rank, steps, generator,
                     max_batch_size, user_ids, max_examples_per_user) -> PoissonSampler:
-    """The sampler of ``poisson_loader(..., cyclic_groups=groups)`` (``dptrain.cyclic``)."""
-    from .. import cyclic  # it builds on the samplers of this package
+    """The sampler of ``poisson_loader(..., cyclic_groups=groups)`` (``dptrain.data.cyclic``)."""
 
     if distributed and user_ids is not None:
         return cyclic.CyclicDistributedUserPoissonSampler(user_ids, sample_rate, groups, num_replicas, rank,

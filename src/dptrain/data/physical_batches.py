@@ -9,7 +9,7 @@ from typing import Any, Iterator
 
 import torch
 
-from .. import checks
+from .. import _checks
 from .batches import _batch_size, _map_batch
 from .users import FixedShapeUserBatch, UserBatch, UserPoissonSampler
 
@@ -80,7 +80,7 @@ def split_batches(loader: Any, max_physical_batch_size: int) -> Iterator[list[An
     that is a multiple of m and divides K * m gives physical batches of one shape.
     """
     # Checked here, not inside a generator, so a bad value fails at the call site.
-    max_physical_batch_size = checks.positive_int("max_physical_batch_size", max_physical_batch_size)
+    max_physical_batch_size = _checks.positive_int("max_physical_batch_size", max_physical_batch_size)
     sampler = getattr(loader, "batch_sampler", None)
     if isinstance(sampler, UserPoissonSampler) and sampler.max_rows_per_user > max_physical_batch_size:
         raise ValueError(

@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 from torch.utils.data import Sampler
 
-from .. import checks
+from .. import _checks
 
 
 def _secure_generator() -> torch.Generator:
@@ -49,16 +49,16 @@ class PoissonSampler(Sampler[list[int]]):
         generator: torch.Generator | None = None,
         max_batch_size: int | None = None,
     ):
-        self.num_samples = checks.positive_int("num_samples", num_samples)
-        self.sample_rate = checks.sample_rate(sample_rate)
+        self.num_samples = _checks.positive_int("num_samples", num_samples)
+        self.sample_rate = _checks.sample_rate(sample_rate)
         self.max_batch_size = (
-            None if max_batch_size is None else checks.positive_int(
+            None if max_batch_size is None else _checks.positive_int(
                 "max_batch_size", max_batch_size, "the fixed number of rows of every batch, K")
         )
         self.steps = (
             max(1, round(1.0 / self.sample_rate))
             if steps is None
-            else checks.positive_int("steps", steps)
+            else _checks.positive_int("steps", steps)
         )
         if generator is not None and not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator or None, got {generator!r}")
@@ -150,7 +150,7 @@ class PoissonSampler(Sampler[list[int]]):
                 f"this sampler has max_batch_size={self.max_batch_size!r}; the saved batches cannot be "
                 "reproduced. Build the loader with the saved max_batch_size."
             )
-        position = checks.index("position", state["position"], self.steps, "steps")
+        position = _checks.index("position", state["position"], self.steps, "steps")
         self._epoch_start_state = state["generator_state"].clone()
         self._position = position
         self._resume_pending = True

@@ -13,7 +13,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 from torch.utils.data import Dataset
 
-from .. import checks
+from .. import _checks
 from .batches import _batch_size, _EmptyBatchCollate, _map_batch
 from .fixed_shape import _append_rows, _zero_row
 from .poisson import PoissonSampler
@@ -71,7 +71,7 @@ class UserPoissonSampler(PoissonSampler):
         max_batch_size: int | None = None,
     ):
         ids = _user_ids(users)
-        self.max_examples_per_user = None if max_examples_per_user is None else checks.positive_int(
+        self.max_examples_per_user = None if max_examples_per_user is None else _checks.positive_int(
             "max_examples_per_user", max_examples_per_user,
             "the most examples of one user in a batch; None takes all of them")
         if max_batch_size is not None and self.max_examples_per_user is None:

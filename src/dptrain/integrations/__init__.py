@@ -9,7 +9,9 @@
 * :mod:`dptrain.integrations.loaders` -- the Poisson loader they share: one draw per step, shared out to
   micro-batches and processes (no framework needed).
 
-docs/frameworks.md says what works where.
+docs/frameworks.md says what works where. Built on the engine as a user's code is: the integrations may import
+``engine`` and what is below it (``core``, ``data``, ``accounting``, ``losses``), never ``cli``, ``testing`` or
+``audit``.
 """
 from __future__ import annotations
 

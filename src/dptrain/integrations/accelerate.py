@@ -58,8 +58,8 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError("dptrain.integrations.accelerate needs Hugging Face Accelerate: "
                       "pip install 'dptrain[accelerate]'") from err
 
-from ..algorithms import DEFAULT_CLIPPING_MODE
-from ..distributed import is_dtensor
+from ..core.algorithms import DEFAULT_CLIPPING_MODE
+from ..core.distributed import is_dtensor
 from ..engine import PrivacyEngine
 from .common import check_run_state, engine_settings, inner_optimizer, resumed_settings, run_state
 from .loaders import ShardedPoissonLoader, sharded_poisson_loader

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import accounting, checks
+from .. import accounting, _checks
 from ..data import FixedShapeBatch, FixedShapeUserBatch
-from ..distributed import is_dtensor
+from ..core.distributed import is_dtensor
 from ..engine import PrivacyEngine
 from .loaders import fixed_shape_rows, steps_per_epoch
 
@@ -39,8 +39,8 @@ def engine_settings(*, sample_size: int, batch_size: int, shares: int, max_grad_
     clash = sorted(OWN_KEYWORDS & set(extra))
     if clash:
         raise ValueError(f"engine_kwargs must not repeat the integration's own arguments {clash}: give them directly")
-    batch_size = checks.positive_int("batch_size", batch_size, "the expected logical batch size")
-    sample_size = checks.positive_int("sample_size", sample_size, "the dataset size")
+    batch_size = _checks.positive_int("batch_size", batch_size, "the expected logical batch size")
+    sample_size = _checks.positive_int("sample_size", sample_size, "the dataset size")
     if batch_size > sample_size:
         raise ValueError(f"the logical batch size {batch_size} exceeds the training set size {sample_size}")
     if steps is None and epochs is not None:
@@ -52,7 +52,7 @@ def engine_settings(*, sample_size: int, batch_size: int, shares: int, max_grad_
         delta = accounting.default_delta(sample_size) if target_delta is None else target_delta
         max_batch_size = fixed_shape_rows(sample_size, batch_size, delta, steps, shares)
     elif max_batch_size is not None:
-        max_batch_size = checks.positive_int("max_batch_size", max_batch_size, "the fixed rows of a logical batch, K")
+        max_batch_size = _checks.positive_int("max_batch_size", max_batch_size, "the fixed rows of a logical batch, K")
         if max_batch_size % shares:
             raise ValueError(
                 f"max_batch_size={max_batch_size} does not split into {shares} pieces of equal rows (micro-batches "

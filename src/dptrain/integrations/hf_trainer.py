@@ -72,8 +72,8 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         f"dptrain.integrations.hf_trainer needs Hugging Face transformers and accelerate (the Trainer trains through "
         f"it), and {missing!r} is not installed: pip install 'dptrain[transformers]' installs both") from err
 
-from .. import checks
-from ..algorithms import DEFAULT_CLIPPING_MODE
+from .. import _checks
+from ..core.algorithms import DEFAULT_CLIPPING_MODE
 from ..data import masked_losses
 from ..engine import PrivacyEngine
 from ..losses import LOSS_REDUCTIONS, sequence_losses
@@ -212,7 +212,7 @@ class DPTrainer(Trainer):
         **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
-        checks.choice("token_loss_reduction", token_loss_reduction, LOSS_REDUCTIONS)
+        _checks.choice("token_loss_reduction", token_loss_reduction, LOSS_REDUCTIONS)
         if not isinstance(poisson_sampling, bool):
             raise ValueError(f"poisson_sampling must be True or False, got {poisson_sampling!r}")
         if poisson_sampling and max_batch_size is None:

@@ -58,7 +58,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     raise ImportError(
         "dptrain.integrations.lightning needs PyTorch Lightning: pip install 'dptrain[lightning]'") from err
 
-from ..algorithms import DEFAULT_CLIPPING_MODE
+from ..core.algorithms import DEFAULT_CLIPPING_MODE
 from ..engine import PrivacyEngine
 from .common import (check_run_state, engine_on, engine_settings, find_padding_mask, inner_optimizer,
                      resumed_settings, run_state)

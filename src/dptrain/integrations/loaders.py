@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .. import accounting, checks
+from .. import accounting, _checks
 from ..data import DPDataLoader, FixedShapeBatch, PoissonSampler, _EmptyBatchCollate, _FixedShapeCollate
 
 __all__ = ["MASK_KEY", "ShardedPoissonLoader", "ShardedPoissonSampler", "fixed_shape_rows", "sharded_poisson_loader"]
@@ -45,7 +45,7 @@ def fixed_shape_rows(sample_size: int, batch_size: int, delta: float, steps: int
     """The K for fixed-shape batches: the smallest whose truncation costs at most a tenth of ``delta`` over
     ``steps`` steps (``accounting.default_max_batch_size``), rounded up to a multiple of ``shares`` (micro-batches
     times processes, so every piece has ``K / shares`` rows). A larger K only truncates less."""
-    shares = checks.positive_int("shares", shares, "micro-batches times processes")
+    shares = _checks.positive_int("shares", shares, "micro-batches times processes")
     k = accounting.default_max_batch_size(sample_size, batch_size / sample_size, delta, steps)
     return -(-k // shares) * shares
 
@@ -89,7 +89,7 @@ class ShardedPoissonSampler(PoissonSampler):
                  num_replicas: int | None = None, rank: int | None = None, steps: int | None = None,
                  generator: torch.Generator | None = None, max_batch_size: int | None = None):
         super().__init__(num_samples, sample_rate, steps=steps, generator=generator, max_batch_size=max_batch_size)
-        self.micro_batches = checks.positive_int("micro_batches", micro_batches, "pieces of a step per process")
+        self.micro_batches = _checks.positive_int("micro_batches", micro_batches, "pieces of a step per process")
         self._given_rank = rank
         self._seed_agreed = generator is not None  # (a given generator is seeded the same everywhere: documented)
         self.num_replicas: int | None = None
@@ -98,8 +98,8 @@ class ShardedPoissonSampler(PoissonSampler):
             self._set_world(num_replicas, rank if rank is not None else 0)
 
     def _set_world(self, num_replicas: int, rank: int) -> None:
-        self.num_replicas = checks.positive_int("num_replicas", num_replicas, "the number of processes")
-        self.rank = checks.index("rank", rank, self.num_replicas, "num_replicas")
+        self.num_replicas = _checks.positive_int("num_replicas", num_replicas, "the number of processes")
+        self.rank = _checks.index("rank", rank, self.num_replicas, "num_replicas")
         shares = self.shares
         if self.max_batch_size is not None and self.max_batch_size % shares:
             raise ValueError(
@@ -141,7 +141,7 @@ class ShardedPoissonSampler(PoissonSampler):
     def state_in_epoch(self, position: int) -> dict:
         """The checkpoint after ``position`` steps of the current epoch (0: between epochs, the next one starts
         from the generator's current state), whatever was drawn ahead by a prefetching loader."""
-        position = checks.index("position", position, self.steps, "steps")
+        position = _checks.index("position", position, self.steps, "steps")
         return {**self._state_at(position if position else self.steps), "position": position}
 
 
@@ -177,7 +177,7 @@ class ShardedPoissonLoader(DPDataLoader):
         if sampler.max_batch_size is None:
             raise ValueError("this loader makes batches of varying size: build it with max_batch_size to fix K")
         previous = sampler.max_batch_size
-        sampler.max_batch_size = checks.positive_int("max_batch_size", max_batch_size, "the fixed rows of a step, K")
+        sampler.max_batch_size = _checks.positive_int("max_batch_size", max_batch_size, "the fixed rows of a step, K")
         try:
             if sampler.num_replicas is not None:
                 sampler._set_world(sampler.num_replicas, sampler.rank)  # (checks that K splits into the pieces)
@@ -230,7 +230,7 @@ def sharded_poisson_loader(dataset, batch_size: int, *, max_batch_size: int | No
     sample_size = len(dataset)
     if sample_size == 0:
         raise ValueError("the dataset is empty: there is nothing to sample")
-    batch_size = checks.positive_int("batch_size", batch_size, "the expected logical batch size")
+    batch_size = _checks.positive_int("batch_size", batch_size, "the expected logical batch size")
     if batch_size > sample_size:
         raise ValueError(f"batch_size={batch_size} exceeds the dataset size {sample_size}")
     sampler = ShardedPoissonSampler(sample_size, batch_size / sample_size, micro_batches=micro_batches,

@@ -3,42 +3,19 @@
 Writing a rule: ``protocol.py`` (``LayerRule``, ``LayerDims``), ``registry.py`` (``register_layer``,
 ``unregister_layer``), ``numerics.py`` (the helpers the built-in rules share); ``norms.AffineNormRule`` is
 the base of every normalisation rule. ``dptrain.testing.assert_rule_exact`` checks a rule in every mode.
+
+The rules know nothing of the engine that runs them: this package imports nothing of dptrain but ``_checks``.
 """
 from __future__ import annotations
-from torch import nn
 
 from .protocol import CaptureSite, LayerDims, LayerRule
-from .registry import container_params, find_rule, register_layer, trainable_params, unregister_layer
+from .registry import find_rule, register_layer, trainable_params, unregister_layer
 from . import linear, conv, embedding, norms, hf, timm  # noqa: F401  (registers the built-in rules)
-from .fallback import FallbackRule, fallback_modules, fallback_refusal, in_replay
-from .embedding import recognise_scaled_embedding
-from .norms import AffineNormRule, recognise_rms_norm
+from .fallback import FallbackRule, fallback_refusal, in_replay
+from .norms import AffineNormRule
+from .resolve import fallback_modules, resolve_rule
 
 __all__ = [
     "AffineNormRule", "CaptureSite", "FallbackRule", "LayerDims", "LayerRule", "fallback_modules", "fallback_refusal",
     "find_rule", "in_replay", "register_layer", "resolve_rule", "trainable_params", "unregister_layer",
 ]
-
-
-def resolve_rule(module: nn.Module, allow_fallback: bool = True, batch_first: bool = True,
-                 name: str | None = None) -> LayerRule | None:
-    """The rule the engine uses for ``module``: its registered rule; else, for an embedding that scales its
-    lookup by a constant ``embed_scale``, the scaled-embedding rule (checked numerically on its first call); else, for a module shaped like an
-    RMS norm, the norm rule (checked numerically on its first call, which hands a module that fails
-    to the fallback if allowed, else refuses it); else, if allowed and the module has trainable
-    parameters of its own, the generic per-sample fallback (``torch.func``, instantiation only);
-    ``None`` when nothing covers it. Recognised norms and fallbacks are built per module.
-
-    ``batch_first``: the engine's option of that name; with ``False`` the engine hands rules the
-    tensors of a call with dims 0 and 1 swapped, and the fallback swaps them back to replay it.
-    ``name``: the module's path in the model (``""`` for the root), which a fallback's refusals name;
-    without it they name the module's class."""
-    rule = find_rule(module) or recognise_scaled_embedding(module)
-    if rule is not None:
-        return rule
-    fallback = None
-    trainable = trainable_params(module) or any(module.get_parameter(n).requires_grad for n in container_params(module))
-    if allow_fallback and trainable and fallback_refusal(module) is None:
-        fallback = FallbackRule(module, name=name, batch_first=batch_first)
-    norm = recognise_rms_norm(module, fallback)  # a module that fails its check goes to the fallback
-    return norm if norm is not None else fallback

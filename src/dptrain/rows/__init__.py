@@ -11,7 +11,8 @@
   (``BackwardRows``);
 - ``errors``: the refusals (``RowsMixSamples``, ``NonFiniteRows``).
 
-docs/row-check.md says what it guarantees.
+docs/row-check.md says what it guarantees. It may import ``layers`` (and ``_checks``); the engine's step
+machinery (``core``) builds on it, never the other way round.
 """
 from .errors import NonFiniteRows, RowsMixSamples
 from .layout import IDENTITY, Layout, RowMap, can_regroup, describe_layouts, map_from_layout, pattern_key

@@ -37,9 +37,9 @@ kept of a call), ``arguments`` (a call's arguments, objects it may change, argum
 tensor, and tensors handed on that the replay does not differentiate), ``batch_axes`` (the batch at another axis),
 ``folded`` (rows folded into the batch), ``bags`` (flat bags), ``one_by_one`` (where ``vmap`` cannot run),
 ``independence`` (the checks that samples stay apart), ``rule`` (``FallbackRule``, assembling them) and
-``coverage`` (which modules the fallback takes).
+``coverage`` (which modules the fallback refuses).
 """
-from .coverage import fallback_modules, fallback_refusal, fallback_warning
+from .coverage import fallback_refusal, fallback_warning
 from .guarded_outputs import SIDE_CHANNELS, SideChannel
 from .independence import SampleMixingError, min_dtype
 from .records import FallbackCall, FallbackOperands, FoldedRows
@@ -48,6 +48,6 @@ from .rule import FallbackRule
 
 __all__ = [
     "SIDE_CHANNELS", "FallbackCall", "FallbackOperands", "FallbackRule", "FoldedRows", "SampleMixingError",
-    "SideChannel", "autograd_vjp", "fallback_modules", "fallback_refusal", "fallback_warning", "in_replay",
+    "SideChannel", "autograd_vjp", "fallback_refusal", "fallback_warning", "in_replay",
     "min_dtype", "replay", "replaying",
 ]

@@ -1,12 +1,11 @@
-"""Which modules the fallback takes: those it refuses (``fallback_refusal``), those of a model it would take
-(``fallback_modules``), the engine's warning naming them (``fallback_warning``), and the parameters
+"""Which modules the fallback takes: those it refuses (``fallback_refusal``), the engine's warning naming those it
+takes (``fallback_warning``; which they are is ``layers.resolve.fallback_modules``), and the parameters
 ``nn.MultiheadAttention`` reads from its ``out_proj`` (claimed, so that the fallback replays the attention)."""
 from __future__ import annotations
 
 from torch import nn
 
 from ..registry import reads_child_params
-from .rule import FallbackRule
 
 
 def fallback_refusal(module: nn.Module) -> str | None:
@@ -29,18 +28,6 @@ def fallback_refusal(module: nn.Module) -> str | None:
     if isinstance(module, (nn.ParameterDict, nn.ParameterList)):
         return "its parameters are read by the module that holds it, never in a call of its own"
     return None
-
-
-def fallback_modules(model: nn.Module) -> list[str]:
-    """Names of the modules of ``model`` whose trainable parameters the engine would give to the fallback."""
-    from .. import resolve_rule  # the single place that chooses a module's rule
-    from ..registry import layer_params
-
-    covered = layer_params(model)
-    return [
-        name or "<root>" for name, module in model.named_modules()
-        if module in covered and isinstance(resolve_rule(module, True), FallbackRule)
-    ]
 
 
 def fallback_warning(names: list[str]) -> str | None:

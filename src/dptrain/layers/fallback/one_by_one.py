@@ -7,7 +7,7 @@ import warnings
 
 import torch
 
-from ...checks import first_line
+from ..._checks import first_line
 from .independence import SampleMixingError
 from .replay_context import autograd_vjp
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from ...checks import first_line
+from ..._checks import first_line
 from ..numerics import scale_samples, swap01, weighted_sum
 from ..protocol import LayerDims, LayerRule
 from ..registry import container_params

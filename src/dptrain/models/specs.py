@@ -1,17 +1,17 @@
 """Model specs of the ``dptrain`` command (``cnn``, ``timm:NAME``, ...), read without importing torch.
 
 The CLI checks a spec here before it loads torch, so a misspelt model answers at once;
-``dptrain.models`` builds the model a valid spec names.
+``build`` makes the model a valid spec names.
 """
 from __future__ import annotations
 
-from . import checks
+from .. import _checks
 
 BUILTIN_MODELS = ("cnn", "mlp")
 MODEL_SOURCES = ("torchvision", "timm", "hf")
 MODEL_SPEC_HELP = "cnn, mlp, torchvision:NAME, timm:NAME or hf:NAME"
 IMAGE_MODEL_HELP = "cnn, mlp, torchvision:NAME or timm:NAME"
-# The head an hf: model is built with (dptrain.models.build_text_model); "auto": the model type's language-model head
+# The head an hf: model is built with (build.build_text_model); "auto": the model type's language-model head
 HF_HEADS = ("auto", "causal-lm", "masked-lm", "seq2seq-lm", "sequence-classification", "token-classification", "none")
 
 
@@ -28,7 +28,7 @@ def parse_spec(spec: str, valid: str = MODEL_SPEC_HELP) -> tuple[str, str]:
         return "builtin", spec
     source, sep, name = spec.partition(":")
     if not sep or source not in MODEL_SOURCES or not name:
-        raise ModelSpecError(str(checks.unknown("model", spec, (valid,))))
+        raise ModelSpecError(str(_checks.unknown("model", spec, (valid,))))
     return source, name
 
 

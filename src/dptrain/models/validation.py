@@ -6,8 +6,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .layers import fallback_refusal, resolve_rule
-from .layers.registry import covering_base, layer_params
+from ..layers import fallback_refusal, resolve_rule
+from ..layers.registry import covering_base, layer_params
 
 
 @dataclass(frozen=True)

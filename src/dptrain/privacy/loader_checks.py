@@ -7,14 +7,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from . import data
-from .config import EngineConfig
-from .cyclic import cyclic_groups_of
+from .. import data
+from ..data.cyclic import cyclic_groups_of
 
 
-def check_loader(loader: Any, config: EngineConfig) -> bool:
+def check_loader(loader: Any, config: Any) -> bool:
     """Whether ``loader`` samples by Poisson sampling; one that does but with another unit, groups, rate or
-    ``max_batch_size`` than the engine accounts for is refused."""
+    ``max_batch_size`` than the engine accounts for (``config``, the engine's ``EngineConfig``) is refused."""
     if not data.is_poisson_loader(loader):
         return False
     unit = getattr(loader, "privacy_unit", "example")

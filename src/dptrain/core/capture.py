@@ -35,10 +35,10 @@ from .deferred import DeferredCall, wrap_outputs
 from .graph_nodes import EngineHook, guard_written_base
 from .hooks_aside import HooksAside
 from .layer_hooks import LayerHooks
-from .layers.fallback import in_replay
-from .rows import InputRows, RowReader, computing_precision, map_tensors, tensors_in
-from .rows.inputs import CarriedRows, _InputRowsNode
-from .rows.losses import mark_outputs
+from ..layers.fallback import in_replay
+from ..rows import InputRows, RowReader, computing_precision, map_tensors, tensors_in
+from ..rows.inputs import CarriedRows, _InputRowsNode
+from ..rows.losses import mark_outputs
 from .state_writes import StateWrites
 
 

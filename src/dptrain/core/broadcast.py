@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from .layers.numerics import close
+from ..layers.numerics import close
 
 # signature -> how the operation treats a BroadcastRows argument: "batch" (broadcast against the batch: run it on the
 # rows), "rowwise" (row by row: run it on the rows, the result is a BroadcastRows again), "shared" (run it as it is)

@@ -15,12 +15,12 @@ from .broadcast import BroadcastRows, broadcast_rows, rows_of, shared_use_marker
 from .calls import Call, LayerState, in_backward
 from .distributed import is_dtensor
 from .graph_nodes import _GradientPenalty, _Origin, _OutputLeaves
-from .layers.fallback import in_replay
-from .layers.numerics import swap01
-from .layers.protocol import LayerDims, OutputLeaves
-from .rows import pattern_key
-from .rows.outputs import FROM_INPUT
-from .rows.proof import call_edge
+from ..layers.fallback import in_replay
+from ..layers.numerics import swap01
+from ..layers.protocol import LayerDims, OutputLeaves
+from ..rows import pattern_key
+from ..rows.outputs import FROM_INPUT
+from ..rows.proof import call_edge
 
 
 class LayerHooks:

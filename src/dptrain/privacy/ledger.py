@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from dataclasses import astuple, dataclass, replace
 
-from . import accounting, checks
+from .. import accounting, _checks
 
 
 @dataclass(frozen=True)
@@ -186,8 +186,8 @@ class Ledger:
                                  "(noise_multiplier, sample_rate, sample_size, max_batch_size, steps)")
             sigma, q, n, k, count = entry
             segments.append(Segment(
-                checks.non_negative("noise_multiplier", sigma), checks.sample_rate(q),
-                checks.positive_int("sample_size", n), None if k is None else checks.positive_int("max_batch_size", k),
-                checks.integer("steps", count, 0)))
+                _checks.non_negative("noise_multiplier", sigma), _checks.sample_rate(q),
+                _checks.positive_int("sample_size", n), None if k is None else _checks.positive_int("max_batch_size", k),
+                _checks.integer("steps", count, 0)))
         return segments
 

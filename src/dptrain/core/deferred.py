@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from .rows.losses import OUTPUT_MARK, OutputMark
-from .rows.outputs import map_per_sample
+from ..rows.losses import OUTPUT_MARK, OutputMark
+from ..rows.outputs import map_per_sample
 
 
 class DeferredCall:

@@ -21,10 +21,11 @@ from .config import EngineConfig
 from .pipeline import Overflow
 from .planning import LayerDecision
 from .precision import LossScaling
-from .rows import NonFiniteRows, tag_passes, tag_rows
-from .rows.losses import OutputMark, check_losses
-from .rows.proof import Rows
-from .step import SamplesPerStep
+from .refusals import compiled_backward_refusal, non_finite_losses
+from ..rows import NonFiniteRows, tag_passes, tag_rows
+from ..rows.losses import OutputMark, check_losses
+from ..rows.proof import Rows
+from ..privacy.sampling import SamplesPerStep
 from .trainable import TrainableSet
 
 
@@ -117,7 +118,7 @@ class BackwardRunner:
         try:
             self._run(losses, users, tag_losses, padded, real_rows)
         except RuntimeError as err:
-            refusal = _compiled_backward_refusal(err)
+            refusal = compiled_backward_refusal(err)
             if refusal is None:
                 raise
             raise refusal from err
@@ -142,7 +143,7 @@ class BackwardRunner:
                 proven = self._check_rows(losses, units)
             except NonFiniteRows as err:  # (the loss check's tag passes met inf or NaN before the backward's norms)
                 if self.scaling is None:
-                    raise _non_finite_losses(losses) or err
+                    raise non_finite_losses(losses) or err
                 self.after_backward(True)  # with a GradScaler, an overflow: the step is skipped, the scale backs off
                 return
         passes = None  # tag passes (rows.py) agreed by every rank: one more backward each, in which FSDP2 gathers
@@ -186,7 +187,7 @@ class BackwardRunner:
             self.users_in_step |= step_users
         except FloatingPointError as err:
             self.abort()
-            refusal = _non_finite_losses(losses)
+            refusal = non_finite_losses(losses)
             if refusal is not None:
                 raise refusal from err
             raise
@@ -397,7 +398,7 @@ class BackwardRunner:
                 try:
                     backward.tag_plain(raw, grad, axis, decided["tags"])
                 except RuntimeError as err:
-                    refusal = _compiled_backward_refusal(err)
+                    refusal = compiled_backward_refusal(err)
                     if refusal is None:
                         raise
                     raise refusal from err
@@ -480,23 +481,3 @@ class BackwardRunner:
             self._done(backward)
             self.after_backward(False)
 
-
-def _non_finite_losses(losses: torch.Tensor) -> ValueError | None:
-    """The refusal of a batch whose per-sample losses hold inf or NaN, naming their positions; None if they do not."""
-    bad = (~torch.isfinite(losses.detach())).nonzero().flatten().tolist()
-    if not bad:
-        return None
-    return ValueError(f"non-finite per-sample losses at batch positions {bad[:10]}: nothing was accumulated")
-
-
-def _compiled_backward_refusal(err: RuntimeError) -> RuntimeError | None:
-    """What to do where torch.compile's backward refused to run twice (inductor's donated buffers), or None."""
-    if "donated_buffer" not in str(err):
-        return None
-    return RuntimeError(
-        "torch.compile compiled a backward that frees its buffers as it runs (inductor's donated buffers), so it "
-        "cannot be back-propagated twice; the engine back-propagates a step more than once where the graph does not "
-        "prove which sample each row belongs to (a compiled region is opaque to it: its tag passes read the rows), "
-        "and the two-pass clipping modes always do. Set torch._functorch.config.donated_buffer = False before the "
-        "first compiled step (it costs a little memory, no speed), or compile only parts of the model between its "
-        "trainable layers. Nothing of this backward was accumulated")

@@ -33,7 +33,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .algorithms import DEFAULT_CLIPPING_MODE
+from ..core.algorithms import DEFAULT_CLIPPING_MODE
+from ..rows import RowsMixSamples
+from .engine_step import attached_engine
+from .oracle import _groups, _threshold_between, trainable_named_parameters
 
 # How far the default R sit from the nearest per-sample norm: far beyond the rounding of the engine's norms (float32),
 # close enough that the norm-sized differences of a coupled loss are not divided away by a much larger R.
@@ -112,9 +115,6 @@ def neighbour_test(model: nn.Module, losses_fn: Callable, batch, *,
     ``seed``: both runs of a pair draw the same random numbers (dropout, a permutation in the loss). ``options``: the
     engine's other arguments. The model is never changed.
     """
-    from .rows import RowsMixSamples
-    from .testing import attached_engine
-
     if path not in ("engine", "mean", "sum"):
         raise ValueError(f"path must be 'engine', 'mean' or 'sum', got {path!r}")
     size = len(users) if users is not None else _length(batch)
@@ -179,8 +179,6 @@ def default_thresholds(model: nn.Module, losses_fn: Callable, batch, ids: torch.
     computed from the batch counts as the engine will see it: just below the smallest nonzero norm (clips every
     sample), between two norms near the median (clips some; left out where every norm is the same), and just above
     the largest (clips none)."""
-    from .testing import _groups, _threshold_between
-
     grads = _unit_gradients(copy.deepcopy(model), losses_fn, batch, ids, seed)
     groups = _groups(model, clipping_style)
     scale = math.sqrt(len(groups))  # each of K groups is clipped to R / sqrt(K)
@@ -200,8 +198,6 @@ def default_thresholds(model: nn.Module, losses_fn: Callable, batch, ids: torch.
 
 def _unit_gradients(model: nn.Module, losses_fn: Callable, batch, ids: torch.Tensor, seed: int) -> dict:
     """{name: [U, *shape]}: the gradient of each unit's losses, summed, computed on the whole batch."""
-    from .testing import trainable_named_parameters
-
     named = trainable_named_parameters(model)
     params = [p for _, p in named.values()]
     with torch.random.fork_rng(devices=[]):

@@ -17,8 +17,8 @@ from torch import nn
 
 from .calls import LayerState
 from .clipping import build_groups, group_threshold
-from .layers import resolve_rule
-from .layers.registry import layer_params
+from ..layers import resolve_rule
+from ..layers.registry import layer_params
 
 
 def layer_states(model: nn.Module, allow_fallback: bool, batch_first: bool,

@@ -10,7 +10,7 @@ A model is named by a *spec*:
 - ``hf:NAME``: a Hugging Face ``transformers`` model built from its config (random
   weights); NAME is a model type (``bert``, ``gpt2``, ...) or a config on the hub / disk.
 
-For training, ``dptrain.fixer.fix`` swaps what the engine refuses: BatchNorm becomes
+For training, ``dptrain.fix`` swaps what the engine refuses: BatchNorm becomes
 GroupNorm (BatchNorm normalises with statistics of the whole batch, which mixes samples),
 torch's RNN/LSTM/GRU/MultiheadAttention become their dptrain.nn versions.
 """
@@ -22,16 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .checks import first_line
-from .model_specs import (  # noqa: F401  (the spec names, read here as before)
-    BUILTIN_MODELS,
-    IMAGE_MODEL_HELP,
-    MODEL_SOURCES,
-    MODEL_SPEC_HELP,
-    ModelSpecError,
-    parse_image_spec,
-    parse_spec,
-)
+from .._checks import first_line
+from .specs import ModelSpecError, parse_image_spec, parse_spec
 
 # torchvision builders of fixed-input-size models, and the keyword that sets the size
 _TORCHVISION_SIZE_KEYWORD = {"vit_": ("image_size", int), "maxvit_": ("input_size", lambda n: (n, n))}
@@ -92,7 +84,7 @@ class BuiltModel:
     spec: str
     notes: list[str]
     fixed: bool = False  # dptrain.fix changed something (BatchNorm, torch RNN/attention)
-    head: str | None = None  # hf: models: the task head built (model_specs.HF_HEADS)
+    head: str | None = None  # hf: models: the task head built (specs.HF_HEADS)
 
 
 def _import_optional(module: str, extra: str):
@@ -109,7 +101,7 @@ def build_image_model(
 ) -> BuiltModel:
     """An image classifier for inputs ``[B, in_channels, H, W]`` with ``num_classes`` outputs.
 
-    ``for_training`` applies ``dptrain.fixer.fix`` (see the module docstring); ``dptrain plan``
+    ``for_training`` applies ``dptrain.fix`` (see the module docstring); ``dptrain plan``
     keeps the model as published, so its numbers match the papers' tables.
     """
     source, name = parse_image_spec(spec)
@@ -207,14 +199,14 @@ def build_text_model(spec: str, *, head: str = "auto", num_classes: int | None =
                      for_training: bool = False) -> BuiltModel:
     """A Hugging Face model from its config, with random weights and its task head (for ``dptrain plan``).
 
-    ``head``: one of ``model_specs.HF_HEADS``; ``"auto"`` takes the model type's language-model head (seq2seq,
+    ``head``: one of ``specs.HF_HEADS``; ``"auto"`` takes the model type's language-model head (seq2seq,
     else masked, else causal: T5 and BART, BERT and RoBERTa, GPT-2 and Llama get the head they are published with,
     an untied ``lm_head`` included), or the bare model when it has none; ``"none"`` is the bare model
     (``AutoModel``). ``num_classes`` sets a classification head's outputs. ``for_training`` applies
-    ``dptrain.fixer.fix``, as for image models. ``BuiltModel.head`` names the head built.
+    ``dptrain.fix``, as for image models. ``BuiltModel.head`` names the head built.
     """
-    from .checks import choice
-    from .model_specs import HF_HEADS
+    from .._checks import choice
+    from .specs import HF_HEADS
 
     choice("head", head, HF_HEADS)  # a ValueError listing the heads
     source, name = parse_spec(spec)

@@ -29,7 +29,7 @@ registered on a swapped module are not. In-place activations (``ReLU(inplace=Tru
 any later in-place operation can touch it and gets each output's gradient from the value
 the layer produced, which the torchvision tests check.
 
-``validate(model)`` (``dptrain.validation``) lists what stops private training without
+``validate(model)`` (``dptrain.models.validation``) lists what stops private training without
 changing anything; ``planned_fixes(model)`` lists what ``fix`` would change.
 """
 from __future__ import annotations
@@ -41,8 +41,8 @@ from collections import OrderedDict
 import torch
 from torch import nn
 
-from . import checks
-from .nn import DPGRU, DPLSTM, DPMultiheadAttention, DPRNN
+from .. import _checks
+from ..nn import DPGRU, DPLSTM, DPMultiheadAttention, DPRNN
 
 __all__ = ["fix", "planned_fixes"]
 
@@ -59,7 +59,7 @@ def fix(model: nn.Module, *, inplace: bool = False, num_groups: int = DEFAULT_NU
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"fix() needs an nn.Module, got {type(model).__name__}")
-    num_groups = checks.positive_int("num_groups", num_groups)
+    num_groups = _checks.positive_int("num_groups", num_groups)
     for name, module in model.named_modules():  # before deepcopy, which fails on them with a vaguer error
         if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
             raise ValueError(f"{name or '<root>'} ({type(module).__name__}) has not seen an input yet, so its size is "

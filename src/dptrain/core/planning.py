@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from . import checks
+from .. import _checks
 from .algorithms import DEFAULT_CLIPPING_MODE, RECIPES, Grad, GradVia, Norm, NormVia, Recipe
-from .layers.protocol import LayerDims
+from ..layers.protocol import LayerDims
 from .plan_report import Plan
 
 DECISION_RULES = ("memory", "space", "time")
@@ -53,7 +53,7 @@ def prefers_ghost(dims: LayerDims, rule: str = "space", keeps_operands: bool = F
         return dims.ghost_cost < dims.instantiate_cost
     if rule == "time":
         return ghost_time(dims) < instantiate_time(dims)
-    raise checks.unknown("decision_rule", rule, DECISION_RULES)
+    raise _checks.unknown("decision_rule", rule, DECISION_RULES)
 
 
 @dataclass(frozen=True)
@@ -141,11 +141,11 @@ def plan(model: nn.Module, *example_args, clipping_mode: str = DEFAULT_CLIPPING_
     (``decide_parameter``): a module called several times is one layer, its calls' tokens
     together. Nothing on the model is changed.
 
-    Returns a :class:`~dptrain.plan_report.Plan`: the list of :class:`LayerDecision` in call order, whose
+    Returns a :class:`~dptrain.core.plan_report.Plan`: the list of :class:`LayerDecision` in call order, whose
     ``str()`` is the table ``dptrain plan`` prints (``print(dptrain.plan(model, x))``) and ``report()`` its data.
     """
-    checks.choice("clipping_mode", clipping_mode, tuple(RECIPES))
-    checks.choice("decision_rule", decision_rule, DECISION_RULES)
+    _checks.choice("clipping_mode", clipping_mode, tuple(RECIPES))
+    _checks.choice("decision_rule", decision_rule, DECISION_RULES)
     recipe = RECIPES[clipping_mode]
     # the engine's own layer set and capture (they import this module's neighbours)
     from .capture import Capture

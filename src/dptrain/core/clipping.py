@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import checks
+from .. import _checks
 
 CLIPPING_FNS = ("abadi", "automatic", "global")
 """The valid values of ``clipping_fn``: ``abadi`` ``min(1, R/||g||)``, ``automatic`` ``R/(||g|| + gamma)``,
@@ -32,7 +32,7 @@ def clipping_factors(norms: torch.Tensor, threshold: float, fn: str, gamma: floa
         return threshold / (norms + gamma)
     if fn == "global":
         return (norms <= threshold).to(norms.dtype)
-    raise checks.unknown("clipping_fn", fn, CLIPPING_FNS)
+    raise _checks.unknown("clipping_fn", fn, CLIPPING_FNS)
 
 
 def build_groups(
@@ -50,7 +50,7 @@ def build_groups(
             return [g for g in ([p for p in params if p[0] == m] for m in modules) if g]
         if style == "param-wise":
             return [[p] for p in params]
-        raise checks.unknown("clipping_style", style, (*CLIPPING_STYLES, "or a list of lists of module names"))
+        raise _checks.unknown("clipping_style", style, (*CLIPPING_STYLES, "or a list of lists of module names"))
     groups = [list(g) for g in style]
     if not groups or any(isinstance(g, str) or not g for g in groups):
         raise ValueError("clipping_style as groups must be a non-empty list of non-empty lists of module names")

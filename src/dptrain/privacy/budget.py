@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 
-from . import accounting
+from .. import accounting
 from .ledger import Ledger, Segment, planned_segment
 
 

@@ -44,7 +44,7 @@ def plan_report(decisions: Sequence, ghost_available: Sequence[bool]) -> dict:
 
 
 class Plan(list):
-    """``plan()``'s answer: the :class:`~dptrain.planning.LayerDecision` of each trainable layer, in call order (a
+    """``plan()``'s answer: the :class:`~dptrain.core.planning.LayerDecision` of each trainable layer, in call order (a
     list, equal to the engine's ``last_decisions()`` after a step on inputs of these shapes), whose ``str()`` is the
     table ``dptrain plan`` prints. ``report()`` is that table as data (``dptrain plan --json``).
 

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 
-from . import checks
-from .data import (DistributedPoissonSampler, DistributedUserPoissonSampler, PoissonSampler, UserPoissonSampler,
-                   _user_ids)
+from .. import _checks
+from .distributed import DistributedPoissonSampler, DistributedUserPoissonSampler
+from .poisson import PoissonSampler
+from .users import UserPoissonSampler, _user_ids
 
 __all__ = [
     "CyclicDistributedPoissonSampler",
@@ -54,7 +55,7 @@ class _CyclicGroups:
     group_of: torch.Tensor
 
     def _init_groups(self, groups: int, units: int, sample_rate: float, steps: int | None) -> int | None:
-        self.cyclic_groups = checks.positive_int("cyclic_groups", groups, "the number of cyclic groups, g")
+        self.cyclic_groups = _checks.positive_int("cyclic_groups", groups, "the number of cyclic groups, g")
         if self.cyclic_groups > units:
             raise ValueError(f"cyclic_groups={self.cyclic_groups} exceeds the {units} units to sample: every group "
                              "needs some")
@@ -116,8 +117,8 @@ class CyclicPoissonSampler(_CyclicGroups, PoissonSampler):
 
     def __init__(self, num_samples: int, sample_rate: float, cyclic_groups: int, steps: int | None = None,
                  generator: torch.Generator | None = None, max_batch_size: int | None = None):
-        steps = self._init_groups(cyclic_groups, checks.positive_int("num_samples", num_samples),
-                                  checks.sample_rate(sample_rate), steps)
+        steps = self._init_groups(cyclic_groups, _checks.positive_int("num_samples", num_samples),
+                                  _checks.sample_rate(sample_rate), steps)
         PoissonSampler.__init__(self, num_samples, sample_rate, steps=steps, generator=generator,
                                 max_batch_size=max_batch_size)
         self._assign(self.num_samples)
@@ -137,7 +138,7 @@ class CyclicUserPoissonSampler(_CyclicGroups, UserPoissonSampler):
                  generator: torch.Generator | None = None, max_examples_per_user: int | None = None,
                  max_batch_size: int | None = None):
         units = len(torch.unique(_user_ids(users)))
-        steps = self._init_groups(cyclic_groups, units, checks.sample_rate(sample_rate), steps)
+        steps = self._init_groups(cyclic_groups, units, _checks.sample_rate(sample_rate), steps)
         UserPoissonSampler.__init__(self, users, sample_rate, steps=steps, generator=generator,
                                     max_examples_per_user=max_examples_per_user, max_batch_size=max_batch_size)
         self._assign(self.num_users)
@@ -156,8 +157,8 @@ class CyclicDistributedPoissonSampler(_CyclicGroups, DistributedPoissonSampler):
 
     def __init__(self, num_samples: int, sample_rate: float, cyclic_groups: int, num_replicas: int | None = None,
                  rank: int | None = None, steps: int | None = None, generator: torch.Generator | None = None):
-        steps = self._init_groups(cyclic_groups, checks.positive_int("num_samples", num_samples),
-                                  checks.sample_rate(sample_rate), steps)
+        steps = self._init_groups(cyclic_groups, _checks.positive_int("num_samples", num_samples),
+                                  _checks.sample_rate(sample_rate), steps)
         DistributedPoissonSampler.__init__(self, num_samples, sample_rate, num_replicas, rank, steps=steps,
                                            generator=generator)
         self._assign(self.shard_size)
@@ -177,7 +178,7 @@ class CyclicDistributedUserPoissonSampler(_CyclicGroups, DistributedUserPoissonS
                  rank: int | None = None, steps: int | None = None, generator: torch.Generator | None = None,
                  max_examples_per_user: int | None = None):
         units = len(torch.unique(_user_ids(users)))
-        steps = self._init_groups(cyclic_groups, units, checks.sample_rate(sample_rate), steps)
+        steps = self._init_groups(cyclic_groups, units, _checks.sample_rate(sample_rate), steps)
         DistributedUserPoissonSampler.__init__(self, users, sample_rate, num_replicas, rank, steps=steps,
                                                generator=generator, max_examples_per_user=max_examples_per_user)
         self._assign(self.num_users)

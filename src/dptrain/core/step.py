@@ -15,10 +15,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from . import distributed, sampling
-from .budget import PrivacyBudgetExceeded
+from . import distributed
+from ..privacy import sampling
+from ..privacy.budget import PrivacyBudgetExceeded
 from .pipeline import StepSums, sum_dtype
-from .sampling import SamplesPerStep, SamplingMismatch  # noqa: F401  (runner.py builds SamplesPerStep)
+from ..privacy.sampling import SamplingMismatch
 from .trainable import TrainableSet
 
 

@@ -1,6 +1,12 @@
 """``engine.privacy_report()``: what the steps taken spent, a dict for programs that reads as sentences for people."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
+from .. import accounting
+from .ledger import Ledger
+
 __all__ = ["PrivacyReport"]
 
 
@@ -19,6 +25,37 @@ class PrivacyReport(dict):
     add ``sampling``, ``epsilon_is_proven_bound`` and ``note``, which the text shows too. Saving it with
     ``torch.save`` for a ``weights_only`` load: save ``dict(report)``.
     """
+
+    @classmethod
+    def of_run(cls, config: Any, ledger: Ledger, accountant: str, steps: int, epsilon: float,
+               delta: float) -> PrivacyReport:
+        """The report of a run: the values of its configuration (``config``, the engine's ``EngineConfig``), the steps
+        as the ledger recorded them and ``epsilon``, what they spent at ``delta``."""
+        mechanism = config.mechanism
+        if mechanism is None:  # the truncation term of the steps as they ran
+            truncation = ledger.truncation_delta()
+        else:  # correlated noise: one mechanism over the run
+            truncation = 0.0 if config.max_batch_size is None else accounting.truncation_delta(
+                config.sample_size, config.inclusion_rate, config.max_batch_size, steps)
+        return cls({
+            "noise_multiplier": config.noise_multiplier,
+            "sample_rate": config.sample_rate,
+            "steps": steps,
+            "planned_steps": config.planned_steps,
+            "epsilon": epsilon,
+            "target_epsilon": config.target_epsilon,
+            "delta": delta,
+            "accountant": accountant,
+            "max_grad_norm": config.max_grad_norm,
+            "clipping_mode": config.clipping_mode,
+            "privacy_unit": config.privacy_unit,
+            "max_batch_size": config.max_batch_size,
+            "truncation_delta": truncation,
+            "history": [dataclasses.asdict(segment) for segment in ledger.segments],
+            "noise": config.noise,
+            "cyclic_groups": config.cyclic_groups,
+            "strategy": None if mechanism is None else mechanism.strategy.as_dict(),
+        })
 
     def __str__(self) -> str:
         planned = self.get("planned_steps")

@@ -6,12 +6,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from . import accounting, checks
+from .. import accounting, _checks
 from .algorithms import RECIPES
 from .clipping import CLIPPING_FNS
-from .correlated import resolve as correlated_resolve
-from .correlated.comparison import warn_if_worse_than_dp_sgd
-from .losses import LOSS_REDUCTIONS
+from ..correlated import resolve as correlated_resolve
+from ..correlated.comparison import warn_if_worse_than_dp_sgd
+from ..losses import LOSS_REDUCTIONS
 from .planning import DECISION_RULES
 
 BUDGETS = ("warn", "strict")
@@ -44,7 +44,7 @@ class EngineConfig:
     budget: str
     privacy_unit: str = "example"
     noise: str = "gaussian"  # "gaussian" (DP-SGD), or correlated: "bandmf", "blt" (dptrain.correlated)
-    cyclic_groups: int = 1  # g of cyclic Poisson sampling (dptrain.cyclic); 1: plain Poisson sampling
+    cyclic_groups: int = 1  # g of cyclic Poisson sampling (dptrain.data.cyclic); 1: plain Poisson sampling
     mechanism: Any = None  # the CorrelatedMechanism of correlated noise (None for "gaussian")
 
     @property
@@ -84,7 +84,7 @@ def _noise_multiplier(sigma, target_epsilon, target_delta, epochs, steps, sample
         if epochs is not None or steps is not None or delta_given:
             warnings.warn("epochs/steps/target_delta only matter with target_epsilon; they are ignored for calibration",
                           stacklevel=4)
-        return checks.non_negative("noise_multiplier", sigma), None
+        return _checks.non_negative("noise_multiplier", sigma), None
     if (epochs is None) == (steps is None):
         raise ValueError("target_epsilon needs the planned length of training: give exactly one of epochs or steps")
     # An epoch is round(1/q) Poisson steps, as dptrain.data.poisson_loader runs it.
@@ -104,24 +104,24 @@ def _correlated(noise, name, groups, sigma, target_epsilon, epochs, steps, check
                          "(and, with target_epsilon, the noise calibrated): give exactly one of epochs or steps")
     n, b = checked["sample_size"], checked["batch_size"]
     # An epoch is round(N / batch_size) steps, as dptrain.data.poisson_loader runs it (cyclic or not).
-    planned = checks.positive_int("steps", steps) if steps is not None else int(
-        math.ceil(checks.positive("epochs", epochs) * max(1, round(n / b))))
+    planned = _checks.positive_int("steps", steps) if steps is not None else int(
+        math.ceil(_checks.positive("epochs", epochs) * max(1, round(n / b))))
     bands_chosen = groups == 0
     if bands_chosen:  # bands="auto"
         if target_epsilon is None:
             raise ValueError("bands='auto' chooses the bands for a target: give target_epsilon, not noise_multiplier")
-        bands = groups = correlated_resolve.choose_bands(planned, b, n, checks.positive("target_epsilon",
+        bands = groups = correlated_resolve.choose_bands(planned, b, n, _checks.positive("target_epsilon",
                                                                                           target_epsilon),
                                                          checked["target_delta"], workload_momentum)
     mechanism = correlated_resolve.build_mechanism(noise, name, groups, planned, bands, buffers, workload_momentum)
     if sigma is not None:
-        sigma = checks.non_negative("noise_multiplier", sigma)
+        sigma = _checks.non_negative("noise_multiplier", sigma)
         if checked["max_batch_size"] is not None and accounting.truncation_delta(
                 n, b / n, checked["max_batch_size"], planned) >= checked["target_delta"]:
             return mechanism, sigma, planned, groups  # no epsilon holds at this delta: get_epsilon says why
     delta = accounting.poisson_delta(checked["target_delta"], n, b / n, checked["max_batch_size"], planned)
     if target_epsilon is not None:
-        sigma = mechanism.calibrate(checks.positive("target_epsilon", target_epsilon), delta, b * groups / n, planned,
+        sigma = mechanism.calibrate(_checks.positive("target_epsilon", target_epsilon), delta, b * groups / n, planned,
                                     checked["accountant"])
     # make_config -> _correlated -> here: stacklevel 5 names the PrivacyEngine(...) line of the user's code
     warn_if_worse_than_dp_sgd(mechanism, sigma, inclusion_rate=b / n, delta=delta, accountant=checked["accountant"],
@@ -136,8 +136,8 @@ def make_config(*, batch_size, sample_size, max_grad_norm, noise_multiplier, tar
                 workload_momentum=0.0) -> EngineConfig:
     """Check every argument (cheap ones first: a wrong choice is reported before any calibration), then
     calibrate the noise multiplier if a target epsilon was given."""
-    batch_size = checks.positive_int("batch_size", batch_size, "the expected logical batch size")
-    sample_size = checks.positive_int("sample_size", sample_size, "the dataset size")
+    batch_size = _checks.positive_int("batch_size", batch_size, "the expected logical batch size")
+    sample_size = _checks.positive_int("sample_size", sample_size, "the dataset size")
     if batch_size > sample_size:
         raise ValueError(f"batch_size={batch_size} is larger than sample_size={sample_size}")
     noise_name, groups = correlated_resolve.noise_kind(noise, bands, buffers, cyclic_groups)  # 0: bands="auto"
@@ -146,7 +146,7 @@ def make_config(*, batch_size, sample_size, max_grad_norm, noise_multiplier, tar
             f"batch_size={batch_size} with cyclic_groups={groups} needs batch_size * cyclic_groups <= sample_size="
             f"{sample_size}: each group of about sample_size / g units supplies a whole expected batch at its steps. "
             "Use fewer bands / groups or a smaller batch_size")
-    workload_momentum = checks.real("workload_momentum", workload_momentum, "the momentum the strategy is built for")
+    workload_momentum = _checks.real("workload_momentum", workload_momentum, "the momentum the strategy is built for")
     if not 0.0 <= workload_momentum < 1.0:
         raise ValueError(f"workload_momentum must be in [0, 1), got {workload_momentum}")
     if noise_name == "gaussian" and workload_momentum != 0.0:
@@ -155,24 +155,24 @@ def make_config(*, batch_size, sample_size, max_grad_norm, noise_multiplier, tar
     checked = dict(
         batch_size=batch_size,
         sample_size=sample_size,
-        max_grad_norm=checks.positive("max_grad_norm", max_grad_norm, "the clipping threshold R"),
+        max_grad_norm=_checks.positive("max_grad_norm", max_grad_norm, "the clipping threshold R"),
         target_epsilon=target_epsilon,
-        target_delta=checks.open_unit("target_delta", target_delta if delta_given
+        target_delta=_checks.open_unit("target_delta", target_delta if delta_given
                                       else accounting.default_delta(sample_size)),
-        clipping_mode=checks.choice("clipping_mode", clipping_mode, tuple(RECIPES)),
-        clipping_fn=checks.choice("clipping_fn", clipping_fn, CLIPPING_FNS),
+        clipping_mode=_checks.choice("clipping_mode", clipping_mode, tuple(RECIPES)),
+        clipping_fn=_checks.choice("clipping_fn", clipping_fn, CLIPPING_FNS),
         clipping_style=clipping_style,
-        clipping_gamma=checks.positive("clipping_gamma", clipping_gamma),
-        loss_reduction=checks.choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS),
-        decision_rule=checks.choice("decision_rule", decision_rule, DECISION_RULES),
-        accountant=checks.choice("accountant", accountant, accounting.ACCOUNTANTS),
+        clipping_gamma=_checks.positive("clipping_gamma", clipping_gamma),
+        loss_reduction=_checks.choice("loss_reduction", loss_reduction, LOSS_REDUCTIONS),
+        decision_rule=_checks.choice("decision_rule", decision_rule, DECISION_RULES),
+        accountant=_checks.choice("accountant", accountant, accounting.ACCOUNTANTS),
         secure_rng=bool(secure_rng),
         seed=seed,
         allow_fallback=bool(allow_fallback),
         batch_first=bool(batch_first),
-        budget=checks.choice("budget", budget, BUDGETS),
-        privacy_unit=checks.choice("privacy_unit", privacy_unit, PRIVACY_UNITS),
-        max_batch_size=None if max_batch_size is None else checks.positive_int(
+        budget=_checks.choice("budget", budget, BUDGETS),
+        privacy_unit=_checks.choice("privacy_unit", privacy_unit, PRIVACY_UNITS),
+        max_batch_size=None if max_batch_size is None else _checks.positive_int(
             "max_batch_size", max_batch_size, "the fixed number of rows of every batch, K"),
     )
     problem = accounting.small_delta_problem(checked["target_delta"], sample_size, checked["privacy_unit"])

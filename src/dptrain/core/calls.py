@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .layers.protocol import LayerDims, LayerRule
-from .rows.layout import pattern_key
+from ..layers.protocol import LayerDims, LayerRule
+from ..rows.layout import pattern_key
 
 
 def in_backward() -> bool:

@@ -102,6 +102,8 @@ class CarriedRows(torch.Tensor):
     @classmethod
     @torch._dynamo.disable  # (traced, dynamo recursed into it; run eagerly: only operations on the input come here)
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if any(not issubclass(cls, t) for t in types):
+            return NotImplemented  # (another subclass's operation, the engine's BroadcastRows: it decides)
         with torch._C.DisableTorchFunctionSubclass():
             out = func(*args, **(kwargs or {}))
         if func in _VIEWS and isinstance(out, torch.Tensor) and out._is_view():

@@ -202,9 +202,12 @@ def _refuse_outside_parameters(proof, model) -> None:
     """No private gradient leaves the private model: the losses' gradient reaching trainable parameters outside it
     (a loss module, a learnable temperature, a generator through the model's input) would give them the raw,
     unclipped and un-noised gradient of the private batch."""
-    own = {id(p) for p in model.parameters()}
-    outside = [node.variable for node, _ in proof.edges
-               if isinstance(getattr(node, "variable", None), torch.nn.Parameter) and id(node.variable) not in own]
+    leaves = [node.variable for node, _ in proof.edges if node.name() == "torch::autograd::AccumulateGrad"
+              and isinstance(node.variable, torch.nn.Parameter)]
+    if not leaves:
+        return
+    own = {id(p) for p in model.parameters()}  # (walked only where the losses reach a parameter at all)
+    outside = [p for p in leaves if id(p) not in own]
     if not outside:
         return
     shapes = ", ".join(str(tuple(p.shape)) for p in outside[:4]) + (", ..." if len(outside) > 4 else "")

@@ -35,11 +35,11 @@ try:
 except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(ROOT / "src"))
 
-import numpy as np
-import torch
+import numpy as np  # noqa: E402  (after the path fallback above)
+import torch  # noqa: E402
 
-from dptrain import CLIPPING_MODES, accounting
-from dptrain.audit import (
+from dptrain import CLIPPING_MODES, accounting  # noqa: E402
+from dptrain.audit import (  # noqa: E402
     AUDIT_DEFAULTS,
     epsilon_lower_bound,
     run_audit,

@@ -14,6 +14,7 @@ shapes at 224x224, and checks that the alternatives agree.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -109,13 +110,13 @@ def main(argv=None) -> int:
             raise AssertionError(f"{name}: the kernels disagree (relative {agree:.2g})")
         row = {"layer": name, "batch": args.batch, "relative_disagreement": agree}
         candidates = {
-            "per_sample_folded": lambda: per_sample_folded(conv, x, g),
-            "per_sample_loop": lambda: per_sample_loop(conv, x, g),
-            "per_sample_unfold": lambda: per_sample_unfold(conv, x, g),
-            "clipped_conv": lambda: clipped_conv(conv, x, g, c),
-            "clipped_unfold": lambda: clipped_unfold(conv, x, g, c),
-            "ghost_norm": lambda: rule.ghost_sq_norm(conv, ops),
-            "non_private": lambda: weight_grad(conv, x, g),
+            "per_sample_folded": functools.partial(per_sample_folded, conv, x, g),
+            "per_sample_loop": functools.partial(per_sample_loop, conv, x, g),
+            "per_sample_unfold": functools.partial(per_sample_unfold, conv, x, g),
+            "clipped_conv": functools.partial(clipped_conv, conv, x, g, c),
+            "clipped_unfold": functools.partial(clipped_unfold, conv, x, g, c),
+            "ghost_norm": functools.partial(rule.ghost_sq_norm, conv, ops),
+            "non_private": functools.partial(weight_grad, conv, x, g),
         }
         T = g[0, 0].numel()
         if 2 * T * T > 64 * conv.weight.numel():  # far past where any decision rule takes the ghost norm

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import logging
 import statistics
@@ -156,7 +157,7 @@ def measure(name: str, what: str, rounds: int, device: torch.device) -> dict:
                     times[key]["forward"].append(t)
                 continue
             losses, t_fwd = _timed(sync, arm.forward)
-            _, t_bwd = _timed(sync, lambda: arm.backward(losses))
+            _, t_bwd = _timed(sync, functools.partial(arm.backward, losses))
             del losses
             _, t_upd = _timed(sync, arm.update)
             if round_:

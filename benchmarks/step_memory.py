@@ -39,8 +39,9 @@ def _task(model: str):
 
 
 def run_arm(model_name: str, batch: int, arm: str, steps: int, threads: int) -> dict:
-    import torch
     import warnings
+
+    import torch
 
     from dptrain_bench.memory import PeakMemory
 

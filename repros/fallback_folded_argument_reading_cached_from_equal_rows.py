@@ -67,7 +67,7 @@ for B, T in ((3, 3), (2, 4)):  # the whole argument fits the call where T is a m
         err, worst = max_relative_error(got, ref)
         print(f"B={B} T={T} {name:42s} max relative error {err:.3g} ({worst})")
     # the same through micro-batches of one batch: the first half of one class, the second half mixed
-    x = torch.cat([same[0], mixed[0]]); c = torch.cat([same[1], mixed[1]]); y = torch.cat([same[2], mixed[2]])
+    x, c, y = (torch.cat([s, m]) for s, m in zip(same, mixed))
     ref = reference_clipped_gradient(model, losses, (x, c, y), max_grad_norm=R)
     for mode, path in (("bk-mixopt", "engine"), ("ghost", "engine"), ("per-sample", "mean")):
         with warnings.catch_warnings():

@@ -16,7 +16,6 @@ from torch import nn
 from dptrain.data import PoissonSampler
 from dptrain.testing import per_sample_gradients, reference_clipped_gradient, trainable_named_parameters
 
-
 FEATURES, CLASSES = 5, 3
 
 

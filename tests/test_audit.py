@@ -307,8 +307,7 @@ def test_banded_scores_of_the_ideal_mechanism_give_a_valid_bound_and_catch_too_l
     """Simulated BandMF (C^{-1} noise, canaries in cyclic groups, Poisson within a group): honest runs audit below
     the amplified epsilon, a run with a third of its noise above it."""
     from dptrain.audit import banded_scores
-    from dptrain.correlated import CorrelatedMechanism, banded_strategy
-    from dptrain.correlated import toeplitz
+    from dptrain.correlated import CorrelatedMechanism, banded_strategy, toeplitz
 
     steps, bands, q, m = 12, 3, 0.5, 4000
     strategy = banded_strategy(steps, bands)

@@ -20,8 +20,19 @@ import torch
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))  # the harness lives in the checkout's benchmarks/, not in the package
 
-from dptrain_bench import cli, harness, memory, options, presets, reports, workers, zoo  # noqa: E402
-from dptrain_bench import gpu_table, gpu_table_report, gpu_table_rows  # noqa: E402
+from dptrain_bench import (  # noqa: E402  (after the path above)
+    cli,
+    gpu_table,
+    gpu_table_report,
+    gpu_table_rows,
+    harness,
+    memory,
+    options,
+    presets,
+    reports,
+    workers,
+    zoo,
+)
 
 ARMS = ["non-private", "bk"]
 

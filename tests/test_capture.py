@@ -26,7 +26,13 @@ import dptrain
 from dptrain.rows import RowsMixSamples
 from dptrain.testing import attached_engine, clipped_gradient, per_sample_gradients, reference_clipped_gradient
 from helpers import (
-    MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, engine_clipped_sum, one_sample_update, with_oracle,
+    MODES,
+    SINGLE_BACKWARD_MODES,
+    Case,
+    assert_matches,
+    engine_clipped_sum,
+    one_sample_update,
+    with_oracle,
 )
 
 PATHS = [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES]

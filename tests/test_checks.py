@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from dptrain import accounting, _checks, data
+from dptrain import _checks, accounting, data
 
 
 @pytest.mark.parametrize("value", [np.int64(3), np.int32(3), 3])
@@ -60,9 +60,9 @@ def test_one_default_clipping_mode():
     import inspect
 
     from dptrain import PrivacyEngine
-    from dptrain.core.algorithms import CLIPPING_MODES, DEFAULT_CLIPPING_MODE
     from dptrain.audit import AUDIT_DEFAULTS
     from dptrain.cli import TRAIN_DEFAULTS, build_parser
+    from dptrain.core.algorithms import CLIPPING_MODES, DEFAULT_CLIPPING_MODE
     from dptrain.core.planning import plan
 
     assert DEFAULT_CLIPPING_MODE in CLIPPING_MODES

@@ -31,8 +31,16 @@ from torch import nn
 
 import dptrain
 from helpers import (
-    MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, assert_refused_naming_a_layer, default_dtype,
-    engine_clipped_sum, reweighted_reference, weighted_oracle, with_oracle,
+    MODES,
+    SINGLE_BACKWARD_MODES,
+    Case,
+    assert_matches,
+    assert_refused_naming_a_layer,
+    default_dtype,
+    engine_clipped_sum,
+    reweighted_reference,
+    weighted_oracle,
+    with_oracle,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*use the per-sample fallback:UserWarning",
@@ -71,8 +79,8 @@ def _check(model: nn.Module, batches: list, refused: bool, what: str, seed: int)
     paths = [(m, "engine" if m not in SINGLE_BACKWARD_MODES else rng.choice(["engine", "sum", "mean"])) for m in MODES]
     with default_dtype(torch.float64):
         for mode, path in paths:
-            run = lambda: engine_clipped_sum(case, quiet=True, batches=batches, mode=mode, path=path,  # noqa: E731
-                                             max_grad_norm=R)
+            run = functools.partial(engine_clipped_sum, case, quiet=True, batches=batches, mode=mode, path=path,
+                                    max_grad_norm=R)
             if refused:
                 assert_refused_naming_a_layer(case, run)
             else:

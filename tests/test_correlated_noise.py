@@ -14,11 +14,11 @@ from torch.utils.data import TensorDataset
 
 import dptrain
 from dptrain import accounting
+from dptrain.core.noise import GaussianNoise
 from dptrain.correlated import plan_noise
 from dptrain.correlated import toeplitz as T
 from dptrain.correlated.strategies import BandedToeplitz, BufferedToeplitz
 from dptrain.data import poisson_loader
-from dptrain.core.noise import GaussianNoise
 
 BANDED = BandedToeplitz(tuple(np.array([0.8, 0.5, 0.33]) / np.linalg.norm([0.8, 0.5, 0.33])))
 BLT = BufferedToeplitz((0.9, 0.5), (0.25, 0.3))

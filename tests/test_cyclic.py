@@ -6,9 +6,13 @@ import pytest
 import torch
 from torch.utils.data import TensorDataset
 
-from dptrain.data.cyclic import (CyclicDistributedPoissonSampler, CyclicPoissonSampler, cyclic_groups_of,
-                                 default_cyclic_steps)
 from dptrain.data import FixedShapeBatch, poisson_loader
+from dptrain.data.cyclic import (
+    CyclicDistributedPoissonSampler,
+    CyclicPoissonSampler,
+    cyclic_groups_of,
+    default_cyclic_steps,
+)
 
 
 def dataset(n=200):
@@ -24,7 +28,7 @@ def test_each_example_is_sampled_only_at_the_steps_of_its_group_with_the_within_
     assert len(loader) == default_cyclic_steps(loader.sample_rate, g) == n // batch
     counts = torch.zeros(n)
     steps = 0
-    for epoch in range(30):
+    for _epoch in range(30):
         for _, ids in loader:
             assert bool((sampler.group_of[ids] == steps % g).all())  # group t mod g, across epoch boundaries
             assert loader.last_batch_step == steps

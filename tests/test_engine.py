@@ -22,8 +22,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 import dptrain
@@ -1304,10 +1304,10 @@ def test_secure_rng_refuses_a_seed_and_draws_fresh_noise():
 
 
 def test_secure_noise_combines_independent_streams_and_is_standard_gaussian(monkeypatch):
-    from dptrain.core.noise import GaussianNoise
-
     # torch's CPU generator keeps 32 bits of a seed: the secure noise must not hinge on one such seed.
     import os
+
+    from dptrain.core.noise import GaussianNoise
 
     drawn = []
     real = os.urandom

@@ -23,8 +23,19 @@ from dptrain.layers.fallback import SampleMixingError
 from dptrain.layers.norms import RecognisedRMSNormRule
 from dptrain.testing import attached_engine, trainable_named_parameters
 from helpers import (
-    MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, Case, assert_matches, classify, classify_tokens,
-    engine_clipped_sum, reference, resolve_style, reweighted_reference, split_max_grad_norm, with_oracle,
+    MODES,
+    SINGLE_BACKWARD_MODES,
+    TWO_PASS_MODES,
+    Case,
+    assert_matches,
+    classify,
+    classify_tokens,
+    engine_clipped_sum,
+    reference,
+    resolve_style,
+    reweighted_reference,
+    split_max_grad_norm,
+    with_oracle,
 )
 
 # the engine's one-time warning naming the fallback layers (tested below)

@@ -46,6 +46,7 @@ shows. Those fixed since keep their drawn examples as ordinary tests.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import itertools
 import math
@@ -62,10 +63,17 @@ from torch import nn
 from dptrain.layers import fallback_modules
 from dptrain.layers.registry import reads_child_params
 from dptrain.testing import assert_rule_exact, split_batch, trainable_named_parameters
-
 from helpers import (
-    MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, assert_refused_naming_a_layer, default_dtype,
-    engine_clipped_sum, layer_names, one_sample_contributes, weighted_oracle,
+    MODES,
+    SINGLE_BACKWARD_MODES,
+    Case,
+    assert_matches,
+    assert_refused_naming_a_layer,
+    default_dtype,
+    engine_clipped_sum,
+    layer_names,
+    one_sample_contributes,
+    weighted_oracle,
 )
 from test_fallback import AliasBlock
 from test_fallback_folded import WindowAttention
@@ -629,9 +637,9 @@ def _check(drawn: Drawn) -> None:
     R, ref = (None, None) if drawn.refused else weighted_oracle(case, drawn.style)
     with default_dtype(torch.float64):
         for mode, path in PATHS:
-            run = lambda: engine_clipped_sum(case, quiet=True, batches=drawn.batches, mode=mode,  # noqa: E731
-                                             path=path, micro_batches=drawn.micro, clipping_style=drawn.style,
-                                             max_grad_norm=R if R is not None else 1.0)
+            run = functools.partial(engine_clipped_sum, case, quiet=True, batches=drawn.batches, mode=mode, path=path,
+                                    micro_batches=drawn.micro, clipping_style=drawn.style,
+                                    max_grad_norm=R if R is not None else 1.0)
             if drawn.refused:
                 assert_refused_naming_a_layer(case, run)
             else:

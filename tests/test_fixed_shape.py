@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from fractions import Fraction
-
 import warnings
+from fractions import Fraction
 
 import pytest
 import torch
@@ -21,8 +20,16 @@ from torch.utils.data import Dataset, TensorDataset
 from dptrain import PrivacyEngine, accounting
 from dptrain.data import FixedShapeBatch, PoissonSampler, masked_losses, poisson_loader, split_batches
 from dptrain.testing import attached_engine, clipped_gradient
-
-from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches, classify, conv_case, linear_case, transformer_case, tag_passes_counted
+from helpers import (
+    MODES,
+    SINGLE_BACKWARD_MODES,
+    assert_matches,
+    classify,
+    conv_case,
+    linear_case,
+    tag_passes_counted,
+    transformer_case,
+)
 
 
 class Records(Dataset):
@@ -68,7 +75,7 @@ def test_every_batch_has_k_rows_real_rows_first_then_zero_padding():
 
 def test_an_empty_draw_is_all_padding():
     loader = poisson_loader(Records(5), sample_rate=1e-9, max_batch_size=3, steps=2, generator=_seeded())
-    for (x, label, name), mask in loader:
+    for (x, _label, name), mask in loader:
         assert x.shape == (3, 3) and not mask.any() and not x.any() and list(name) == ["", "", ""]
 
 

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import dptrain
-from dptrain.models.fixer import fix, planned_fixes
 from dptrain.layers import fallback_modules
-from dptrain.nn import DPGRU, DPLSTM, DPMultiheadAttention, DPRNN
-from dptrain.testing import assert_rule_exact
+from dptrain.models.fixer import fix, planned_fixes
 from dptrain.models.validation import find_problems
+from dptrain.nn import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
+from dptrain.testing import assert_rule_exact
 
 F64 = torch.float64
 

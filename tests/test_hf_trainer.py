@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib
 import json
-
 import os
 import sys
 import warnings
@@ -413,9 +412,9 @@ def test_a_missing_package_is_named_with_the_extra_that_installs_it(monkeypatch,
 
 def test_the_transformers_extra_installs_accelerate_too():
     """The Trainer needs accelerate; an extra without it would leave DPTrainer's error unfixable by its own advice."""
-    import tomllib
     from pathlib import Path
 
+    import tomllib
     from packaging.requirements import Requirement
 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]

@@ -71,8 +71,8 @@ def test_each_sample_contributes_at_most_max_grad_norm(mode):
     for fn, style in SOME_COMBOS:
         s = resolve_style(style, case.model)
         R = split_max_grad_norm(case, s)
-        run = lambda c: flat(engine_clipped_sum(c, model=model, mode=mode, max_grad_norm=R,  # noqa: E731
-                                                clipping_fn=fn, clipping_style=s))
+        def run(c, R=R, fn=fn, s=s):  # (this combination's, bound now)
+            return flat(engine_clipped_sum(c, model=model, mode=mode, max_grad_norm=R, clipping_fn=fn, clipping_style=s))
         full = run(case)
         for i in range(B):
             without = run(subset(case, [j for j in range(B) if j != i]))

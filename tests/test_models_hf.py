@@ -16,13 +16,18 @@ import torch
 import torch.nn.functional as F
 
 import dptrain
-
 from dptrain.layers import fallback_modules
 from dptrain.layers.registry import layer_params
 from dptrain.losses import sequence_losses, token_losses
 from helpers import (
+    MODES,
+    SINGLE_BACKWARD_MODES,
+    TWO_PASS_MODES,
+    Case,
+    assert_matches,
+    engine_clipped_sum,
+    reweighted_reference,
     spread_init,
-    MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, Case, assert_matches, engine_clipped_sum, reweighted_reference,
     with_oracle,
 )
 

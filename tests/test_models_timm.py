@@ -15,8 +15,17 @@ from torch import nn
 
 import dptrain
 from helpers import (
-    spread_init, reweighted_reference, default_dtype,
-    MODES, RTOL, SINGLE_BACKWARD_MODES, Case, assert_matches, classify, engine_clipped_sum, with_oracle,
+    MODES,
+    RTOL,
+    SINGLE_BACKWARD_MODES,
+    Case,
+    assert_matches,
+    classify,
+    default_dtype,
+    engine_clipped_sum,
+    reweighted_reference,
+    spread_init,
+    with_oracle,
 )
 
 timm = pytest.importorskip("timm")

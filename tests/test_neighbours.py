@@ -4,15 +4,13 @@ removing every sample catch the detached couplings that hide at any single R (a 
 selection), and an honest per-sample loss passes at each of them."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptrain.testing.neighbours import CLIPS_EVERY, CLIPS_NONE, CLIPS_SOME
 from dptrain.testing import assert_neighbours_bounded, neighbour_test, per_sample_gradients
+from dptrain.testing.neighbours import CLIPS_EVERY, CLIPS_NONE, CLIPS_SOME
 
 B = 16
 

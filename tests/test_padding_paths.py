@@ -21,7 +21,6 @@ from torch.utils.data import TensorDataset
 from dptrain import PrivacyEngine
 from dptrain.data import FixedShapeUserBatch, masked_losses, poisson_loader, split_batches
 from dptrain.testing import reference_clipped_gradient
-
 from framework_helpers import grad_norm_difference
 from helpers import assert_matches
 

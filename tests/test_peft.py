@@ -17,8 +17,14 @@ import torch.nn.functional as F
 import dptrain
 from dptrain.losses import sequence_losses
 from helpers import (
+    MODES,
+    SINGLE_BACKWARD_MODES,
+    Case,
+    assert_matches,
+    classify,
+    engine_clipped_sum,
     spread_init,
-    MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, classify, engine_clipped_sum, with_oracle,
+    with_oracle,
 )
 
 B = 4

@@ -12,8 +12,8 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence
 
 import dptrain
-from dptrain.nn import DPGRU, DPLSTM, DPRNN
 from dptrain.core.algorithms import DEFAULT_CLIPPING_MODE
+from dptrain.nn import DPGRU, DPLSTM, DPRNN
 from dptrain.testing import assert_rule_exact, clipped_gradient, per_sample_gradients, threshold_between
 
 F64 = torch.float64

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import dptrain
-from dptrain.rows import RowsMixSamples
 from dptrain.models.validation import find_problems, grouped_problems
+from dptrain.rows import RowsMixSamples
 
 B = 4
 

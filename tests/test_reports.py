@@ -14,8 +14,8 @@ from torch import nn
 
 import dptrain
 from dptrain.cli import main
-from dptrain.models.build import SmallCNN
 from dptrain.core.plan_report import Plan
+from dptrain.models.build import SmallCNN
 from dptrain.privacy.report import PrivacyReport
 
 

@@ -18,9 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dptrain.rows import RowsMixSamples
-from dptrain.testing import attached_engine, neighbour_test, reference_clipped_gradient
-from dptrain.testing import reference_user_clipped_gradient
+from dptrain.testing import attached_engine, neighbour_test, reference_clipped_gradient, reference_user_clipped_gradient
 from helpers import MODES, SINGLE_BACKWARD_MODES, assert_matches, tag_passes_counted
 
 PATHS = [(m, "engine") for m in MODES] + [(m, "mean") for m in SINGLE_BACKWARD_MODES]

@@ -22,8 +22,15 @@ import torch.nn.functional as F
 
 from dptrain.losses import sequence_losses
 from helpers import (
-    MODES, SINGLE_BACKWARD_MODES, TWO_PASS_MODES, Case, assert_matches, engine_clipped_sum, reweighted_reference,
-    spread_init, with_oracle,
+    MODES,
+    SINGLE_BACKWARD_MODES,
+    TWO_PASS_MODES,
+    Case,
+    assert_matches,
+    engine_clipped_sum,
+    reweighted_reference,
+    spread_init,
+    with_oracle,
 )
 
 T = pytest.importorskip("transformers")

@@ -21,6 +21,7 @@ here: see ``test_a_mean_over_the_batch_before_the_trainable_layers_is_refused`` 
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -33,10 +34,17 @@ from torch import nn
 
 from dptrain.nn import DPLSTM, DPMultiheadAttention
 from dptrain.testing import split_batch
-
 from helpers import (
-    MODES, SINGLE_BACKWARD_MODES, Case, assert_matches, assert_refused_naming_a_layer, default_dtype,
-    engine_clipped_sum, layer_names, one_sample_contributes, weighted_oracle,
+    MODES,
+    SINGLE_BACKWARD_MODES,
+    Case,
+    assert_matches,
+    assert_refused_naming_a_layer,
+    default_dtype,
+    engine_clipped_sum,
+    layer_names,
+    one_sample_contributes,
+    weighted_oracle,
 )
 
 D = 4  # features
@@ -338,8 +346,8 @@ def test_random_layouts_are_exact_or_refused_in_every_mode_and_path(seed):
     R, ref = (None, None) if mixes else weighted_oracle(case)
     with default_dtype(torch.float64):
         for mode, path in PATHS:
-            run = lambda: engine_clipped_sum(case, quiet=True, mode=mode, path=path, micro_batches=micro,  # noqa: E731
-                                             max_grad_norm=R if R is not None else 1.0)
+            run = functools.partial(engine_clipped_sum, case, quiet=True, mode=mode, path=path, micro_batches=micro,
+                                    max_grad_norm=R if R is not None else 1.0)
             if mixes:
                 assert_refused_naming_a_layer(case, run)
             else:

@@ -16,8 +16,10 @@ import pytest
 
 import zoo
 import zoo_configs
-from test_zoo_sweep import ZooNote, _check, _one_thread  # noqa: F401  (ZooNote: the warnings filter below names
-# it; _one_thread: the zoo sweep's autouse fixture, one torch thread, applies here too)
+
+# ZooNote: the warnings filter below names it; _one_thread: the zoo sweep's autouse fixture, one torch thread, applies
+# here too
+from test_zoo_sweep import ZooNote, _check, _one_thread  # noqa: F401
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning", "ignore::DeprecationWarning",

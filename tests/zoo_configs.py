@@ -101,7 +101,7 @@ def hf_configurations(model_type: str, spec: dict) -> list[dict]:
     if "audio_length" in spec:
         base["audio_length"] = spec["audio_length"]
     out = []
-    for task, cls in hf_heads(model_type).items():
+    for cls in hf_heads(model_type).values():
         if cls != spec["class"]:
             out.append(dict(base, label=f"head {cls}", **{"class": cls}))
     try:
@@ -136,6 +136,7 @@ def _has_torch_sequence_modules(spec: dict) -> bool:
     """Whether the default model holds torch's nn.MultiheadAttention or a recurrent layer (which dptrain.fix swaps; a
     model that holds BatchNorm is not swept without the fix: it mixes samples, and the refusal says to call fix)."""
     import transformers
+
     from dptrain.models.fixer import planned_fixes
     try:
         with torch.device("meta"), warnings.catch_warnings():

@@ -37,7 +37,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from .gpu_table_measure import child_exit, read_events, run_job  # noqa: E402
-from .gpu_table_report import add_ratios, merge, summarise_arm, summarise_search, write_reports, markdown  # noqa: E402
+from .gpu_table_report import add_ratios, markdown, merge, summarise_arm, summarise_search, write_reports  # noqa: E402
 from .gpu_table_rows import SEARCH_CAP, Job, plan_jobs, row_config, select_jobs, table_rows  # noqa: E402
 from .options import FASTDP_ARM, OPACUS_ARMS  # noqa: E402
 

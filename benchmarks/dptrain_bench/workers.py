@@ -26,7 +26,7 @@ from dptrain import _checks
 
 from . import zoo
 from .arms import Arm, make_arm
-from .memory import LIVE_BYTES_MALLOC, PeakMemory, start_memory_watchdog, search_largest_batch
+from .memory import LIVE_BYTES_MALLOC, PeakMemory, search_largest_batch, start_memory_watchdog
 from .zoo import SEED, BenchConfig
 
 

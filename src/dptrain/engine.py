@@ -16,30 +16,35 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import accounting, _checks, data
+from . import _checks, accounting, data
 from .core import attached, distributed
 from .core.algorithms import DEFAULT_CLIPPING_MODE
 from .core.backward import BackwardSetup
-from .privacy.budget import Budget, PrivacyBudgetExceeded
 from .core.capture import Capture
 from .core.config import EngineConfig, FromConfig, make_config
-from .correlated.privacy import CorrelatedAccountant
-from .correlated.streaming import CorrelatedNoise
-from .layers.fallback import FallbackRule, fallback_warning
-from .privacy.ledger import Ledger
-from .privacy.loader_checks import (check_cyclic_step, check_loader, loader_padding, no_cyclic_loader_warning,
-                                    not_poisson_warning)
 from .core.noise import GaussianNoise
 from .core.pipeline import StepSums
 from .core.planning import DEFAULT_DECISION_RULE, LayerDecision
 from .core.precision import LossScaling
-from .privacy.report import PrivacyReport
-from .rows import RowReader
 from .core.runner import BackwardRunner
-from .privacy.sampling import SamplingMismatch
 from .core.step import PrivateStep
 from .core.trainable import TrainableKey, TrainableSet, build_trainable_set
+from .correlated.privacy import CorrelatedAccountant
+from .correlated.streaming import CorrelatedNoise
+from .layers.fallback import FallbackRule, fallback_warning
 from .models.validation import frozen_batchnorm_checks, validate
+from .privacy.budget import Budget, PrivacyBudgetExceeded
+from .privacy.ledger import Ledger
+from .privacy.loader_checks import (
+    check_cyclic_step,
+    check_loader,
+    loader_padding,
+    no_cyclic_loader_warning,
+    not_poisson_warning,
+)
+from .privacy.report import PrivacyReport
+from .privacy.sampling import SamplingMismatch
+from .rows import RowReader
 
 __all__ = ["EngineConfig", "PrivacyBudgetExceeded", "PrivacyEngine", "SamplingMismatch"]
 

@@ -51,8 +51,7 @@ from __future__ import annotations
 
 # banded_scores, CANARY_NORM_OVER_R and run_command are imported from here too (tests, docs, the CLI),
 # outside __all__ as before.
-from .bounds import (GuessingBound, banded_scores, epsilon_lower_bound, one_run_p_value,  # noqa: F401
-                     subsampled_gaussian_scores)
+from .bounds import GuessingBound, banded_scores, epsilon_lower_bound, one_run_p_value, subsampled_gaussian_scores  # noqa: F401
 from .canaries import CANARY_NORM_OVER_R, CanaryModel, canary_losses  # noqa: F401
 from .report import format_report, run_command  # noqa: F401
 from .run import AUDIT_DEFAULTS, AuditResult, run_audit

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     delta = _delta(args)
     if args.sample_size is not None and delta >= 1 / args.sample_size:
         warnings.warn(f"delta {delta:.3g} >= 1/sample size: such a guarantee allows publishing a whole record; "
-                      f"use delta well below {1 / args.sample_size:.2g}")
+                      f"use delta well below {1 / args.sample_size:.2g}", stacklevel=2)
     chosen = k == "auto"
     if chosen:  # as dptrain train resolves it: the smallest K whose truncation costs at most a tenth of delta
         k = accounting.default_max_batch_size(args.sample_size, q, delta, steps)

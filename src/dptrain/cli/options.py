@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from .. import accounting, _checks  # light: dp_accounting is imported when an accountant first runs
+from .. import _checks, accounting  # light: dp_accounting is imported when an accountant first runs
 from ..core.algorithms import CLIPPING_MODES, DEFAULT_CLIPPING_MODE
 from ..models.specs import HF_HEADS
 from .datasets import DATASETS

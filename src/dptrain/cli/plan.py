@@ -5,8 +5,8 @@ import argparse
 import json
 from typing import TYPE_CHECKING
 
-from ..models.specs import parse_spec
 from ..core.plan_report import Plan, plan_report  # noqa: F401  (plan_report: dptrain.cli's, as before)
+from ..models.specs import parse_spec
 from .output import CLIError, one_line
 
 if TYPE_CHECKING:

@@ -11,8 +11,15 @@ from typing import TYPE_CHECKING
 
 from ..models.specs import parse_image_spec
 from .datasets import load_dataset
-from .options import (CHECKPOINT_NAME, OPTIMIZERS, PLOT_NAME, REPORT_NAME, RESUME_MAY_CHANGE, SMALL_MODEL_PARAMETERS,
-                      TRAIN_DEFAULTS)
+from .options import (
+    CHECKPOINT_NAME,
+    OPTIMIZERS,
+    PLOT_NAME,
+    REPORT_NAME,
+    RESUME_MAY_CHANGE,
+    SMALL_MODEL_PARAMETERS,
+    TRAIN_DEFAULTS,
+)
 from .output import CLIError, one_line, plural
 from .train_report import TrainingReport, plot_run, print_summary
 

@@ -66,7 +66,7 @@ class TrainingReport:
                   f"{plural(self.total_steps, 'step')} (the chance that a Poisson draw reaches it)")
         if c["epsilon"] is not None and self.total_steps > self.planned_steps:
             warnings.warn(f"training {c['epochs']} epochs goes past the {self.planned_steps} steps the noise was "
-                          f"calibrated for: epsilon will exceed the target {c['epsilon']:g}")
+                          f"calibrated for: epsilon will exceed the target {c['epsilon']:g}", stacklevel=2)
         decisions = self._layer_decisions()
         ghost = sum(d.norm == "ghost" for d in decisions)
         classes = "" if parse_spec(c["model"])[0] == "builtin" else f" --num-classes {data.num_classes}"

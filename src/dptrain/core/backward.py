@@ -19,17 +19,26 @@ from enum import Enum
 import torch
 from torch import nn
 
+from ..layers.protocol import LayerDims
+from ..rows import BackwardRows, NonFiniteRows, RowMap, RowReader, describe_layouts, tag_passes
 from .algorithms import Recipe
 from .calls import Call, LayerState, outside_model_call
 from .capture import Capture
-from ..layers.protocol import LayerDims
 from .pipeline import (
-    Overflow, ParamWork, ReadyLayer, StepSums, add_clipped_gradient, add_second_pass_gradients,
-    clipping_factors_by_group, layer_decision, layer_operands, parameter_norm, summed,
+    Overflow,
+    ParamWork,
+    ReadyLayer,
+    StepSums,
+    add_clipped_gradient,
+    add_second_pass_gradients,
+    clipping_factors_by_group,
+    layer_decision,
+    layer_operands,
+    parameter_norm,
+    summed,
 )
 from .planning import LayerDecision
 from .precision import LossScaling
-from ..rows import BackwardRows, NonFiniteRows, RowMap, RowReader, describe_layouts, tag_passes
 from .trainable import TrainableSet
 
 

@@ -30,15 +30,15 @@ from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
+from ..layers.fallback import in_replay
+from ..rows import InputRows, RowReader, computing_precision, map_tensors, tensors_in
+from ..rows.inputs import CarriedRows, _InputRowsNode
+from ..rows.losses import mark_outputs
 from .calls import Call, LayerState, graph_task, in_backward
 from .deferred import DeferredCall, wrap_outputs
 from .graph_nodes import EngineHook, guard_written_base
 from .hooks_aside import HooksAside
 from .layer_hooks import LayerHooks
-from ..layers.fallback import in_replay
-from ..rows import InputRows, RowReader, computing_precision, map_tensors, tensors_in
-from ..rows.inputs import CarriedRows, _InputRowsNode
-from ..rows.losses import mark_outputs
 from .state_writes import StateWrites
 
 

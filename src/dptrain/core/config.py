@@ -6,12 +6,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from .. import accounting, _checks
-from .algorithms import RECIPES
-from .clipping import CLIPPING_FNS
+from .. import _checks, accounting
 from ..correlated import resolve as correlated_resolve
 from ..correlated.comparison import warn_if_worse_than_dp_sgd
 from ..losses import LOSS_REDUCTIONS
+from .algorithms import RECIPES
+from .clipping import CLIPPING_FNS
 from .planning import DECISION_RULES
 
 BUDGETS = ("warn", "strict")

@@ -11,16 +11,15 @@ from torch import nn
 from torch.nn.modules import module as _module_globals
 from torch.utils import _pytree as pytree
 
+from ..layers.fallback import in_replay
+from ..layers.numerics import swap01
+from ..layers.protocol import LayerDims, OutputLeaves
+from ..rows.outputs import FROM_INPUT
+from ..rows.proof import call_edge
 from .broadcast import BroadcastRows, broadcast_rows, rows_of, shared_use_marker
 from .calls import Call, LayerState, in_backward
 from .distributed import is_dtensor
 from .graph_nodes import _GradientPenalty, _Origin, _OutputLeaves
-from ..layers.fallback import in_replay
-from ..layers.numerics import swap01
-from ..layers.protocol import LayerDims, OutputLeaves
-from ..rows import pattern_key
-from ..rows.outputs import FROM_INPUT
-from ..rows.proof import call_edge
 
 
 class LayerHooks:

@@ -24,14 +24,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..layers.numerics import accumulation_dtype, float32_at_least, shared_sq_norm
+from ..layers.protocol import LayerDims
+from ..rows import RowMap
+from ..rows.layout import zero_rows
 from .algorithms import Grad, GradVia, Norm, NormVia, Recipe
 from .calls import Call, LayerState
 from .clipping import clipping_factors
-from ..layers.numerics import accumulation_dtype, float32_at_least, shared_sq_norm
-from ..layers.protocol import LayerDims
 from .planning import LayerDecision, decide_parameter, join_dims
-from ..rows import RowMap
-from ..rows.layout import zero_rows
 
 
 class Overflow(Exception):

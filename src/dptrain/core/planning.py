@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from .. import _checks
-from .algorithms import DEFAULT_CLIPPING_MODE, RECIPES, Grad, GradVia, Norm, NormVia, Recipe
 from ..layers.protocol import LayerDims
+from .algorithms import DEFAULT_CLIPPING_MODE, RECIPES, Grad, GradVia, Norm, NormVia, Recipe
 from .plan_report import Plan
 
 DECISION_RULES = ("memory", "space", "time")

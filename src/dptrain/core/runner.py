@@ -14,6 +14,10 @@ from collections.abc import Callable
 
 import torch
 
+from ..privacy.sampling import SamplesPerStep
+from ..rows import NonFiniteRows, tag_passes, tag_rows
+from ..rows.losses import OutputMark, check_losses
+from ..rows.proof import Rows
 from . import deferred, distributed
 from .backward import Backward, BackwardSetup, Phase, needs_tags
 from .calls import Call, graph_task, in_backward
@@ -22,10 +26,6 @@ from .pipeline import Overflow
 from .planning import LayerDecision
 from .precision import LossScaling
 from .refusals import compiled_backward_refusal, non_finite_losses
-from ..rows import NonFiniteRows, tag_passes, tag_rows
-from ..rows.losses import OutputMark, check_losses
-from ..rows.proof import Rows
-from ..privacy.sampling import SamplesPerStep
 from .trainable import TrainableSet
 
 
@@ -143,7 +143,7 @@ class BackwardRunner:
                 proven = self._check_rows(losses, units)
             except NonFiniteRows as err:  # (the loss check's tag passes met inf or NaN before the backward's norms)
                 if self.scaling is None:
-                    raise non_finite_losses(losses) or err
+                    raise non_finite_losses(losses) or err  # noqa: B904  (the refusal that replaces err, or err)
                 self.after_backward(True)  # with a GradScaler, an overflow: the step is skipped, the scale backs off
                 return
         passes = None  # tag passes (rows.py) agreed by every rank: one more backward each, in which FSDP2 gathers

@@ -15,11 +15,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from . import distributed
 from ..privacy import sampling
 from ..privacy.budget import PrivacyBudgetExceeded
-from .pipeline import StepSums, sum_dtype
 from ..privacy.sampling import SamplingMismatch
+from . import distributed
+from .pipeline import StepSums, sum_dtype
 from .trainable import TrainableSet
 
 

@@ -9,16 +9,15 @@ parameter was registered anywhere in the process, and their ``requires_grad`` fl
 from __future__ import annotations
 
 import weakref
-
 from dataclasses import dataclass
 from typing import Mapping
 
 from torch import nn
 
-from .calls import LayerState
-from .clipping import build_groups, group_threshold
 from ..layers import resolve_rule
 from ..layers.registry import layer_params
+from .calls import LayerState
+from .clipping import build_groups, group_threshold
 
 
 def layer_states(model: nn.Module, allow_fallback: bool, batch_first: bool,

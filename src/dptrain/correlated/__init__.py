@@ -17,8 +17,16 @@ from __future__ import annotations
 
 from .comparison import CorrelatedNoiseWarning, NoiseComparison, compare_with_dp_sgd
 from .privacy import CORRELATED_NOISES, CorrelatedAccountant, CorrelatedMechanism
-from .strategies import (BandedToeplitz, BufferedToeplitz, banded_strategy, blt_strategy, cache_dir, optimize_banded,
-                         optimize_blt, strategy_loss)
+from .strategies import (
+                         BandedToeplitz,
+                         BufferedToeplitz,
+                         banded_strategy,
+                         blt_strategy,
+                         cache_dir,
+                         optimize_banded,
+                         optimize_blt,
+                         strategy_loss,
+)
 from .streaming import CorrelatedNoise, NoisePlan, plan_noise
 
 __all__ = [

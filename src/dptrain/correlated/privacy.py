@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import accounting, _checks
-from .strategies import BandedToeplitz, BufferedToeplitz, Strategy, strategy_from_dict
+from .. import _checks, accounting
 from . import toeplitz
+from .strategies import BandedToeplitz, BufferedToeplitz, Strategy, strategy_from_dict
 
 __all__ = ["CORRELATED_NOISES", "CorrelatedAccountant", "CorrelatedMechanism"]
 

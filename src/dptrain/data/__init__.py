@@ -34,16 +34,15 @@ other way round.
 
 from __future__ import annotations
 
-# In the order of the API reference (mkdocstrings renders them in import order). Besides __all__, the private
-# names the rest of dptrain imports from here: batch_len (testing, integrations.loaders), _EmptyBatchCollate and
-# _FixedShapeCollate (integrations.loaders).
+# In the order of the API reference (mkdocstrings renders them in import order), so not sorted.
+# isort: off
 from .poisson import PoissonSampler
 from .users import UserPoissonSampler, UserBatch, FixedShapeUserBatch
 from .distributed import DistributedPoissonSampler, DistributedUserPoissonSampler
-from .batches import _EmptyBatchCollate, batch_len
-from .fixed_shape import FixedShapeBatch, masked_losses, _FixedShapeCollate
+from .fixed_shape import FixedShapeBatch, masked_losses
 from .loaders import DPDataLoader, poisson_loader, is_poisson_loader
 from .physical_batches import split_batches
+# isort: on
 
 __all__ = [
     "DPDataLoader",

@@ -10,9 +10,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import accounting, _checks
-from ..data import FixedShapeBatch, FixedShapeUserBatch
+from .. import _checks, accounting
 from ..core.distributed import is_dtensor
+from ..data import FixedShapeBatch, FixedShapeUserBatch
 from ..engine import PrivacyEngine
 from .loaders import fixed_shape_rows, steps_per_epoch
 

@@ -61,11 +61,10 @@ import torch.nn.functional as F
 from torch import nn
 
 try:
+    import accelerate  # noqa: F401  (the Trainer trains through it, and installing transformers does not bring it)
     from transformers import Trainer
     from transformers.models.auto import modeling_auto
     from transformers.utils import logging as hf_logging
-
-    import accelerate  # noqa: F401  (the Trainer trains through it, and installing transformers does not bring it)
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     missing = (err.name or "a module").split(".")[0]
     raise ImportError(

@@ -60,8 +60,15 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 
 from ..core.algorithms import DEFAULT_CLIPPING_MODE
 from ..engine import PrivacyEngine
-from .common import (check_run_state, engine_on, engine_settings, find_padding_mask, inner_optimizer,
-                     resumed_settings, run_state)
+from .common import (
+    check_run_state,
+    engine_on,
+    engine_settings,
+    find_padding_mask,
+    inner_optimizer,
+    resumed_settings,
+    run_state,
+)
 from .loaders import ShardedPoissonLoader, sharded_poisson_loader
 
 __all__ = ["DPCallback"]

@@ -31,8 +31,10 @@ from typing import Any
 
 import torch
 
-from .. import accounting, _checks
-from ..data import DPDataLoader, FixedShapeBatch, PoissonSampler, _EmptyBatchCollate, _FixedShapeCollate
+from .. import _checks, accounting
+from ..data import DPDataLoader, FixedShapeBatch, PoissonSampler
+from ..data.batches import _EmptyBatchCollate
+from ..data.fixed_shape import _FixedShapeCollate
 
 __all__ = ["MASK_KEY", "ShardedPoissonLoader", "ShardedPoissonSampler", "fixed_shape_rows", "sharded_poisson_loader"]
 

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from .protocol import CaptureSite, LayerDims, LayerRule
 from .registry import find_rule, register_layer, trainable_params, unregister_layer
-from . import linear, conv, embedding, norms, hf, timm  # noqa: F401  (registers the built-in rules)
+
+# isort: off
+from . import linear, conv, embedding, norms, hf, timm  # noqa: F401  (registers the built-in rules, in this order)
+# isort: on
 from .fallback import FallbackRule, fallback_refusal, in_replay
 from .norms import AffineNormRule
 from .resolve import fallback_modules, resolve_rule

@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .fallback import FallbackCall, FallbackOperands, replay
 from .numerics import accumulation_dtype, autocast_state, close, float32_at_least
 from .protocol import LayerDims, LayerRule, positional_inputs
 from .registry import register_layer
-from .fallback import FallbackCall, FallbackOperands, replay
 
 
 class AffineNormRule(LayerRule):

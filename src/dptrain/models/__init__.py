@@ -23,7 +23,11 @@ _EXPORTS = {
                      "with_lora"), "build"),
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BUILTIN_MODELS", "BuiltModel", "GrayToRGB", "HF_HEADS", "IMAGE_MODEL_HELP", "MLP", "MODEL_SOURCES", "MODEL_SPEC_HELP",
+    "ModelSpecError", "SmallCNN", "build_image_model", "build_text_model", "find_problems", "fix", "parse_image_spec",
+    "parse_spec", "planned_fixes", "validate", "with_lora",
+]
 
 
 def __getattr__(name: str):

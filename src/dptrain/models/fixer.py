@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from .. import _checks
-from ..nn import DPGRU, DPLSTM, DPMultiheadAttention, DPRNN
+from ..nn import DPGRU, DPLSTM, DPRNN, DPMultiheadAttention
 
 __all__ = ["fix", "planned_fixes"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 from dataclasses import astuple, dataclass, replace
 
-from .. import accounting, _checks
+from .. import _checks, accounting
 
 
 @dataclass(frozen=True)

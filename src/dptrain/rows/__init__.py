@@ -15,13 +15,13 @@ docs/row-check.md says what it guarantees. It may import ``layers`` (and ``_chec
 machinery (``core``) builds on it, never the other way round.
 """
 from .errors import NonFiniteRows, RowsMixSamples
+from .inputs import InputRows
 from .layout import IDENTITY, Layout, RowMap, can_regroup, describe_layouts, map_from_layout, pattern_key
+from .memo import ProofMemo
 from .outputs import carries_input_rows, gradient_edge, map_tensors, tag_rows, tensors_in
 from .reader import BackwardRows, RowReader
 from .reading import DIGITS, computing_precision, make_tags, read_rows, read_sketches, tag_passes
 from .sketch import Projections, sketch_rows
-from .inputs import InputRows
-from .memo import ProofMemo
 
 __all__ = [
     "BackwardRows", "DIGITS", "IDENTITY", "InputRows", "Layout", "NonFiniteRows", "Projections", "ProofMemo",

@@ -8,9 +8,8 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 
 from .errors import NonFiniteRows, RowsMixSamples
+from .inputs import InputRows, _add, _one_sample_per_row
 from .layout import RowMap, _describe, can_regroup, map_from_layout
 from .memo import ProofMemo
+from .proof import Rows, call_layout, edges_by_call
 from .reading import make_tags, read_sketches, tolerance
 from .sketch import Projections, sketch_rows
-from .proof import Rows, call_layout, edges_by_call
-from .inputs import InputRows, _add, _one_sample_per_row
 
 
 class RowReader:

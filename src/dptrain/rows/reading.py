@@ -17,7 +17,6 @@ from ..layers.numerics import autocast_state
 from .errors import RowsMixSamples
 from .layout import RowMap, classify
 
-
 DIGITS = 4  # tags per pass: 1, 1/2, 1/4, 1/8
 
 

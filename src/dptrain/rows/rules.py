@@ -402,7 +402,7 @@ _ELEMENTWISE = {
     "Addcdiv", "Clone", "ToCopy", "Alias", "NativeDropout", "Rsub", "Xlogy", "Square", "Trunc", "Frac", "Floor",
     "Ceil", "Round", "Logit", "Prelu", "Glu", "SpecialXlog1py", "Polar", "Hypot", "Copysign", "Remainder", "Fmod",
     "Lgamma", "Digamma", "LogSigmoid", "SoftplusBackward", "Deg2rad", "Rad2deg", "Sinc", "Nan_to_num", "NanToNum",
-    "Expand", "Conj", "Real", "Imag", "View_as_real", "Sgn", "MulScalar", "Hypot", "Float",
+    "Expand", "Conj", "Real", "Imag", "View_as_real", "Sgn", "MulScalar", "Float",
     "BinaryCrossEntropyWithLogits_", "Copy", "Contiguous",
 }
 _POINTWISE_LOSSES = {"MseLoss", "L1Loss", "SmoothL1Loss", "HuberLoss", "BinaryCrossEntropy",

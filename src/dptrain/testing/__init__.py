@@ -32,13 +32,15 @@ kit.
 """
 from __future__ import annotations
 
-# In the order of the API reference (mkdocstrings renders them in import order).
-from .oracle import (per_sample_gradients, reference_clipped_gradient, reference_user_clipped_gradient,
-                     threshold_between, trainable_named_parameters)
+# In the order of the API reference (mkdocstrings renders them in import order), so not sorted.
+# isort: off
+from .oracle import trainable_named_parameters, per_sample_gradients, reference_clipped_gradient
+from .oracle import reference_user_clipped_gradient, threshold_between
 from .engine_step import PATHS, attached_engine, clipped_gradient, split_batch
-from .comparison import max_relative_error, mismatches
+from .comparison import mismatches, max_relative_error
 from .rule_check import assert_rule_exact
 from .neighbours import NeighbourReport, assert_neighbours_bounded, neighbour_test
+# isort: on
 
 __all__ = [
     "trainable_named_parameters", "per_sample_gradients", "reference_clipped_gradient",

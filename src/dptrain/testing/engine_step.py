@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..data import batch_len
+from ..data.batches import batch_len
 from .oracle import _call, _per_sample, _take, trainable_named_parameters
 
 PATHS = ("engine", "mean", "sum")

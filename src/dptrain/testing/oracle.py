@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from ..data import batch_len
+from ..data.batches import batch_len
 from ..layers.registry import layer_params
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .. import _checks
-from ..data import batch_len
+from ..data.batches import batch_len
 from .comparison import mismatches
 from .engine_step import clipped_gradient
 from .oracle import _clipped_sum, _per_sample, _threshold_between, per_sample_gradients, trainable_named_parameters

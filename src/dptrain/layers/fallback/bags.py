@@ -3,6 +3,7 @@
 per bag."""
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -26,7 +27,7 @@ class _FlatBags:
         outs = []
         with torch.autocast(device, dtype=dtype, enabled=enabled):
             for (bag_args, bag_kwargs), g_i in zip(per_bag, g):
-                out, pullback = autograd_vjp(lambda p: self._replay(module, bag_args, bag_kwargs, p), primals)
+                out, pullback = autograd_vjp(functools.partial(self._replay, module, bag_args, bag_kwargs), primals)
                 for n, t in pullback(g_i.unsqueeze(0).to(out.dtype))[0].items():
                     grads[n].append(t)
                 outs.append(out)

@@ -16,7 +16,6 @@ from ..protocol import OutputLeaves
 from .independence import SampleMixingError, _close, _perturb_first, _rows_kept
 from .records import FallbackCall
 
-
 #: the most assignments of batch axes verified for one call pattern (each costs a few replays of the module)
 _MAX_ASSIGNMENTS = 16
 

@@ -3,6 +3,7 @@ dependent control flow, ``.item()``, a custom ``autograd.Function`` without ``se
 replayed alone and differentiated by plain autograd, checked as the ``vmap`` is."""
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -29,7 +30,7 @@ class _OneSampleAtATime:
             with torch.autocast(device, dtype=dtype, enabled=enabled):
                 for i in range(call.batch):
                     args, kwargs = call.arguments({k: call.leaves[k][i:i + 1] for k in call.batched})
-                    out, pullback = autograd_vjp(lambda p: self._replay_out(module, call, args, kwargs, p), primals)
+                    out, pullback = autograd_vjp(functools.partial(self._replay_out, module, call, args, kwargs), primals)
                     for n, t in pullback(self._cotangent(call, out, g[i:i + 1]))[0].items():
                         grads[n].append(t)
                     outs.append(self._joined(call, out))

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-
 _state = threading.local()
 
 

@@ -21,18 +21,20 @@ from torch import nn
 
 from ..layers.protocol import LayerDims
 from ..rows import BackwardRows, NonFiniteRows, RowMap, RowReader, describe_layouts, tag_passes
-from .algorithms import Recipe
+from .algorithms import Grad, Norm, Recipe
 from .calls import Call, LayerState, outside_model_call
 from .capture import Capture
 from .pipeline import (
     Overflow,
     ParamWork,
     ReadyLayer,
+    SmallGradients,
     StepSums,
     add_clipped_gradient,
     add_second_pass_gradients,
     clipping_factors_by_group,
     layer_decision,
+    layer_norms,
     layer_operands,
     parameter_norm,
     summed,
@@ -251,7 +253,7 @@ class Backward:
             return
         if self.phase is Phase.PLAIN and call.batch_size is None and not call.recomputed:
             raise outside_model_call(state)
-        if not any(c is call for c in state.calls):
+        if not state.calls.holds(call):
             raise RuntimeError(
                 f"{state.path}: a layer call received a second output gradient (the same forward was "
                 "back-propagated twice, e.g. with retain_graph=True): each sample may enter a step once. Run a new "
@@ -266,14 +268,23 @@ class Backward:
     def _can_reduce_now(self, state: LayerState) -> bool:
         """A layer called once, whose parameters no other layer shares, is reduced as soon as its gradient
         arrives, freeing its activation and output gradient during the backward pass."""
-        if len(state.calls) != 1 or state.calls[0].recomputed:
+        only = state.calls.only()
+        if only is None or only.recomputed:
             # A recomputation (reentrant checkpointing) records its calls during the backward, one checkpoint
             # at a time: more calls of this layer may still come, so it waits for the end of the backward.
             return False
-        return not any(len(self.trainable.users[p]) > 1 for p in state.params.values())
+        return id(state) in self.trainable.sole
 
     def _reduce_layer(self, state: LayerState) -> None:
+        """Stages 1-2 of a layer whose parameters no other layer uses (``_can_reduce_now``)."""
         self._prepare_layer(state)
+        ready = self._ready.get(id(state))
+        if ready is not None and not any(p in self._works for p in state.params.values()):
+            named = [(self.trainable.users[p][0][1], p) for p in state.params.values()]
+            for p, work, norm, grad in layer_norms(ready, named, self.recipe, self.setup.decision_rule,
+                                                   self.trainable.group_of):
+                self._works[p] = work
+                self._decide(ready, self.trainable.users[p][0][1], norm, grad)
         for p in state.params.values():
             self._norm_stage(p)
         if all(p in self._works for p in state.params.values()):  # book-keeping keeps its own operands
@@ -315,8 +326,9 @@ class Backward:
         Calls still waiting for their gradient (a later forward whose backward has not run
         yet) stay recorded.
         """
-        calls = [c for c in state.calls if c.grad is not None]
-        state.calls = [c for c in state.calls if c.grad is None]
+        live = list(state.calls)
+        calls = [c for c in live if c.grad is not None]
+        state.calls = [c for c in live if c.grad is None]
         if not calls:
             return
         if id(state) in self._ready or any(p in self._works for p in state.params.values()):
@@ -351,9 +363,13 @@ class Backward:
         work, norm, grad = parameter_norm(p, parts, self.recipe, self.setup.decision_rule,
                                           self.trainable.group_of[p])
         self._works[p] = work
-        for ready, n in parts:  # a layer is described by its weight's decision (or its first parameter's)
-            if n == "weight" or ("weight" not in ready.state.params and id(ready.state) not in self._decisions):
-                self._decisions[id(ready.state)] = layer_decision(ready, norm, grad)
+        for ready, n in parts:
+            self._decide(ready, n, norm, grad)
+
+    def _decide(self, ready: ReadyLayer, name: str, norm: Norm, grad: Grad) -> None:
+        """A layer is described by its weight's decision (or its first parameter's)."""
+        if name == "weight" or ("weight" not in ready.state.params and id(ready.state) not in self._decisions):
+            self._decisions[id(ready.state)] = layer_decision(ready, norm, grad)
 
     def _drop_recomputed(self) -> None:
         """Recomputed calls (checkpointing) are used in the backward that made them, or never."""
@@ -407,7 +423,11 @@ class Backward:
                                    + (", ..." if len(self.trainable.layers) > 3 else ""))
             parts: list[list[torch.Tensor]] = [[] for _ in range(self.trainable.num_groups)]
             for work in self._works.values():
-                parts[work.group].append(work.sq_norm)
+                if work.sq_norm is not None:
+                    parts[work.group].append(work.sq_norm)
+            small = SmallGradients(self._works)
+            for group, sq_norm in small.sq_norms():
+                parts[group].append(sq_norm)
             factors, finite = clipping_factors_by_group([summed(sq) for sq in parts], batch, scale,
                                                         self.trainable.threshold, self.setup.clipping_fn,
                                                         self.setup.clipping_gamma)
@@ -418,6 +438,7 @@ class Backward:
                 scaled = [f * scale if scale != 1.0 else f for f in factors]  # (once per group, not per parameter)
                 for p, work in self._works.items():
                     add_clipped_gradient(self.setup.sums, p, work, scaled[work.group])
+                small.add_clipped(self.setup.sums, scaled)
             return factors
         finally:
             self._clear()

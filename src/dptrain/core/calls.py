@@ -12,16 +12,16 @@ from torch import nn
 from ..layers.protocol import LayerDims, LayerRule
 from ..rows.layout import pattern_key
 
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)  # (looked up once: read at every layer call)
+
 
 def in_backward() -> bool:
     """True while the autograd engine runs a backward pass on this thread."""
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return _graph_task_id is not None and _graph_task_id() != -1
 
 
 def graph_task() -> int:
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task() if task is not None else -1
+    return _graph_task_id() if _graph_task_id is not None else -1
 
 
 class Call:
@@ -97,6 +97,21 @@ class CallList:
 
     def __getitem__(self, k):
         return self._live()[k]
+
+    def holds(self, call: Call) -> bool:
+        """Whether ``call`` is among the calls waiting."""
+        return any(r() is call for r in self._refs)
+
+    def only(self) -> Call | None:
+        """The one call waiting, or None where there are none or several."""
+        found = None
+        for r in self._refs:
+            c = r()
+            if c is not None:
+                if found is not None:
+                    return None
+                found = c
+        return found
 
     def append(self, call: Call) -> None:
         if len(self._refs) > 8:

@@ -392,14 +392,12 @@ class LayerHooks:
             # ``broadcast``: the rows of a table, which the table's own writes leave readable, broadcast.py)
             broadcast = call is not None and call.broadcast
             self._view_outputs.append((tensor, tensor._version, state, broadcast))  # (held until the call returns)
-        if read is None:
-            swapped = call.edge_swapped
-
-            def read(grad):
-                self.on_grad(state, call, swap01(grad) if swapped else grad)
-
+        swapped = read is None and call.edge_swapped
         self._own_handles += 1  # (the hook registered below: not a user's, for Capture._hooked)
         if node is None:
+            if read is None:
+                def read(grad):
+                    self.on_grad(state, call, swap01(grad) if swapped else grad)
             tensor.register_hook(read)
             return
         if call is not None:
@@ -420,7 +418,10 @@ class LayerHooks:
                 marked[index] = _GradientPenalty.apply(grad, f"{state.path} ({type(state.module).__name__})",
                                                        weakref.ref(self))
                 return tuple(marked)
-            read(grad)
+            if read is None:  # (the usual case: the engine's own reading, one closure per call)
+                self.on_grad(state, call, swap01(grad) if swapped else grad)
+            else:
+                read(grad)
             return None
 
         node.register_prehook(pre_hook)
@@ -436,8 +437,9 @@ def _broadcast_rows_of(inputs: tuple) -> tuple:
     """A layer call's inputs ((args, kwargs), or a capture site's tensors) with each BroadcastRows replaced by its rows
     over the batch (a quick look first: this runs at every layer call)."""
     flat = (*inputs[0], *inputs[1].values()) if len(inputs) == 2 and isinstance(inputs[1], dict) else inputs
-    if any(type(a) is BroadcastRows or isinstance(a, (list, tuple, dict)) for a in flat):
-        return pytree.tree_map_only(BroadcastRows, rows_of, inputs)
+    for a in flat:
+        if type(a) is BroadcastRows or isinstance(a, (list, tuple, dict)):
+            return pytree.tree_map_only(BroadcastRows, rows_of, inputs)
     return inputs
 
 

@@ -17,6 +17,7 @@ drops it whole on any exit, and ``StepSums`` never keeps part of a micro-batch.
 """
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,7 +98,9 @@ class StepSums:
         # Kept in float32 or wider whatever the parameter's dtype: a bf16 sum would round one sample's
         # clipped contribution (norm <= R in float32) to up to 2^-8 above R before the noise is added.
         # The price: a bf16 model's sums take twice the memory of its gradients.
-        g = g.to(sum_dtype(p))
+        dtype = sum_dtype(p)
+        if g.dtype != dtype:
+            g = g.to(dtype)
         summed = self.sums.get(p)
         if summed is None:
             self.sums[p] = g  # always a fresh tensor from the rules or autograd.grad
@@ -142,7 +145,7 @@ class ParamWork:
 
     group: int
     batch_size: int
-    sq_norm: torch.Tensor
+    sq_norm: torch.Tensor | None                        # None: formed with its group's small ones (``SmallGradients``)
     per_sample: torch.Tensor | None                     # kept for module 5
     book: list[tuple[LayerState, str, tuple]]            # kept (layer, name, operands) for module 2b(C)
 
@@ -179,19 +182,24 @@ def layer_operands(state: LayerState, calls: list[Call], batch: int,
 
 # ---------------------------------------------------------------------- stage 2: norms
 def parameter_norm(p: nn.Parameter, parts: list[tuple[ReadyLayer, str]], recipe: Recipe, decision_rule: str,
-                   group: int) -> tuple[ParamWork, Norm, Grad]:
+                   group: int, decided: tuple[Norm, Grad] | None = None,
+                   instantiated: torch.Tensor | None = None) -> tuple[ParamWork, Norm, Grad]:
     """Per-sample squared norms of one parameter (modules 3/4), keeping what its gradient stage needs.
 
     A parameter used by several layers (tied weights) sums their per-sample gradients, so its norm
     includes the cross terms: instantiated, or as a ghost norm from the Grams of the layers' weight
-    factors.
+    factors. (``decided``, ``instantiated``: the decision and the per-sample gradient ``layer_norms`` already
+    made for a parameter of one layer.)
     """
     sizes = {ready.batch_size for ready, _ in parts}
     if len(sizes) > 1:
         raise ValueError(f"layers sharing a parameter saw different batch sizes {sorted(sizes)}")
     first, _ = parts[0]
-    described = [(n, r.dims, r.state.rule.factorable(r.state.module)) for r, n in parts]
-    _, norm_via, grad_via = decide_parameter(recipe, decision_rule, described, tuple(p.shape))
+    if decided is None:
+        described = [(n, r.dims, r.state.rule.factorable(r.state.module)) for r, n in parts]
+        _, norm_via, grad_via = decide_parameter(recipe, decision_rule, described, tuple(p.shape))
+    else:
+        norm_via, grad_via = decided
     per_sample = None
     if norm_via is Norm.GHOST:
         if len(parts) == 1:
@@ -199,15 +207,20 @@ def parameter_norm(p: nn.Parameter, parts: list[tuple[ReadyLayer, str]], recipe:
         else:
             sq_norm = shared_sq_norm([r.state.rule.weight_factors(r.state.module, r.ops) for r, _ in parts])
     else:
-        for ready, n in parts:
-            g = ready.state.rule.per_sample_grads(ready.state.module, ready.ops, {n})[n]
-            per_sample = g if per_sample is None else per_sample + g
-        sq_norm = float32_at_least(per_sample).flatten(1).square().sum(1)
+        per_sample = instantiated
+        if per_sample is None:
+            for ready, n in parts:
+                g = ready.state.rule.per_sample_grads(ready.state.module, ready.ops, {n})[n]
+                per_sample = g if per_sample is None else per_sample + g
         if grad_via is Grad.BOOK_KEEPING and per_sample.dtype in (torch.float16, torch.bfloat16):
             # The norm is that of the rounded bf16/fp16 per-sample gradients; 2b(C) would form the sum in
             # float32 from the operands, whose exact product may be 2^-8 larger: the kept gradients are the
             # ones the norm measured (as bk-mixopt keeps them, and only where instantiation won on space).
             grad_via = Grad.WEIGHTED_SUM
+        if grad_via is Grad.WEIGHTED_SUM and math.prod(per_sample.shape[1:]) <= SMALL_NUMEL:
+            sq_norm = None  # (with its group's other small ones, at the end of the backward: SmallGradients)
+        else:
+            sq_norm = float32_at_least(per_sample).flatten(1).square().sum(1)
     work = ParamWork(
         group=group,
         batch_size=first.batch_size,
@@ -218,15 +231,67 @@ def parameter_norm(p: nn.Parameter, parts: list[tuple[ReadyLayer, str]], recipe:
     return work, norm_via, grad_via
 
 
+def layer_norms(ready: ReadyLayer, named: list[tuple[str, nn.Parameter]], recipe: Recipe, decision_rule: str,
+                groups: dict[nn.Parameter, int]) -> list[tuple[nn.Parameter, ParamWork, Norm, Grad]]:
+    """``parameter_norm`` of each parameter of one layer that no other layer uses (``named``: its name in the layer,
+    the parameter), with the per-sample gradients of all those it instantiates from one ``per_sample_grads`` call
+    (a norm layer's scale and shift share their normalised input)."""
+    rule, module = ready.state.rule, ready.state.module
+    factorable = rule.factorable(module)
+    decided = {n: decide_parameter(recipe, decision_rule, [(n, ready.dims, factorable)], tuple(p.shape))[1:]
+               for n, p in named}
+    wanted = {n for n, (norm, _) in decided.items() if norm is not Norm.GHOST}
+    grads = rule.per_sample_grads(module, ready.ops, wanted) if len(wanted) > 1 else {}
+    return [(p, *parameter_norm(p, [(ready, n)], recipe, decision_rule, groups[p], decided[n], grads.get(n)))
+            for n, p in named]
+
+
 def layer_decision(ready: ReadyLayer, norm: Norm, grad: Grad) -> LayerDecision:
     d = ready.dims
     return LayerDecision(ready.state.name, type(ready.state.module).__name__, d.T, d.p, d.d * d.blocks,
                          d.ghost_cost, d.instantiate_cost, norm, grad, ready.layout)
 
 
+#: a kept per-sample gradient of at most this many numbers per sample (a bias, a norm's scale) has its norm and its
+#: clipped sum formed with the other small ones of its group (``SmallGradients``): a model's biases and norms are
+#: most of its parameters and little of its size, and one operation for them all replaces a few for each
+SMALL_NUMEL = 1 << 16
+
+
+class SmallGradients:
+    """The kept per-sample gradients whose norm was left for the end of the backward (``ParamWork.sq_norm`` None),
+    joined per clipping group, device and accumulation dtype into one ``[B, n]`` matrix: one operation gives their
+    per-sample squared norms, one their clipped sum (module 5), which is then split back into the parameters. The
+    matrix is as large as the gradients it joins, all small by ``SMALL_NUMEL``."""
+
+    def __init__(self, works: dict[nn.Parameter, ParamWork]):
+        joined: dict[tuple, list[tuple[nn.Parameter, ParamWork]]] = {}
+        for p, work in works.items():
+            if work.sq_norm is None:
+                g = work.per_sample
+                dtype = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else g.dtype
+                joined.setdefault((work.group, g.device, dtype), []).append((p, work))
+        self.joined = [(key[0], items, torch.cat([w.per_sample.flatten(1) for _, w in items], 1).to(key[2]))
+                       for key, items in joined.items()]
+
+    def sq_norms(self) -> list[tuple[int, torch.Tensor]]:
+        """(group, the per-sample squared norms of its small gradients) for each joined matrix."""
+        return [(group, flat.square().sum(1)) for group, _, flat in self.joined]
+
+    def add_clipped(self, sums: StepSums, factors: list[torch.Tensor]) -> None:
+        """Module 5 for every small gradient: ``sum_i C_i g_i`` of each matrix, split into its parameters."""
+        for group, items, flat in self.joined:
+            total = factors[group].to(flat.dtype) @ flat
+            for (p, work), part in zip(items, total.split([math.prod(w.per_sample.shape[1:]) for _, w in items])):
+                sums.add(p, part.view(work.per_sample.shape[1:]))
+
+
 # ---------------------------------------------------------------------- stage 4: the clipped sum
 def add_clipped_gradient(sums: StepSums, p: nn.Parameter, work: ParamWork, factor: torch.Tensor) -> None:
-    """Module 5 (weighted sum of kept per-sample gradients) or 2b(C) (book-keeping) for one parameter."""
+    """Module 5 (weighted sum of kept per-sample gradients) or 2b(C) (book-keeping) for one parameter; not for the
+    small ones left to ``SmallGradients``."""
+    if work.sq_norm is None:
+        return
     if work.per_sample is not None:  # factors stay float32: rounding them to bf16 would exceed R by 2^-8
         per_sample = float32_at_least(work.per_sample)
         sums.add(p, torch.tensordot(factor.to(per_sample.dtype), per_sample, dims=1))

@@ -64,6 +64,8 @@ class TrainableSet:
     groups: tuple[tuple[nn.Parameter, ...], ...]
     threshold: float  # each group's clipping threshold
     key: tuple  # the TrainableKey it was built for
+    #: ids of the layers none of whose parameters another layer uses (reduced as soon as their gradient arrives)
+    sole: frozenset[int] = frozenset()
 
     @property
     def num_groups(self) -> int:
@@ -91,6 +93,7 @@ def build_trainable_set(model: nn.Module, *, allow_fallback: bool, batch_first: 
         groups=tuple(tuple(param_of[k] for k in group) for group in groups),
         threshold=group_threshold(max_grad_norm, max(1, len(groups))),
         key=key,
+        sole=frozenset(id(s) for s in layers if all(len(users[p]) == 1 for p in s.params.values())),
     )
 
 

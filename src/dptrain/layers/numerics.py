@@ -158,10 +158,16 @@ def factor_weighted_sum(u, v, factor: torch.Tensor) -> torch.Tensor:
     # would double the largest tensor of the step).
     acc = accumulation_dtype(u.dtype, v.dtype, factor.dtype)
     T = u.shape[1]
+    chunk = max(1, _WIDENED_CHUNK_BYTES // (acc.itemsize * (u.shape[-1] + v.shape[-1])))
+    if u.shape[0] * T <= chunk:  # (the usual case: one product, each sample's rows scaled by its factor)
+        a, b = u.to(acc), v.to(acc)
+        if b.shape[-1] < a.shape[-1]:
+            b = b * factor.to(acc).reshape(-1, 1, 1)
+        else:
+            a = a * factor.to(acc).reshape(-1, 1, 1)
+        return a.reshape(-1, a.shape[-1]).t() @ b.reshape(-1, b.shape[-1])
     u, v = u.reshape(-1, u.shape[-1]), v.reshape(-1, v.shape[-1])
     per_token = factor.to(acc).repeat_interleave(T).unsqueeze(1)
-    element = torch.empty((), dtype=acc).element_size()
-    chunk = max(1, _WIDENED_CHUNK_BYTES // (element * (u.shape[1] + v.shape[1])))
     out = None
     for start in range(0, max(u.shape[0], 1), chunk):
         rows = slice(start, start + chunk)

@@ -112,6 +112,18 @@ class ProofMemo:
         return Proof(edges, {nexts[i][k] for i, k in unproven}, stops, stopped_at, recomputes)
 
 
+class _Key(tuple):
+    """A graph's key, its hash taken once (a key holds a few entries per node: hashing it is a walk of its own)."""
+
+    def __new__(cls, items):
+        key = super().__new__(cls, items)
+        key._hash = tuple.__hash__(key)
+        return key
+
+    def __hash__(self) -> int:
+        return self._hash
+
+
 def _interesting(node) -> bool:
     """An edge into a node whose value the engine reads: a layer call's output, a reading of the model's input, a
     parameter (the loss check refuses parameters outside the model)."""
@@ -158,7 +170,7 @@ def _structure(roots, batch: int, stop):
                 stack.append((nxt, to))
             key.append(to)
             key.append(nr)
-    return nexts, tuple(key)
+    return nexts, _Key(key)
 
 
 def _remember(found: Proof, nexts: list) -> tuple:

@@ -37,6 +37,10 @@ class FallbackRule(_CallArguments, _ContainerOutputs, _GuardedOutputs, _BatchAxe
 
     fallback = True
     takes_output_leaves = True
+    # LayerRule's optional hooks, which two of the parts implement, named here (as the bases' order resolves them):
+    # the type check reads a method in one base and an optional hook in another as a conflict
+    before_call = _CallArguments.before_call
+    regroup_call = _FoldedRowReplays.regroup_call
 
     def __init__(self, module: nn.Module, name: str | None = None, batch_first: bool = True):
         # its own parameters, and those it reads from its parameter containers (by dotted name)

@@ -81,7 +81,7 @@ class StepSums:
     earlier micro-batches (in place, which cannot be undone exactly) the whole step's sums are dropped.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.sums: dict[nn.Parameter, torch.Tensor] = {}
         self._created: list[nn.Parameter] = []
         self._added = False
@@ -163,6 +163,7 @@ def layer_operands(state: LayerState, calls: list[Call], batch: int,
     parts, dims = [], []
     for c in calls:
         rowmap = row_map(state, c, batch)
+        assert c.grad is not None  # (a call whose output gradient arrived)
         if rowmap.identity:
             activation, grad = c.activation, c.grad
             if rowmap.dropped is not None:  # a fixed-shape batch's padded rows: nothing of them, whatever they hold
@@ -197,11 +198,12 @@ def parameter_norm(p: nn.Parameter, parts: list[tuple[ReadyLayer, str]], recipe:
         if len(parts) == 1:
             sq_norm = first.state.rule.ghost_sq_norm(first.state.module, first.ops)
         else:
-            sq_norm = shared_sq_norm([r.state.rule.weight_factors(r.state.module, r.ops) for r, _ in parts])
+            sq_norm = shared_sq_norm([r.state.rule.weight_factors(r.state.module, r.ops) for r, _ in parts])  # type: ignore[misc]  # (ghost: every layer has its factors)
     else:
         for ready, n in parts:
             g = ready.state.rule.per_sample_grads(ready.state.module, ready.ops, {n})[n]
             per_sample = g if per_sample is None else per_sample + g
+        assert per_sample is not None  # (one layer at least)
         sq_norm = float32_at_least(per_sample).flatten(1).square().sum(1)
         if grad_via is Grad.BOOK_KEEPING and per_sample.dtype in (torch.float16, torch.bfloat16):
             # The norm is that of the rounded bf16/fp16 per-sample gradients; 2b(C) would form the sum in

@@ -107,7 +107,7 @@ class ScaledEmbeddingRule(EmbeddingRule):
 
     module_types = ()
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._checked: set[tuple] = set()
 
     @staticmethod

@@ -126,7 +126,7 @@ def _structure(roots, batch: int, stop):
     are numbered as the walk discovers them; each one's entry names the numbers its edges lead to."""
     index: dict = {}
     nexts: list = []
-    key = [batch == 1]
+    key: list = [batch == 1]
     stack = []
     for node, nr, rows in roots:
         if node is not None and node not in index:

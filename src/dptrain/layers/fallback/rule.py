@@ -166,7 +166,7 @@ class FallbackRule(_CallArguments, _ContainerOutputs, _GuardedOutputs, _BatchAxe
                 store.per_sample.setdefault(name, grad)
         return {n: store.per_sample[n] for n in names}
 
-    def clipped_grads(self, module, ops, factors):
+    def clipped_grads(self, module, ops, factors) -> dict[str, torch.Tensor]:
         """Module 5 on per-sample gradients the norm stage formed; otherwise (the two-pass modes' second
         pass) one replay of the whole batch with each sample's output gradient scaled by its factor,
         sum_i C_i vjp_i(g_i) = vjp(C g) for a module that keeps samples apart (checked), with no

@@ -163,7 +163,7 @@ def factor_weighted_sum(u, v, factor: torch.Tensor) -> torch.Tensor:
     per_token = factor.to(acc).repeat_interleave(T).unsqueeze(1)
     element = torch.empty((), dtype=acc).element_size()
     chunk = max(1, _WIDENED_CHUNK_BYTES // (element * (u.shape[1] + v.shape[1])))
-    out: torch.Tensor | None = None
+    out = None
     for start in range(0, max(u.shape[0], 1), chunk):
         rows = slice(start, start + chunk)
         a, b = u[rows].to(acc), v[rows].to(acc)

@@ -1,9 +1,12 @@
 """A module without a rule returns a table of its own [1, w, d] that the model broadcasts over windows folded into
 the batch ([B * W, w, d]), as a position bias of window attention is. The engine takes the size-1 output for a table
-broadcast over the batch and replaces it by its expansion to [B, w, d] (``FallbackRule.expand_batch``, hooked in
-``capture.Capture._record``), which changes the module's output: the model's own forward then fails (B >= 2) with
-torch's shape error, naming no module; at B = 1 (no expansion) the table gets no gradient
-(repros/fallback_output_view_of_own_parameter.py). The same model without the engine runs, and the oracle is defined.
+broadcast over the batch (``FallbackRule.expand_batch``); its one row then meets the B * W windows, not the B samples.
+
+Status: no longer silently wrong. It was: the expansion to [B, w, d] changed the module's output, so the model's own
+forward failed (B >= 2) with torch's shape error, and at B = 1 the table got no gradient (an output that is a view of
+the module's own parameter: fixed). Now: exact at B = 1; at B >= 2 refused (RowsMixSamples naming ``pos``) by the
+rows' reading, though the same model runs without the engine and the oracle is defined: a false refusal, pinned by
+``test_pinned_a_table_broadcast_over_windows_is_exact`` (xfail, strict) in tests/test_fallback_property.py.
 
 Run: PYTHONPATH=src python repros/fallback_table_broadcast_over_windows.py
 """
@@ -57,4 +60,4 @@ for B in (1, 2, 3):
         print(f"B={B}: max relative error {err:.3g} ({worst}); pos.table: engine |g| = {got['pos.table'].norm():.4g}, "
               f"oracle |g| = {ref['pos.table'].norm():.4g}")
     except Exception as err:  # noqa: BLE001
-        print(f"B={B}: the model's forward under the engine fails: {type(err).__name__}: {str(err)[:120]}")
+        print(f"B={B}: refused under the engine: {type(err).__name__}: {str(err)[:120]}")

@@ -52,6 +52,7 @@ import itertools
 import math
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -593,12 +594,17 @@ def random_model(seed: int) -> Drawn:
 
 
 # ------------------------------------------------------------------------------------------ known bugs
-VIEW_OF_PARAMETER = "repros/fallback_output_view_of_own_parameter.py"
+# the repro of each bug still open, named by its xfail test below (repros/README.md keeps those fixed since, with the
+# tests that cover them now)
 LEAF_AS_LONG_AS_THE_BATCH = "repros/container_leaf_as_long_as_the_batch.py"
-CLAIMED_PARAMS_GROUPS = "repros/claimed_child_params_clipping_groups.py"
-EXPANDED_REGROUPED = "repros/fallback_expanded_call_regrouped.py"
 TABLE_OVER_WINDOWS = "repros/fallback_table_broadcast_over_windows.py"
-FOLDED_ARGUMENT_CACHED = "repros/fallback_folded_argument_reading_cached_from_equal_rows.py"
+OPEN_REPROS = (LEAF_AS_LONG_AS_THE_BATCH, TABLE_OVER_WINDOWS)
+
+
+def test_repros_are_the_open_bugs_pinned_here():
+    """repros/ keeps a script for each bug still open, and only those: each named by its xfail test in this file."""
+    root = Path(__file__).resolve().parents[1]
+    assert sorted(p.relative_to(root).as_posix() for p in (root / "repros").glob("*.py")) == sorted(OPEN_REPROS)
 
 
 PINNED_SEEDS = {"cls-token": 161, "table-one-sample": 42, "leaf-batch-first": 5, "leaf-folded": 19,
@@ -691,7 +697,8 @@ def test_random_fallback_models_are_exact_or_refused_in_every_mode_and_path(seed
 
 # ------------------------------------------------------------------------------------------ the known bugs, pinned
 def _drawn(key: str):
-    """One drawn model that met a bug since fixed (its repro is in repros/): the property, as it holds now."""
+    """One drawn model that met a bug since fixed (its repro retired: repros/README.md): the property, as it holds
+    now."""
     def mark(test):
         test = given(seed=SEEDS)(test)
         test = example(seed=PINNED_SEEDS[key])(test)
@@ -710,12 +717,12 @@ def _pinned(key: str, raises, why: str):
     return mark
 
 
-@_drawn("cls-token")  # was: VIEW_OF_PARAMETER
+@_drawn("cls-token")  # fixed: an output that is a view of the module's own parameter got no gradient
 def test_pinned_a_class_token_of_its_own_is_exact(seed):
     _check(random_model(seed))
 
 
-@_drawn("table-one-sample")  # was: VIEW_OF_PARAMETER
+@_drawn("table-one-sample")  # fixed: likewise, a [1, T, d] table at one sample per call
 def test_pinned_a_position_table_of_its_own_is_exact_at_one_sample_per_call(seed):
     _check(random_model(seed))
 
@@ -734,12 +741,44 @@ def test_pinned_a_container_leaf_as_long_as_the_batch_on_folded_rows_is_exact(se
     _check(random_model(seed))
 
 
-@_drawn("claimed-groups")  # was: CLAIMED_PARAMS_GROUPS (the oracle now groups a claimed parameter with its layer)
+@_drawn("claimed-groups")  # fixed: the oracle groups a claimed parameter with the layer that claims it
 def test_pinned_layer_wise_groups_of_claimed_parameters_are_the_oracles(seed):
     _check(random_model(seed))
 
 
-@_drawn("folded-argument")  # was: FOLDED_ARGUMENT_CACHED
+class ClaimsBetween(nn.Module):
+    """A module without a rule that claims parameters of its descendants (``fb``), between two layers with rules."""
+
+    def __init__(self, fb: nn.Module):
+        super().__init__()
+        self.first, self.fb, self.head = nn.Linear(D, D), fb, nn.Linear(D, 3)
+
+    def forward(self, x):
+        return self.head(self.fb(torch.tanh(self.first(x)))).mean(1)
+
+
+@pytest.mark.parametrize("style", ["layer-wise", [["first", "head"], ["fb"]]], ids=["layer-wise", "explicit-groups"])
+@pytest.mark.parametrize("claims", ["reads-child", "weight-norm"])
+def test_clipping_groups_of_claimed_parameters_are_the_oracles(claims, style):
+    """A child's weight read in the parent's forward (``reads_child_params``) and weight norm's originals are in the
+    group of the module that claims them, for the engine and the oracle alike: layer-wise (one group: the module's
+    own and the claimed), and explicit groups that name the module (the oracle once left the claimed parameters in no
+    group). Exact in every mode and on both paths. (Was repros/claimed_child_params_clipping_groups.py.)"""
+    torch.manual_seed(0)
+    with default_dtype(torch.float64):
+        fb = ReadsChild() if claims == "reads-child" else nn.utils.parametrizations.weight_norm(nn.Linear(D, D))
+        g = torch.Generator().manual_seed(1)
+        batch = (torch.randn(5, 3, D, generator=g), torch.randint(0, 3, (5,), generator=g),
+                 torch.ones(5, dtype=torch.float64))
+        case = Case(ClaimsBetween(fb), _losses, batch)
+        R, ref = weighted_oracle(case, style)
+        assert any(name.startswith("fb.") and name.count(".") > 1 for name in ref)  # (the claimed: fb.proj.*, ...)
+        for mode, path in PATHS:
+            got = engine_clipped_sum(case, quiet=True, mode=mode, path=path, max_grad_norm=R, clipping_style=style)
+            assert_matches(got, ref, what=f"{claims} {style} {mode} {path}")
+
+
+@_drawn("folded-argument")  # fixed: a per-sample argument read as shared from a call whose samples were alike
 def test_pinned_a_per_sample_conditioning_the_same_over_one_call_is_per_sample_at_the_next(seed):
     _check(random_model(seed))
 
@@ -783,7 +822,7 @@ def test_one_sample_moves_the_model_by_its_gradient_clipped_to_R(seed, mode_path
     _check_one_sample(without_known_bugs(_one_sample_contributing(seed)), *mode_path)
 
 
-@pytest.mark.parametrize("seed", [  # (was a crash, EXPANDED_REGROUPED: now refused, naming the module)
+@pytest.mark.parametrize("seed", [  # (was an IndexError: now exact, or refused naming the module)
     57,  # a module run sequence-first at T = 1: [1, B, d]
     16,  # a position table [1, T, d] of its own, then a mean over the batch
 ])

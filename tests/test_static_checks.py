@@ -24,3 +24,11 @@ def run_tool(*args: str) -> subprocess.CompletedProcess:
 def test_lint_finds_nothing():
     run = run_tool("ruff", "check", ".")
     assert run.returncode == 0, f"ruff check . (fix with ruff check --fix .):\n{run.stdout[-8000:]}{run.stderr[-2000:]}"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("mypy") is None, reason="mypy is not installed: pip install -e '.[test]'")
+def test_type_check_finds_nothing():
+    run = run_tool("mypy")  # files, options: pyproject.toml's [tool.mypy]
+    assert run.returncode == 0 and "error:" not in run.stdout, (
+        f"python -m mypy (src/dptrain, configured in pyproject.toml):\n{run.stdout[-8000:]}{run.stderr[-2000:]}")

@@ -43,7 +43,7 @@ def integer(name: str, value: Any, minimum: int, meaning: str = "", integral_flo
             number = operator.index(value)
         except TypeError:
             if integral_floats and isinstance(value, numbers.Real) and float(value).is_integer():
-                number = int(value)
+                number = int(value)  # type: ignore[call-overload]  # (numbers.Real's stub: no __int__, loose __trunc__)
     if number is None or number < minimum:
         requirement = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise _fail(name, requirement, value, meaning)

@@ -139,10 +139,11 @@ class PrivacyEngine:
         self._ledger = Ledger(self.config, self.accountant)  # the steps applied, with their values (in the accountant)
         rank = self._parallel.rank if self._parallel is not None else 0
         # Under FSDP2 every rank draws the noise of its own shard: independent streams per rank.
-        self._noise = GaussianNoise(seed=None if seed is None else seed + 7919 * rank, secure=secure_rng)
+        self._noise: GaussianNoise | CorrelatedNoise = GaussianNoise(seed=None if seed is None else seed + 7919 * rank,
+                                                                     secure=secure_rng)
         if mechanism is not None:  # correlated noise: the i.i.d. draws through the strategy's C^{-1}, per parameter
             self._noise = CorrelatedNoise(mechanism, self._noise, lambda p: self._trainable.param_name(p))
-        self._cyclic_loader = None  # the attached loader, when it samples cyclic groups (its steps are checked)
+        self._cyclic_loader: weakref.ref | None = None  # the attached loader, when it samples cyclic groups (its steps are checked)
 
         # Set by attach: the hooks, the optimizer, the GradScaler protocol, what every backward works with.
         self._capture: Capture | None = None
@@ -155,7 +156,7 @@ class PrivacyEngine:
         self._rows = RowReader(seed)
         self._budget = Budget(self.config, self._ledger)
         self._key = TrainableKey(model)
-        self._trainable: TrainableSet | None = None
+        self._trainable: TrainableSet = None  # type: ignore[assignment]  # (read just below: _follow_trainable)
         self._warned_fallback: set[str] = set()
         self._follow_trainable()
         # the private step and its lifecycle (zero_grad, closures, the GradScaler's skip, the step count)
@@ -370,6 +371,7 @@ class PrivacyEngine:
                                   or users.is_floating_point()):
             raise ValueError(f"users must be an integer tensor of shape [{losses.shape[0]}] (one user id per loss), "
                              f"got {type(users).__name__}{tuple(users.shape) if isinstance(users, torch.Tensor) else ''}")
+        real_rows: int | torch.Tensor | None
         tag_losses = real = padded = real_rows = None
         if masked_already is not None:  # (losses from masked_losses: the rows its mask kept are the real ones)
             real_rows = masked_already
@@ -387,6 +389,7 @@ class PrivacyEngine:
             self._runner.run(losses, users, tag_losses, padded, real_rows)
 
     def _on_model_call(self) -> None:
+        assert self._runner is not None  # (attached: the capture calls it)
         self._runner.settle()
         if torch.is_grad_enabled():
             self._follow_trainable()
@@ -411,6 +414,7 @@ class PrivacyEngine:
         cyclic sampling the step's batch checked to be the loader's batch of this step."""
         if self._cyclic_loader is not None:
             check_cyclic_step(self._cyclic_loader(), self.steps_taken, self.cyclic_groups)
+        assert self._runner is not None and self._capture is not None  # (attached: the step calls it)
         self._runner.settle()
         self._capture.settle_open_forward()
         self._follow_trainable()

@@ -78,7 +78,7 @@ def run_command(options: dict, *, json_output: bool = False) -> int:
     threads = torch.get_num_threads()
     # The digits CNN is many tiny operations per step: one thread is faster (as in dptrain train).
     torch.set_num_threads(1)
-    bars = []  # opened at the first step, so that a configuration error shows no bar
+    bars: list = []  # opened at the first step, so that a configuration error shows no bar
 
     def progress(step: int, steps: int) -> None:
         if not bars:

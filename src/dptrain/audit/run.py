@@ -272,7 +272,8 @@ def run_audit(
 
     audited = CanaryModel(base, canaries).to(device)
     optimizer = torch.optim.Adam(audited.parameters(), lr=lr)
-    mechanism, correlated = None, {}
+    mechanism = None
+    correlated: dict[str, Any] = {}
     if noise == "bandmf":
         from ..correlated import CorrelatedMechanism, banded_strategy
 
@@ -303,10 +304,14 @@ def run_audit(
     if cyclic is not None:
         # Canary i is in group i mod b, decided before the coins: the same whether it is in or out, so the
         # auditor may use it. (Any fixed group of the differing unit is covered by the amplification theorem.)
+        from ..data.cyclic import CyclicPoissonSampler, CyclicUserPoissonSampler
+
         sampler = loader.batch_sampler
         if privacy_unit == "user":  # units are users: canary user i has the id population + i
+            assert isinstance(sampler, CyclicUserPoissonSampler)  # (poisson_loader's, for users and cyclic groups)
             units, canary_of_unit = torch.searchsorted(sampler.user_ids, population + member_ids), member_ids
         else:  # units are rows: the canaries' rows follow the n real ones
+            assert isinstance(sampler, CyclicPoissonSampler)  # (poisson_loader's, for cyclic groups)
             units, canary_of_unit = n + torch.arange(len(member_rows)), member_rows
         sampler.group_of[units] = torch.as_tensor(canary_groups)[canary_of_unit]
     engine.attach(optimizer, data_loader=loader)
@@ -350,6 +355,9 @@ def run_audit(
     canary_sum = canary_norm * per_canary
     contribution = canary_sum * min(1.0, max_grad_norm / canary_sum)
     if mechanism is not None:
+        from ..correlated import BandedToeplitz
+
+        assert isinstance(mechanism.strategy, BandedToeplitz)  # (banded_strategy's)
         scores = banded_scores(np.stack(observations), mechanism.strategy.coefficients, canary_groups,
                                contribution=contribution, noise_std=sigma * max_grad_norm,
                                sample_rate=engine.sample_rate)

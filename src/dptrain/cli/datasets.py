@@ -41,7 +41,8 @@ class ImageData:
 
     @property
     def shape(self) -> tuple[int, int, int]:
-        return tuple(self.test_x.shape[1:])
+        channels, height, width = self.test_x.shape[1:]  # images [N, C, H, W]
+        return channels, height, width
 
     def preprocess(self, x: torch.Tensor) -> torch.Tensor:
         import torch

@@ -260,6 +260,7 @@ class TrainingRun(TrainingReport):
 
     def _epsilon(self) -> float:
         """Epsilon spent so far, at --delta (the engine includes the truncation term of fixed-shape batches)."""
+        assert self.engine is not None  # (private runs only)
         return self.engine.get_epsilon(self.config["delta"])
 
     def _check_forward(self) -> None:
@@ -306,6 +307,7 @@ class TrainingRun(TrainingReport):
             "history": self.history,
             "wall_time_s": wall_time,
         }
+        assert self.output is not None  # (saved only where the run has an output directory)
         partial = self.output / (CHECKPOINT_NAME + ".partial")
         torch.save(state, partial)
         os.replace(partial, self.output / CHECKPOINT_NAME)  # never leave a half-written checkpoint
@@ -404,6 +406,7 @@ class TrainingRun(TrainingReport):
             padded = self.max_batch_size is not None  # padded rows count as a loss of exactly 0: they add nothing
             loss_total += float(masked_losses(losses, mask).detach().sum() if padded else losses.detach().sum())
             if self.private:  # (an empty batch still gets its noise at the step)
+                assert self.engine is not None
                 self.engine.backward(losses, mask=mask if padded else None)
             elif size:
                 (masked_losses(losses, mask).sum() / size).backward()

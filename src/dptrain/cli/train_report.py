@@ -12,11 +12,36 @@ from .options import OPTIMIZERS
 from .output import plural
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
     from ..core.planning import LayerDecision
+    from ..engine import PrivacyEngine
+    from .datasets import ImageData
 
 
 class TrainingReport:
     """The reporting half of a training run (``train.TrainingRun``)."""
+
+    # The run's state, which ``train.TrainingRun`` sets (its constructor and ``_setup``)
+    config: dict
+    checkpoint: dict | None
+    private: bool
+    epoch: int
+    device: torch.device
+    data: ImageData
+    model: nn.Module
+    notes: list[str]
+    fixed: bool
+    num_params: int
+    sample_rate: float
+    steps_per_epoch: int
+    total_steps: int
+    planned_steps: int
+    max_batch_size: int | None
+    cyclic_groups: int | None
+    engine: PrivacyEngine | None  # None where the run is not private
+    history: dict[str, list]
 
     def _print_header(self) -> None:
         import torch
@@ -45,6 +70,7 @@ class TrainingReport:
             print("privacy: none (--non-private: no clipping, no noise)")
             return
         e = self.engine
+        assert e is not None  # a private run has its engine
         if c["epsilon"] is not None:
             target = f"target epsilon {c['epsilon']:g} at delta {c['delta']:.3g} -> noise multiplier " \
                      f"{e.noise_multiplier:.4g}"
@@ -96,7 +122,7 @@ class TrainingReport:
             "test_accuracy": last["test_accuracy"],
             "epsilon": last["epsilon"],
             "delta": c["delta"] if self.private else None,
-            "noise_multiplier": self.engine.noise_multiplier if self.private else None,
+            "noise_multiplier": self.engine.noise_multiplier if self.engine is not None else None,  # (private)
             "steps": steps,
             "clipping_mode": c["clipping_mode"] if self.private else None,
             "noise": c["noise"] if self.private else None,

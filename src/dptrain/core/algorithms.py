@@ -15,7 +15,7 @@ class _Named(str, Enum):
     """A choice that prints, formats and serialises (JSON) as its value, and compares equal to it."""
 
     __str__ = str.__str__
-    __format__ = str.__format__
+    __format__ = str.__format__  # type: ignore[assignment]  # (the value's format, as __str__: intended)
 
 
 class NormVia(_Named):

@@ -206,11 +206,13 @@ class Backward:
         if self.tag_losses is not None:  # a reference pass of the unmasked losses: padded rows show their layout
             tags, self.rows.reference_pass = [*tags, torch.ones_like(tags[0])], True
         self.rows.begin_tags(tags)
-        for k, tags in enumerate(self.rows.tags):
+        assert self.rows.tags is not None  # (begun just above)
+        for k, pass_tags in enumerate(self.rows.tags):
             self.rows.tagging, self.rows.tag_pass = True, k
             self.setup.capture.new_pass()
             try:
-                torch.autograd.backward((losses * (tags * factor).to(losses.device, dtype)).sum(), retain_graph=True)
+                torch.autograd.backward((losses * (pass_tags * factor).to(losses.device, dtype)).sum(),
+                                        retain_graph=True)
             finally:
                 self.rows.tagging = False
 
@@ -292,7 +294,7 @@ class Backward:
 
     def _row_map(self, state: LayerState, call: Call, batch: int) -> RowMap:
         try:
-            rowmap = self.rows.resolve(state, call, batch if self.units is None else self.samples)
+            rowmap = self.rows.resolve(state, call, batch if self.units is None else self.samples)  # type: ignore[arg-type]  # (units come with engine.backward's samples)
         except NonFiniteRows:
             raise self._non_finite() from None
         if self.padded is not None:  # rows of padding belong to no sample: zeroed before any norm
@@ -311,7 +313,8 @@ class Backward:
             return self.unit_count
         sizes = {self.samples if self.samples is not None else c.batch_size for c in calls}
         if len(sizes) > 1:
-            raise ValueError(f"module {state.name!r} was called with different batch sizes {sorted(sizes)} in one forward")
+            raise ValueError(f"module {state.name!r} was called with different batch sizes "
+                             f"{sorted(sizes, key=lambda n: -1 if n is None else n)} in one forward")
         batch = sizes.pop()
         if batch is None:
             raise outside_model_call(state)
@@ -386,7 +389,7 @@ class Backward:
             self._norm_stage(p)
         self._ready.clear()
         self._drop_recomputed()
-        sizes = {}
+        sizes: dict[str, int] = {}
         for p, work in self._works.items():
             sizes.setdefault(self.trainable.users[p][0][0].name, work.batch_size)
         distinct = set(sizes.values())

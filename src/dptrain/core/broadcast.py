@@ -337,6 +337,7 @@ def _write_table(func, args, kwargs, wrapped: list, signature):
     if verdict == "rowwise":
         target.dptrain_rows = on_rows
     else:
+        assert first is not None  # (copied: kept above, before the write)
         target.dptrain_rows = first.expand(batch, *first.shape[1:])
         _tell_shared(func, wrapped, first)
     target.dptrain_written = True

@@ -23,6 +23,7 @@ parameter of the model is refused (``StateWrites``: version counters). The hooks
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -62,8 +63,8 @@ class Capture(LayerHooks):
     nothing, and newly covered modules are hooked.
     """
 
-    def __init__(self, model: nn.Module, on_grad: Callable[[LayerState, Call, torch.Tensor], None], *,
-                 on_model_call: Callable[[], None], on_output_grad: Callable[[], None],
+    def __init__(self, model: nn.Module, on_grad: Callable[[LayerState, Call, torch.Tensor], None] | None, *,
+                 on_model_call: Callable[[], None], on_output_grad: Callable[[], None] | None,
                  params_by_name: bool = False, batch_first: bool = True, dry: bool = False,
                  rows: RowReader | None = None):
         self.model = model
@@ -102,9 +103,9 @@ class Capture(LayerHooks):
         self.called: list[LayerState] = []  # dry: the layers in the order of their first call
         self.params_by_name = params_by_name
         self.batch_first = batch_first
-        self.on_grad = on_grad
+        self.on_grad = on_grad  # type: ignore[assignment]  # (None: set by the engine before any backward)
         self.on_model_call = on_model_call
-        self.on_output_grad = on_output_grad
+        self.on_output_grad: Callable[[], None] = on_output_grad  # type: ignore[assignment]  # (likewise)
         self.layers: list[LayerState] = []
         self._state_of: dict[int, LayerState] = {}
         self._hooked: dict[int, nn.Module] = {}  # by id, with the module itself (an id is reused after a module dies)
@@ -147,7 +148,7 @@ class Capture(LayerHooks):
         self.state_writes = StateWrites(model, buffers_only=params_by_name)
 
     # ------------------------------------------------------------------ install / remove
-    def install(self, layers: list[LayerState], extra_checks: list[tuple[nn.Module, Callable]] = ()) -> None:
+    def install(self, layers: list[LayerState], extra_checks: Sequence[tuple[nn.Module, Callable]] = ()) -> None:
         self._keep(self.model.register_forward_pre_hook(EngineHook(self._model_pre_hook), with_kwargs=True,
                                                           prepend=True))
         self._keep(self.model.register_forward_hook(EngineHook(self._model_post_hook), prepend=True))
@@ -155,7 +156,7 @@ class Capture(LayerHooks):
         self.add_checks(extra_checks)
         self.set_layers(layers)
 
-    def add_checks(self, checks: list[tuple[nn.Module, Callable]]) -> None:
+    def add_checks(self, checks: Sequence[tuple[nn.Module, Callable]]) -> None:
         """Forward pre-hooks that refuse a module's call (a frozen BatchNorm in training mode), once per module."""
         for module, check in checks:
             if self._checked.get(id(module)) is not module:
@@ -283,6 +284,7 @@ class Capture(LayerHooks):
     def _carry(self, t: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
         """A copy of ``t`` through ``_InputRowsNode``: it requires gradients, and its gradient is read (as
         ``InputRows``) wherever the graph does not prove its rows apart."""
+        assert self.forward_batch is not None  # (an open model call's)
         reading = InputRows(self.forward_batch, axes, self.forward_precision)
         self._readings += 1
         copy = _InputRowsNode.apply(self._anchor(t.device), t, reading, self.on_input_grad).as_subclass(CarriedRows)
@@ -302,7 +304,7 @@ class Capture(LayerHooks):
         new_args = tuple(original(a) for a in args)
         new_kwargs = {k: original(v) for k, v in kwargs.items()} if kwargs else kwargs
         if all(a is b for a, b in zip(new_args, args)) and (
-                not kwargs or all(new_kwargs[k] is v for k, v in kwargs.items())):
+                not kwargs or new_kwargs is not None and all(new_kwargs[k] is v for k, v in kwargs.items())):
             return None
         return new_args, new_kwargs if new_kwargs is not None else {}
 
@@ -477,7 +479,8 @@ def _outside_parameters(inputs, model: nn.Module, limit: int = 100_000) -> str |
     if not roots:
         return None
     own = {id(p) for p in model.parameters()}
-    found, seen = [], set()
+    found: list[torch.Tensor] = []
+    seen: set[Any] = set()
     stack = [t.grad_fn for t in roots if t.grad_fn is not None]
     found += [t for t in roots if t.grad_fn is None and isinstance(t, nn.Parameter) and id(t) not in own]
     while stack and len(seen) < limit:

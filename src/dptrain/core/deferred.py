@@ -31,6 +31,8 @@ a deferred call that is not per-sample (a loss computed inside the model).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..rows.losses import OUTPUT_MARK, OutputMark
@@ -127,7 +129,7 @@ def wrap_outputs(output, call: DeferredCall, anchor):
 def _per_sample(output, call: DeferredCall) -> list[torch.Tensor]:
     """The per-sample tensors of a replay's output, in the order ``wrap_outputs`` numbered the deferred call's."""
     found: list[torch.Tensor] = []
-    map_per_sample(output, call.batch, call.axis, lambda t, _: found.append(t) or t)
+    map_per_sample(output, call.batch, call.axis, lambda t, _: found.append(t) or t)  # type: ignore[func-returns-value]  # (kept, then itself)
     return found
 
 
@@ -135,7 +137,9 @@ def reached(losses: torch.Tensor, model, limit: int = 100_000) -> list:
     """The deferred outputs of calls of ``model`` the losses' graph reaches, as (autograd node, the call, the batch
     axis, which per-sample output of the call): the walk stops at them, at other models' (whose backward refuses),
     and at the model's recorded outputs (``rows.losses.OUTPUT_MARK``)."""
-    found, seen, stack = [], set(), [losses.grad_fn]
+    found: list[tuple] = []
+    seen: set[Any] = set()
+    stack = [losses.grad_fn]
     while stack and len(seen) < limit:
         node = stack.pop()
         if node is None or node in seen:
@@ -145,7 +149,7 @@ def reached(losses: torch.Tensor, model, limit: int = 100_000) -> list:
             if node.call.model is model:
                 found.append((node, node.call, node.axis, node.k))
             continue
-        if OUTPUT_MARK in node.metadata:
+        if OUTPUT_MARK in node.metadata:  # type: ignore[operator]  # (torch's stub: metadata a method, a dict in fact)
             continue
         stack.extend(n for n, _ in node.next_functions)
     return found

@@ -20,12 +20,17 @@ backward), so every clipping style is exact under both engines.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 # One all_reduce carries at most this many bytes (DDP's default bucket is 25 MiB).
 _BUCKET_BYTES = 25 * 2**20
@@ -35,7 +40,7 @@ def _qualified_names(obj) -> list[str]:
     return [f"{c.__module__}.{c.__qualname__}" for c in type(obj).__mro__]
 
 
-def is_dtensor(t) -> bool:
+def is_dtensor(t) -> TypeGuard[DTensor]:
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # torch < 2.5
@@ -102,7 +107,7 @@ class DataParallel:
     """What the engine needs from a data-parallel engine: its rank and the noisy global sum."""
 
     rank = 0
-    group = None  # the process group of the collectives (None: the default group)
+    group: dist.ProcessGroup | None = None  # the process group of the collectives (None: the default group)
 
     def attach(self) -> None:
         """Called by ``PrivacyEngine.attach``."""
@@ -151,7 +156,7 @@ class DDPGradients(DataParallel):
         self.ddp = ddp
         self.group = ddp.process_group
         self.rank = dist.get_rank(self.group)
-        self._no_sync = None
+        self._no_sync: contextlib.AbstractContextManager | None = None
 
     def attach(self) -> None:
         # DDP's reducer waits for autograd to accumulate gradients, which ghost differentiation

@@ -122,6 +122,7 @@ def guard_written_base(rows: torch.Tensor, state: LayerState) -> None:
             "out of place (`t = t / 2`), or write it only through the name the layer returned"
         )
 
+    assert rows._base is not None  # (a view of the layer's output)
     node = rows._base.grad_fn
     while node is not None and type(node).__name__ == "CopySlices":
         node.register_prehook(refuse)

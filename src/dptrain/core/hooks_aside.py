@@ -68,6 +68,7 @@ class HooksAside:
         if not self._aside:
             return
         self._aside = False
+        assert self._plan is not None  # (set aside by its plan)
         for attributes, name, hooks, _, kept, kept_len in self._plan:
             attributes[name] = hooks
             if len(kept) != kept_len:

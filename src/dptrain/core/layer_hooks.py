@@ -4,7 +4,7 @@ output gradient (a node pre-hook on the node that made the output, after every t
 from __future__ import annotations
 
 import weakref
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -26,6 +26,29 @@ class LayerHooks:
     """The hooks on each covered layer (a mixin of ``capture.Capture``, whose state they share): the parameters
     switched off during the layer's own call, the call recorded with its activation, its output gradient read where
     the node that made the output receives it, container outputs and capture sites."""
+
+    if TYPE_CHECKING:  # what they use of ``capture.Capture``'s state and methods (set and described there)
+        dry: bool
+        paused: bool
+        batch_first: bool
+        called: list[LayerState]
+        on_grad: Callable[[LayerState, Call, torch.Tensor], None]
+        forward_batch: int | None
+        forward_precision: torch.dtype | None
+        _open_forward: int | None
+        _ordinals: dict[int, int]
+        _recomputed_ordinals: dict[int, int]
+        _from_input: set[int]
+        _own_handles: int
+        _own_ids: set[int]
+        _pre_ids: dict[int, int]
+        _post_ids: dict[int, int]
+        _anchors: dict[torch.device, torch.Tensor]
+        _switched: dict[int, list[list[nn.Parameter]]]
+        _view_outputs: list
+        _broadcasting: bool
+
+        def _forward_of_outside_call(self) -> int: ...
 
     def _tracking(self) -> bool:
         return self.dry or torch.is_grad_enabled()
@@ -256,7 +279,7 @@ class LayerHooks:
             tensor = _Origin.apply(self._anchor(tensor.device), tensor)
             if self._from_input and id(module) in self._from_input:  # (given the model's input as it is)
                 self._from_input.discard(id(module))
-                tensor.grad_fn.metadata[FROM_INPUT] = True
+                tensor.grad_fn.metadata[FROM_INPUT] = True  # type: ignore[union-attr, index]  # (_Origin's node; torch's stub: metadata a method, a dict in fact)
         seen = swap01(tensor) if output_swapped else tensor
         if seen.dim() and seen.shape[0] == 1 and forward_batch is not None and forward_batch != 1:
             if not self.batch_first:
@@ -273,6 +296,7 @@ class LayerHooks:
                               forward_batch, recomputed)
         if self.dry:
             return tensor
+        returned: torch.Tensor
         if broadcast:  # the model gets the layer's own [1, ...] output; the engine hooks its rows over the batch
             call.broadcast = True
             self._broadcasting = True  # (from now on, layer inputs are looked into for its rows)
@@ -392,7 +416,7 @@ class LayerHooks:
             # ``broadcast``: the rows of a table, which the table's own writes leave readable, broadcast.py)
             broadcast = call is not None and call.broadcast
             self._view_outputs.append((tensor, tensor._version, state, broadcast))  # (held until the call returns)
-        swapped = read is None and call.edge_swapped
+        swapped = read is None and call is not None and call.edge_swapped
         self._own_handles += 1  # (the hook registered below: not a user's, for Capture._hooked)
         if node is None:
             if read is None:
@@ -403,6 +427,7 @@ class LayerHooks:
         if call is not None:
             call.edge = call_edge(node, index)
             if shape is not None:
+                assert base is not None  # (a shape is kept for a view of its base only)
                 call.edge_shape, call.edge_view = tuple(base.shape), tuple(shape)
 
         def pre_hook(grad_outputs):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -82,7 +82,7 @@ class StepSums:
     earlier micro-batches (in place, which cannot be undone exactly) the whole step's sums are dropped.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.sums: dict[nn.Parameter, torch.Tensor] = {}
         self._created: list[nn.Parameter] = []
         self._added = False
@@ -166,6 +166,7 @@ def layer_operands(state: LayerState, calls: list[Call], batch: int,
     parts, dims = [], []
     for c in calls:
         rowmap = row_map(state, c, batch)
+        assert c.grad is not None  # (a call whose output gradient arrived)
         if rowmap.identity:
             activation, grad = c.activation, c.grad
             if rowmap.dropped is not None:  # a fixed-shape batch's padded rows: nothing of them, whatever they hold
@@ -205,13 +206,14 @@ def parameter_norm(p: nn.Parameter, parts: list[tuple[ReadyLayer, str]], recipe:
         if len(parts) == 1:
             sq_norm = first.state.rule.ghost_sq_norm(first.state.module, first.ops)
         else:
-            sq_norm = shared_sq_norm([r.state.rule.weight_factors(r.state.module, r.ops) for r, _ in parts])
+            sq_norm = shared_sq_norm([r.state.rule.weight_factors(r.state.module, r.ops) for r, _ in parts])  # type: ignore[misc]  # (ghost: every layer has its factors)
     else:
         per_sample = instantiated
         if per_sample is None:
             for ready, n in parts:
                 g = ready.state.rule.per_sample_grads(ready.state.module, ready.ops, {n})[n]
                 per_sample = g if per_sample is None else per_sample + g
+        assert per_sample is not None  # (one layer at least)
         if grad_via is Grad.BOOK_KEEPING and per_sample.dtype in (torch.float16, torch.bfloat16):
             # The norm is that of the rounded bf16/fp16 per-sample gradients; 2b(C) would form the sum in
             # float32 from the operands, whose exact product may be 2^-8 larger: the kept gradients are the
@@ -232,7 +234,7 @@ def parameter_norm(p: nn.Parameter, parts: list[tuple[ReadyLayer, str]], recipe:
 
 
 def layer_norms(ready: ReadyLayer, named: list[tuple[str, nn.Parameter]], recipe: Recipe, decision_rule: str,
-                groups: dict[nn.Parameter, int]) -> list[tuple[nn.Parameter, ParamWork, Norm, Grad]]:
+                groups: Mapping[nn.Parameter, int]) -> list[tuple[nn.Parameter, ParamWork, Norm, Grad]]:
     """``parameter_norm`` of each parameter of one layer that no other layer uses (``named``: its name in the layer,
     the parameter), with the per-sample gradients of all those it instantiates from one ``per_sample_grads`` call
     (a norm layer's scale and shift share their normalised input)."""
@@ -244,6 +246,14 @@ def layer_norms(ready: ReadyLayer, named: list[tuple[str, nn.Parameter]], recipe
     grads = rule.per_sample_grads(module, ready.ops, wanted) if len(wanted) > 1 else {}
     return [(p, *parameter_norm(p, [(ready, n)], recipe, decision_rule, groups[p], decided[n], grads.get(n)))
             for n, p in named]
+
+
+def sq_norm_of(work: ParamWork) -> torch.Tensor:
+    """A parameter's per-sample squared norms, also where they were left for ``SmallGradients``."""
+    if work.sq_norm is not None:
+        return work.sq_norm
+    assert work.per_sample is not None  # (left only where it is kept)
+    return float32_at_least(work.per_sample).flatten(1).square().sum(1)
 
 
 def layer_decision(ready: ReadyLayer, norm: Norm, grad: Grad) -> LayerDecision:
@@ -265,13 +275,14 @@ class SmallGradients:
     matrix is as large as the gradients it joins, all small by ``SMALL_NUMEL``."""
 
     def __init__(self, works: dict[nn.Parameter, ParamWork]):
-        joined: dict[tuple, list[tuple[nn.Parameter, ParamWork]]] = {}
+        joined: dict[tuple, list[tuple[nn.Parameter, torch.Tensor]]] = {}
         for p, work in works.items():
             if work.sq_norm is None:
                 g = work.per_sample
+                assert g is not None  # (left for here only where it is kept)
                 dtype = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else g.dtype
-                joined.setdefault((work.group, g.device, dtype), []).append((p, work))
-        self.joined = [(key[0], items, torch.cat([w.per_sample.flatten(1) for _, w in items], 1).to(key[2]))
+                joined.setdefault((work.group, g.device, dtype), []).append((p, g))
+        self.joined = [(key[0], items, torch.cat([g.flatten(1) for _, g in items], 1).to(key[2]))
                        for key, items in joined.items()]
 
     def sq_norms(self) -> list[tuple[int, torch.Tensor]]:
@@ -282,8 +293,8 @@ class SmallGradients:
         """Module 5 for every small gradient: ``sum_i C_i g_i`` of each matrix, split into its parameters."""
         for group, items, flat in self.joined:
             total = factors[group].to(flat.dtype) @ flat
-            for (p, work), part in zip(items, total.split([math.prod(w.per_sample.shape[1:]) for _, w in items])):
-                sums.add(p, part.view(work.per_sample.shape[1:]))
+            for (p, g), part in zip(items, total.split([math.prod(g.shape[1:]) for _, g in items])):
+                sums.add(p, part.view(g.shape[1:]))
 
 
 # ---------------------------------------------------------------------- stage 4: the clipped sum
@@ -351,9 +362,9 @@ def second_pass_caps(layers: list[tuple[LayerState, list[Call], dict[str, nn.Par
             if users[p] > 1:  # a weight tied between layers: one norm with its cross terms, below
                 shared.setdefault(p, []).append((ready, name))
             else:
-                sq = sq + parameter_norm(p, [(ready, name)], _CONSISTENT_NORM, "space", 0)[0].sq_norm
+                sq = sq + sq_norm_of(parameter_norm(p, [(ready, name)], _CONSISTENT_NORM, "space", 0)[0])
     for p, parts in shared.items():
-        sq = sq + parameter_norm(p, parts, _CONSISTENT_NORM, "space", 0)[0].sq_norm
+        sq = sq + sq_norm_of(parameter_norm(p, parts, _CONSISTENT_NORM, "space", 0)[0])
     return clipping_factors(torch.sqrt(sq) * ones.to(sq.dtype), threshold, "abadi", 0.0)
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -169,6 +170,7 @@ class BackwardRunner:
             )
         if B == 0 or not losses.requires_grad:
             if B == 0 and losses.requires_grad and isinstance(parallel, distributed.FSDP2Gradients):
+                assert passes is not None  # (agreed by every rank above)
                 self._discarded_backwards(losses, passes)
             self.forget_calls()
             if B > 0:
@@ -379,14 +381,15 @@ class BackwardRunner:
         if self.recipe.two_pass or batch is None:
             return None  # (two-pass modes refuse a plain backward at its first output gradient)
         runner = weakref.ref(self)
-        tagged = []  # the _TagRows node of each output tagged (held weakly): the roots of the proof
-        decided = {}  # the backward that decided (held weakly: the graph holds this), how many tag passes it runs
+        tagged: list = []  # the _TagRows node of each output tagged (held weakly): the roots of the proof
+        decided: dict[str, Any] = {}  # the backward that decided (held weakly: the graph holds this), how many tag passes it runs
 
         def tagged_pass(raw, grad: torch.Tensor, axis: int) -> None:
             alive = runner()
             backward = alive.current if alive is not None else None
             if backward is None or backward.phase is not Phase.PLAIN or backward.rows.tagging:
                 return  # engine.backward tags its losses instead
+            assert alive is not None  # (its backward runs)
             if decided.get("backward", lambda: None)() is not backward:
                 decided.clear()
                 decided["backward"] = weakref.ref(backward)

@@ -11,6 +11,7 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -21,6 +22,12 @@ from ..privacy.sampling import SamplingMismatch
 from . import distributed
 from .pipeline import StepSums, sum_dtype
 from .trainable import TrainableSet
+
+if TYPE_CHECKING:
+    from torch.utils.hooks import RemovableHandle
+
+    from .precision import LossScaling
+    from .runner import BackwardRunner
 
 
 def held_trainable(optimizer: torch.optim.Optimizer, trainable: TrainableSet) -> list[nn.Parameter]:
@@ -55,7 +62,7 @@ class GivenGradients:
     """The gradients the engine gave at the last step, held weakly (a strong reference would keep a model's
     worth of gradients alive after ``zero_grad()``)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._given: dict[nn.Parameter, weakref.ref] = {}
 
     def clear(self) -> None:
@@ -146,7 +153,8 @@ NOISE_BUCKET_BYTES = 32 << 20
 
 def _buckets(params: list[nn.Parameter]):
     """The parameters in order, in runs whose sums in float32 (or wider) take at most ``NOISE_BUCKET_BYTES``."""
-    bucket, size = [], 0
+    bucket: list[nn.Parameter] = []
+    size = 0
     for p in params:
         nbytes = p.numel() * sum_dtype(p).itemsize
         if bucket and size + nbytes > NOISE_BUCKET_BYTES:
@@ -170,7 +178,7 @@ class PendingMarker:
     checks: inf makes ``scaler.step`` skip the step.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.param: nn.Parameter | None = None
         self.tensor: torch.Tensor | None = None
         self._version = -1
@@ -189,11 +197,11 @@ class PendingMarker:
     @property
     def skips(self) -> bool:
         """The inf marker of a skipped step is still shown (``zero_grad()`` clears it: the skipped step is over)."""
-        return self._skip and self.tensor is not None and self.param.grad is self.tensor
+        return self._skip and self.tensor is not None and self.param is not None and self.param.grad is self.tensor
 
     def cleared(self) -> bool:
         """Whether ``zero_grad()`` (or anything setting ``p.grad``) removed or zeroed the marker since it was shown."""
-        if self.tensor is None:
+        if self.tensor is None or self.param is None:  # (set together)
             return False
         if self.param.grad is not self.tensor:
             return True
@@ -203,7 +211,7 @@ class PendingMarker:
 
     def forget(self) -> None:
         """The step took its gradient (or the engine detaches): the marker goes, from ``p.grad`` too."""
-        if self.tensor is not None and self.param.grad is self.tensor:
+        if self.tensor is not None and self.param is not None and self.param.grad is self.tensor:
             self.param.grad = None
         self.param, self.tensor, self._version, self._skip = None, None, -1, False
 
@@ -230,13 +238,14 @@ class PrivateStep:
         self.trainable = trainable
         self.steps_taken = 0
         self.optimizer: torch.optim.Optimizer | None = None
-        self.scaling = None
-        self.runner = None
+        self.scaling: LossScaling | None = None
+        self.runner: BackwardRunner | None = None
         self._prepare: Callable[[], None] | None = None
-        self._handle = None
+        self._handle: RemovableHandle | None = None
         self._given = GivenGradients()
         self._marker = PendingMarker()
-        self._marker_key, self._marker_on = None, None
+        self._marker_key: tuple | None = None
+        self._marker_on: nn.Parameter | None = None
         self.sampling_finding: str | None = None  # why the batches are not the accounted Poisson samples
         self._inner_step_due = False  # a ZeroRedundancyOptimizer's step is about to step its local optimizer
 
@@ -262,6 +271,7 @@ class PrivateStep:
     def _marker_param(self) -> nn.Parameter:
         """The smallest covered trainable parameter the optimizer holds: the one that shows ``PendingMarker``."""
         trainable = self.trainable()
+        assert self.optimizer is not None  # (attached)
         key = (trainable, sum(len(g["params"]) for g in self.optimizer.param_groups))
         if self._marker_key != key:
             users = trainable.users
@@ -269,6 +279,7 @@ class PrivateStep:
                     if p in users and p.requires_grad]
             self._marker_key, self._marker_on = key, (min(held, key=lambda q: q.numel()) if held
                                                       else next(iter(users)))
+        assert self._marker_on is not None  # (chosen above)
         return self._marker_on
 
     def before_backward(self) -> None:
@@ -277,6 +288,7 @@ class PrivateStep:
         if self._marker.cleared():
             self.sums.clear()
             self._marker.forget()
+            assert self.runner is not None  # (attached)
             self.runner.samples_per_step.discard_step()
 
     def after_backward(self, overflow: bool) -> None:
@@ -341,6 +353,7 @@ class PrivateStep:
         return (args[0], private_closure, *args[2:]), kwargs
 
     def _step(self) -> None:
+        assert self._prepare is not None and self.runner is not None and self.optimizer is not None  # (attached)
         self._prepare()
         self.runner.new_step()
         trainable, marker = self.trainable(), self._marker.tensor
@@ -391,6 +404,7 @@ class PrivateStep:
 
             def total(values: list[float]) -> list[float]:  # the ranks' counts, summed (one collective)
                 return self.parallel.total(values, device)
+        assert self.runner is not None  # (attached)
         finding = self.runner.samples_per_step.end_step(total)
         if finding is None:
             return

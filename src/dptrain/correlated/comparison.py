@@ -105,6 +105,7 @@ def warn_if_worse_than_dp_sgd(mechanism: CorrelatedMechanism, noise_multiplier: 
         fix = ("bands='auto' ranks the bands with RDP's calibration; with the engine's accountant DP-SGD is better "
                "here: use noise='gaussian'")
     else:
+        assert isinstance(mechanism.strategy, BandedToeplitz)  # (noise "bandmf": CorrelatedMechanism checks it)
         fix = (f"{mechanism.strategy.bands} bands give up more amplification than the correlation saves: use "
                "bands='auto' (which weighs the two, DP-SGD included) or noise='gaussian'")
     warnings.warn(

@@ -64,6 +64,7 @@ def build_mechanism(noise: Any, name: str, groups: int, planned_steps: int, band
     if isinstance(noise, (BandedToeplitz, BufferedToeplitz)):
         strategy = noise
     elif name == "bandmf":
+        assert bands is not None  # (resolve_noise requires them for "bandmf"; "auto" is chosen before)
         strategy = banded_strategy(planned_steps, bands, momentum=workload_momentum)
     else:
         strategy = blt_strategy(planned_steps, DEFAULT_BLT_BUFFERS if buffers is None else buffers,

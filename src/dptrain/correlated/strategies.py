@@ -25,6 +25,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, TypeVar, cast
 
 import numpy as np
 import torch
@@ -139,6 +140,7 @@ class BufferedToeplitz:
 
 
 Strategy = BandedToeplitz | BufferedToeplitz
+S = TypeVar("S", BandedToeplitz, BufferedToeplitz)
 
 
 def strategy_from_dict(state: dict) -> Strategy:
@@ -198,6 +200,7 @@ def _minimize(loss, x0: np.ndarray, max_iterations: int) -> np.ndarray:
         if not torch.isfinite(value):
             return math.inf, np.zeros_like(x)
         value.backward()
+        assert params.grad is not None  # (the loss depends on every parameter)
         return float(value.detach()), params.grad.numpy().copy()
 
     result = minimize(value_and_grad, x0, jac=True, method="L-BFGS-B",
@@ -315,7 +318,7 @@ def cache_dir() -> Path:
     return Path(base) / "dptrain" / "strategies"
 
 
-def _cached(key: dict, compute) -> Strategy:
+def _cached(key: dict, compute: Callable[[], S]) -> S:
     """``compute()``, read from the cache when an entry with exactly this ``key`` is there; written otherwise.
     A cache that cannot be read or written only costs the optimization (a warning says why)."""
     key = {**key, "version": CACHE_VERSION}
@@ -324,7 +327,7 @@ def _cached(key: dict, compute) -> Strategy:
     try:
         saved = json.loads(path.read_text())
         if saved.get("key") == key:
-            return strategy_from_dict(saved["strategy"])
+            return cast(S, strategy_from_dict(saved["strategy"]))  # (the key's kind: compute's)
     except FileNotFoundError:
         pass
     except (OSError, ValueError, KeyError, TypeError) as err:

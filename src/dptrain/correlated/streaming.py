@@ -170,9 +170,9 @@ def plan_noise(model: nn.Module, noise: str = "gaussian", *, bands: int | None =
     if noise == "gaussian":
         count = 0
     elif noise == "bandmf":
-        count = _checks.positive_int("bands", bands) - 1 if bands is not None else None
-        if count is None:
+        if bands is None:
             raise ValueError("noise='bandmf' needs bands: the number of bands of the strategy")
+        count = _checks.positive_int("bands", bands) - 1
     else:
         count = _checks.positive_int("buffers", 4 if buffers is None else buffers)
     params = [p for p in model.parameters() if p.requires_grad]

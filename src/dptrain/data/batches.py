@@ -47,7 +47,7 @@ def _map_batch(batch: Any, fn: Callable[..., Any], *others: Any) -> Any:
     if isinstance(batch, Mapping):
         mapped = {key: _map_batch(value, fn, *(o[key] for o in others)) for key, value in batch.items()}
         try:
-            return type(batch)(mapped)
+            return type(batch)(mapped)  # type: ignore[call-arg]  # (a mapping class built from a dict)
         except TypeError:
             return mapped
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple

@@ -44,7 +44,7 @@ def cyclic_groups_of(loader: Any) -> int:
     return getattr(getattr(loader, "batch_sampler", None), "cyclic_groups", 1)
 
 
-class _CyclicGroups:
+class _CyclicGroups(PoissonSampler):
     """What the cyclic samplers add to a Poisson sampler: the groups, and which one each draw samples.
 
     ``_draws`` counts the run's draws (the next draw samples group ``_draws mod g``); ``_epoch_first_draw`` is

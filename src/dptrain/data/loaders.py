@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -76,15 +76,16 @@ class DPDataLoader(DataLoader):
 
     @property
     def poisson_sampler(self) -> PoissonSampler:
-        return self.batch_sampler
+        return cast(PoissonSampler, self.batch_sampler)  # (the constructor's)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # (a generator over DataLoader's iterator)
         sampler = self.poisson_sampler
         self._consumed = sampler._position if sampler._resume_pending else 0
         for batch in super().__iter__():
             self._consumed += 1
             self._note_batch(batch)
             if self.cyclic_groups > 1:
+                assert isinstance(sampler, cyclic._CyclicGroups)  # (only a cyclic sampler has groups)
                 self.last_batch_step = sampler.step_of(self._consumed - 1)
             yield batch
         self._consumed = None
@@ -243,6 +244,7 @@ def poisson_loader(
                 "expected batch size must be at most len(dataset) (sample rate <= 1)."
             )
         sample_rate = batch_size * groups / num_samples
+    assert sample_rate is not None  # (given, or from batch_size: exactly one of them, checked above)
     if not isinstance(distributed, bool):
         raise ValueError(f"distributed must be True or False, got {distributed!r}")
     if max_batch_size is not None:
@@ -277,9 +279,11 @@ def poisson_loader(
         sampler = PoissonSampler(num_samples, sample_rate, steps=steps, generator=generator,
                                  max_batch_size=max_batch_size)
     if users is not None:
+        collate: Callable[[list], Any]
         if max_batch_size is None:
             collate = _UserCollate(collate_fn or default_collate, dataset[0])
         else:
+            assert max_examples_per_user is not None  # (the sampler requires it with max_batch_size)
             first_free_id = int(user_ids.max()) + 1  # ids of the empty slots: no real user's
             if first_free_id + max_batch_size > torch.iinfo(torch.int64).max:
                 raise ValueError(f"user ids up to {first_free_id - 1} leave no int64 ids for the {max_batch_size} "

@@ -89,6 +89,7 @@ class PoissonSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         if self._resume_pending:
             self._resume_pending = False
+            assert self._epoch_start_state is not None  # (load_state_dict sets both)
             self.generator.set_state(self._epoch_start_state)
             for _ in range(self._position):
                 self._draw()  # replay the batches the stopped run already used

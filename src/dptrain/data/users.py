@@ -99,6 +99,7 @@ class UserPoissonSampler(PoissonSampler):
         """The most rows one user can have in a batch: ``min(max_examples_per_user, largest user's examples)``,
         or ``max_examples_per_user`` with ``max_batch_size`` (fixed-shape batches pad every user to m rows)."""
         if self.max_batch_size is not None:
+            assert self.max_examples_per_user is not None  # (required with max_batch_size: checked at construction)
             return self.max_examples_per_user
         largest = int(self._counts[self.own_users].max())
         return largest if self.max_examples_per_user is None else min(largest, self.max_examples_per_user)
@@ -224,7 +225,7 @@ class _FixedShapeUserCollate(_UserCollate):
         self.slots, self.rows_per_user, self.first_free_id = slots, rows_per_user, first_free_id
         self.zero_row = _map_batch(collate_fn([example_item]), _zero_row)
 
-    def __call__(self, pairs: list[tuple[Any, int]]) -> FixedShapeUserBatch:
+    def __call__(self, pairs: list[tuple[Any, int]]) -> FixedShapeUserBatch:  # type: ignore[override]  # (its own batch)
         real = super().__call__(pairs)
         m, real_rows = self.rows_per_user, len(pairs)
         # Where each output row comes from: a real row's index, or real_rows (the zero row appended below).

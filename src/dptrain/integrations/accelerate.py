@@ -152,6 +152,7 @@ class PrivateTraining:
     def _keep_max_batch_size(self, settings: dict) -> None:
         """The checkpoint's K (a longer plan would take another): the engine built again with it, calibrated to the
         new plan, and the loader drawing with it."""
+        assert self._model is not None and self._optimizer is not None  # (called where the model was given)
         engine = PrivacyEngine(self._model, **settings)
         self.loader.set_max_batch_size(settings["max_batch_size"])  # (refused while the loader is iterated)
         self.engine.detach()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -213,6 +213,7 @@ def _collect_masks(obj: Any, typed: list, bare: list, depth: int, seen: set[int]
     if isinstance(obj, (FixedShapeBatch, FixedShapeUserBatch)):
         typed.append(obj.mask)
         return
+    children: Sequence[Any]
     if isinstance(obj, Mapping):
         children = list(obj.values())
     elif isinstance(obj, (tuple, list)):

@@ -53,8 +53,8 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sized
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +89,7 @@ STATE_FILE = "dptrain_state.pt"
 
 
 def _names(mapping: Mapping) -> set[str]:
-    out = set()
+    out: set[str] = set()
     for value in mapping.values():
         out.update(value if isinstance(value, (tuple, list)) else [value])
     return out
@@ -154,7 +154,7 @@ def per_sample_losses(model: nn.Module, inputs: Mapping[str, Any], outputs: Any,
         return sequence_losses(logits, labels, shift=task == "causal-lm", reduction=token_reduction,
                                label_smoothing=label_smoothing)
     if task == "classification":
-        config = _base_model(model).config
+        config: Any = _base_model(model).config  # (a transformers PretrainedConfig)
         problem = config.problem_type
         if problem is None:
             if config.num_labels == 1:
@@ -224,7 +224,7 @@ class DPTrainer(Trainer):
 
         args_ = self.args
         shares = args_.gradient_accumulation_steps * args_.world_size
-        sample_size = len(self.train_dataset)
+        sample_size = len(cast(Sized, self.train_dataset))  # (checked: it has a length)
         batch_size = args_.per_device_train_batch_size * shares
         if args_.max_steps > 0:
             steps = args_.max_steps
@@ -252,6 +252,7 @@ class DPTrainer(Trainer):
         with warnings.catch_warnings():
             if self.args.world_size > 1:  # (the engine that trains is built on the DDP-wrapped model at the first step)
                 warnings.filterwarnings("ignore", message="torch.distributed runs .* neither DistributedDataParallel")
+            assert self.model is not None  # (Trainer.__init__ sets it, from model_init too)
             return PrivacyEngine(self.model, **self._engine_settings)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any):

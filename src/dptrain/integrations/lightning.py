@@ -76,7 +76,7 @@ __all__ = ["DPCallback"]
 _PRECISIONS = (Precision, MixedPrecision, HalfPrecision, DoublePrecision)
 
 
-class _PrivateBackward:
+class _PrivateBackward(Precision):
     """Mixed into the strategy's own precision plugin class: Lightning's backward becomes the engine's."""
 
     _dp_callback: DPCallback
@@ -88,7 +88,7 @@ class _PrivateBackward:
 def _private_precision(plugin: Precision, callback: DPCallback) -> Precision:
     """A copy of ``plugin`` (same class, same state: autocast, scaler) whose ``backward`` calls the engine."""
     base = type(plugin)
-    cls = type(f"Private{base.__name__}", (_PrivateBackward, base), {"__module__": __name__})
+    cls: type[_PrivateBackward] = type(f"Private{base.__name__}", (_PrivateBackward, base), {"__module__": __name__})
     private = cls.__new__(cls)
     private.__dict__.update(plugin.__dict__)
     private._dp_callback = callback
@@ -109,7 +109,7 @@ class DPCallback(pl.Callback):
                  steps: int | None = None, clipping_mode: str = DEFAULT_CLIPPING_MODE,
                  engine_kwargs: Mapping[str, Any] | None = None, log_epsilon: bool = True):
         super().__init__()
-        self._privacy = dict(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
+        self._privacy: dict[str, Any] = dict(max_grad_norm=max_grad_norm, noise_multiplier=noise_multiplier,
                              target_epsilon=target_epsilon, target_delta=target_delta)
         self._planned = (epochs, steps)
         self._engine_kwargs = {"clipping_mode": clipping_mode, **dict(engine_kwargs or {})}
@@ -126,7 +126,7 @@ class DPCallback(pl.Callback):
     @staticmethod
     def of(trainer: pl.Trainer) -> DPCallback:
         """The trainer's DPCallback (for ``train_dataloader()``)."""
-        found = [c for c in trainer.callbacks if isinstance(c, DPCallback)]
+        found = [c for c in trainer.callbacks if isinstance(c, DPCallback)]  # type: ignore[attr-defined]  # (Lightning sets it in __init__, undeclared)
         if len(found) != 1:
             raise ValueError(f"the trainer has {len(found)} DPCallbacks; give it exactly one: "
                              "Trainer(callbacks=[DPCallback(...)])")
@@ -206,7 +206,9 @@ class DPCallback(pl.Callback):
             raise ValueError(f"DPCallback supports one optimizer, got {len(trainer.optimizers)}")
         # on the model as the strategy prepared it (DistributedDataParallel(pl_module) under DDP); a later fit
         # with a newly wrapped model gets a new engine that carries the steps taken
-        self.engine = engine_on(trainer.strategy.model, self.engine, self._settings)
+        model = trainer.strategy.model
+        assert model is not None  # (the strategy has set the model up by the start of training)
+        self.engine = engine_on(model, self.engine, self._settings)
         if self._pending is not None:
             self.engine.load_state_dict(self._pending["engine"])
             self._pending = None
@@ -234,11 +236,13 @@ class DPCallback(pl.Callback):
                              f"{tuple(losses.shape)}. E.g. F.cross_entropy(logits, y, reduction='none')")
         # Lightning divides the step's output by accumulate_grad_batches; the engine divides by the batch size
         losses = losses * self._accumulate if self._accumulate != 1 else losses
+        assert self.engine is not None  # (built by on_train_start)
         self.engine.backward(losses, mask=self._mask)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx: int) -> None:
         """Show the epsilon spent on the progress bar (``log_epsilon``), computed once per optimizer step."""
         engine = self.engine
+        assert engine is not None  # (built by on_train_start)
         if self.log_epsilon and engine.steps_taken != self._logged_steps:
             self._logged_steps = engine.steps_taken
             self._epsilon = engine.get_epsilon()

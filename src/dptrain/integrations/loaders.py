@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -126,6 +126,7 @@ class ShardedPoissonSampler(PoissonSampler):
             world, rank = _world()
             self._set_world(world, rank if self._given_rank is None else self._given_rank)
         if not self._seed_agreed:
+            assert self.num_replicas is not None  # (read just above, or given)
             if not self._resume_pending:  # (a resumed sampler continues the checkpoint's generator, on every process)
                 self.generator = torch.Generator().manual_seed(_shared_seed(self.num_replicas))
             self._seed_agreed = True
@@ -136,6 +137,7 @@ class ShardedPoissonSampler(PoissonSampler):
     def __iter__(self) -> Iterator[list[int]]:
         self.resolve()
         shares, rank, replicas = self.shares, self.rank, self.num_replicas
+        assert replicas is not None and rank is not None  # (resolve read the process group)
         for indices in super().__iter__():
             for micro in range(self.micro_batches):
                 yield indices[micro * replicas + rank::shares]
@@ -159,7 +161,11 @@ class ShardedPoissonLoader(DPDataLoader):
         super().__init__(dataset, sampler, **kwargs)
         self.micro_batches = sampler.micro_batches
 
-    def __iter__(self) -> Iterator[Any]:
+    @property
+    def poisson_sampler(self) -> ShardedPoissonSampler:
+        return cast(ShardedPoissonSampler, self.batch_sampler)  # (the constructor's)
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # (a generator over DataLoader's iterator)
         sampler = self.poisson_sampler
         sampler.resolve()  # before workers copy the collate function, which needs the rows of a piece
         start = sampler._position * self.micro_batches if sampler._resume_pending else 0
@@ -182,13 +188,14 @@ class ShardedPoissonLoader(DPDataLoader):
         sampler.max_batch_size = _checks.positive_int("max_batch_size", max_batch_size, "the fixed rows of a step, K")
         try:
             if sampler.num_replicas is not None:
+                assert sampler.rank is not None  # (_set_world sets both)
                 sampler._set_world(sampler.num_replicas, sampler.rank)  # (checks that K splits into the pieces)
         except ValueError:
             sampler.max_batch_size = previous
             raise
         self.max_batch_size = sampler.max_batch_size
         collate = self.collate_fn.collate if isinstance(self.collate_fn, _MaskInDict) else self.collate_fn
-        collate._collate = None  # (the rows of a piece, read again from the sampler at the next batch)
+        cast(_LazyRows, collate)._collate = None  # (sharded_poisson_loader's collate of fixed shapes)  # (the rows of a piece, read again from the sampler at the next batch)
 
     def state_dict(self) -> dict:
         """The sampler's checkpoint, counting the logical steps consumed, not the batches prefetched by workers."""
@@ -202,7 +209,7 @@ class _MaskInDict:
     """Collate a fixed-shape piece into the dict batch itself, the mask under ``key`` (for frameworks whose
     training step takes the batch as keyword arguments, like the Trainer)."""
 
-    def __init__(self, collate: _FixedShapeCollate, key: str):
+    def __init__(self, collate: _LazyRows, key: str):
         self.collate, self.key = collate, key
 
     def __call__(self, items: list) -> dict:
@@ -261,7 +268,9 @@ class _LazyRows:
 
     def __call__(self, items: list) -> FixedShapeBatch:
         if self._collate is None:
-            self._collate = _FixedShapeCollate(self.collate_fn, self.example_item, self.sampler.rows)
+            rows = self.sampler.rows
+            assert rows is not None  # (a sampler of fixed shapes: the loader's max_batch_size)
+            self._collate = _FixedShapeCollate(self.collate_fn, self.example_item, rows)
         return self._collate(items)
 
 

@@ -19,7 +19,7 @@ from .registry import register_layer
 
 @register_layer
 class EmbeddingRule(LayerRule):
-    module_types = (nn.Embedding,)
+    module_types: tuple[type[nn.Module] | str, ...] = (nn.Embedding,)
     rows_fold_into_tokens = True
     param_names = ("weight",)
 
@@ -107,7 +107,7 @@ class ScaledEmbeddingRule(EmbeddingRule):
 
     module_types = ()
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._checked: set[tuple] = set()
 
     @staticmethod

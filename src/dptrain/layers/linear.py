@@ -27,7 +27,7 @@ def gram_inner(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 @register_layer
 class LinearRule(LayerRule):
-    module_types = (nn.Linear,)
+    module_types: tuple[type[nn.Module] | str, ...] = (nn.Linear,)
     rows_fold_into_tokens = True
     expand_batch = expand_input_rows
 

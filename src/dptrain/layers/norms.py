@@ -95,7 +95,7 @@ class _TrailingDimsNorm(AffineNormRule):
 
 @register_layer
 class LayerNormRule(_TrailingDimsNorm):
-    module_types = (nn.LayerNorm,)
+    module_types: tuple[type[nn.Module] | str, ...] = (nn.LayerNorm,)
 
     def normalized(self, module, x):  # statistics in float32 for bf16/fp16 inputs, as torch's kernel
         return F.layer_norm(float32_at_least(x), module.normalized_shape, eps=module.eps)
@@ -130,7 +130,7 @@ class _ChannelNorm(AffineNormRule):
 
 @register_layer
 class GroupNormRule(_ChannelNorm):
-    module_types = (nn.GroupNorm,)
+    module_types: tuple[type[nn.Module] | str, ...] = (nn.GroupNorm,)
 
     def capture(self, module, inputs, output):
         return inputs[0].detach()

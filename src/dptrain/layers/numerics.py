@@ -44,6 +44,7 @@ def shared_sq_norm(factors: list[tuple]) -> torch.Tensor:
             term = (factor_gram(u_i, u_j) * factor_gram(v_i, v_j)).sum((1, 2))
             term = term if i == j else 2 * term
             total = term if total is None else total + term
+    assert total is not None  # (one set of factors at least)
     return total
 
 
@@ -148,8 +149,8 @@ def factor_weighted_sum(u, v, factor: torch.Tensor) -> torch.Tensor:
     if isinstance(u, OneHot):
         acc = accumulation_dtype(v.dtype, factor.dtype)
         weighted = v.to(acc) * factor.to(acc)[:, None, None]
-        out = torch.zeros(u.size, v.shape[-1], dtype=acc, device=v.device)
-        return out.index_add_(0, u.ids.reshape(-1), weighted.reshape(-1, v.shape[-1]))
+        summed = torch.zeros(u.size, v.shape[-1], dtype=acc, device=v.device)
+        return summed.index_add_(0, u.ids.reshape(-1), weighted.reshape(-1, v.shape[-1]))
     if isinstance(v, OneHot):
         return factor_weighted_sum(v, u, factor).t()
     # Formed in float32 or wider from the very (bf16) operands whose ghost norm was taken: a product rounded
@@ -178,6 +179,7 @@ def factor_weighted_sum(u, v, factor: torch.Tensor) -> torch.Tensor:
             a = a * per_token[rows]
         term = a.t() @ b
         out = term if out is None else out.add_(term)
+    assert out is not None  # (one chunk at least)
     return out
 
 

@@ -22,7 +22,7 @@ import functools
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -103,7 +103,7 @@ class LayerRule:
     #: None, or a function ``(module, args, kwargs)`` the capture calls before each recorded call of the module runs
     #: (the per-sample fallback keeps the objects among the arguments that the call may change, a cache of keys and
     #: values, as they are before it)
-    before_call = None
+    before_call: ClassVar[Callable[..., None] | None] = None
 
     def capture(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> Any:
         """Keep what the backward needs from the forward call (usually the input tensor)."""
@@ -152,7 +152,7 @@ class LayerRule:
     #: of one call of ``batch`` samples. Rows are regrouped by ``dptrain.rows`` only through it where the rule has
     #: it (the per-sample fallback, whose activation is the whole call, replays each sample's rows); without it,
     #: only a tensor activation sharing the output's leading axes can be regrouped, and other calls are refused.
-    regroup_call = None
+    regroup_call: ClassVar[Callable[..., Any] | None] = None
 
     def ghost_sq_norm(self, module: nn.Module, ops: tuple) -> torch.Tensor:
         """[B] squared norms of the weight's per-sample gradients (only if ghost_supported)."""
@@ -192,7 +192,7 @@ class LayerRule:
         """Whether ``weight_factors`` gives factors for this module (the ghost norm of a tied weight)."""
         return type(self).weight_factors is not LayerRule.weight_factors
 
-    def weight_factors(self, module: nn.Module, ops: tuple) -> tuple | None:
+    def weight_factors(self, module: nn.Module, ops: tuple) -> tuple[Any, torch.Tensor] | None:
         """(U [B, T, rows], V [B, T, cols]) with dL_i/dW = U_i^T V_i, W seen as [dim 0, rest].
 
         Used for the exact ghost norm of a weight shared by several modules (tied

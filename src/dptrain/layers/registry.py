@@ -3,6 +3,8 @@ module's rule handles (its own, and descendants' parameters it claims by a dotte
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -79,7 +81,7 @@ def find_rule(module: nn.Module) -> LayerRule | None:
                 depth = names.index(cls) if cls in names else None
             else:
                 depth = mro.index(cls) if cls in mro else None
-            if depth is None or type(module).forward is not mro[depth].forward:
+            if depth is None or type(module).forward is not getattr(mro[depth], "forward", None):
                 continue
             key = (depth, -order)
             if best is None or key < best:
@@ -112,7 +114,7 @@ def _parametrized(module: nn.Module) -> bool:
 
 
 # {qualified class name: function(module) -> dotted names of descendants' parameters its forward reads itself}
-_READS_CHILD_PARAMS: dict[object, object] = {}
+_READS_CHILD_PARAMS: dict[str | Callable[[nn.Module], bool], Callable[[nn.Module], Iterable[str]]] = {}
 
 
 def reads_child_params(kind, names) -> None:
@@ -144,7 +146,9 @@ def container_params(module: nn.Module) -> tuple[str, ...]:
         for pname, _ in child.named_parameters(recurse=False)
     ]
     if _parametrized(module):
-        names += [f"parametrizations.{tensor}.{pname}" for tensor, plist in module.parametrizations.items()
+        parametrizations = module.parametrizations
+        assert isinstance(parametrizations, nn.ModuleDict)  # (torch.nn.utils.parametrize keeps them so)
+        names += [f"parametrizations.{tensor}.{pname}" for tensor, plist in parametrizations.items()
                   for pname, _ in plist.named_parameters(recurse=False)]
     names += _child_reads(module)
     return tuple(names)

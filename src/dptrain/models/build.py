@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -26,7 +27,7 @@ from .._checks import first_line
 from .specs import ModelSpecError, parse_image_spec, parse_spec
 
 # torchvision builders of fixed-input-size models, and the keyword that sets the size
-_TORCHVISION_SIZE_KEYWORD = {"vit_": ("image_size", int), "maxvit_": ("input_size", lambda n: (n, n))}
+_TORCHVISION_SIZE_KEYWORD: dict[str, tuple[str, Callable[[int], Any]]] = {"vit_": ("image_size", int), "maxvit_": ("input_size", lambda n: (n, n))}
 
 
 def _groupnorm_groups(channels: int, preferred: int = 32) -> int:
@@ -191,7 +192,7 @@ _HF_HEAD_CLASSES = {
 # "auto": the first language-model head the model type has (BERT and BART also have a causal one, used less)
 _AUTO_HEADS = ("seq2seq-lm", "masked-lm", "causal-lm")
 # peft's task type per head: it keeps a classifier head trainable (modules_to_save) and knows the forward's inputs
-_PEFT_TASK_TYPES = {"causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM", "sequence-classification": "SEQ_CLS",
+_PEFT_TASK_TYPES: dict[str | None, str] = {"causal-lm": "CAUSAL_LM", "seq2seq-lm": "SEQ_2_SEQ_LM", "sequence-classification": "SEQ_CLS",
                     "token-classification": "TOKEN_CLS"}
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 import copy
 import math
 from collections import OrderedDict
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ def fix(model: nn.Module, *, inplace: bool = False, num_groups: int = DEFAULT_NU
         raise TypeError(f"fix() needs an nn.Module, got {type(model).__name__}")
     num_groups = _checks.positive_int("num_groups", num_groups)
     for name, module in model.named_modules():  # before deepcopy, which fails on them with a vaguer error
-        if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():
+        if isinstance(module, nn.modules.lazy.LazyModuleMixin) and module.has_uninitialized_params():  # type: ignore[misc]  # (torch's stub: self as a protocol)
             raise ValueError(f"{name or '<root>'} ({type(module).__name__}) has not seen an input yet, so its size is "
                              "unknown: run one forward pass before dptrain.fix")
     target = model if inplace else copy.deepcopy(model)
@@ -219,7 +220,7 @@ def _group_norm_for(bn: nn.modules.batchnorm._BatchNorm, num_groups: int) -> nn.
 
 
 def _factory_args(module: nn.Module) -> dict:
-    tensor = next(module.parameters(), None)
+    tensor: torch.Tensor | None = next(module.parameters(), None)
     if tensor is None:
         tensor = next(module.buffers(), None)
     return {} if tensor is None else {"device": tensor.device, "dtype": tensor.dtype}
@@ -231,7 +232,7 @@ def _constructor_args(module: nn.Module) -> dict:
                     bias=module.in_proj_bias is not None, add_bias_kv=module.bias_k is not None,
                     add_zero_attn=module.add_zero_attn, kdim=module.kdim, vdim=module.vdim,
                     batch_first=module.batch_first)
-    args = dict(input_size=module.input_size, hidden_size=module.hidden_size, num_layers=module.num_layers,
+    args: dict[str, Any] = dict(input_size=module.input_size, hidden_size=module.hidden_size, num_layers=module.num_layers,
                 bias=module.bias, batch_first=module.batch_first, dropout=module.dropout,
                 bidirectional=module.bidirectional)
     if isinstance(module, nn.LSTM):

@@ -174,16 +174,16 @@ class PoissonTest:
             )
         return self._thresholds[window]
 
-    def verdict(self, counts: Sequence[float], low_mean: bool = True) -> Finding | None:
+    def verdict(self, counts: Sequence[float] | np.ndarray, low_mean: bool = True) -> Finding | None:
         """What Poisson sampling does not explain in the last steps' ``counts``: first a window (the shortest)
         whose batches are larger or vary less than Poisson sampling's (epsilon understated), else (``low_mean``)
         one whose batches are smaller."""
-        counts = np.asarray(counts, dtype=np.float64)
+        values = np.asarray(counts, dtype=np.float64)
         findings = []
         for window in WINDOWS:
-            if window > len(counts):
+            if window > len(values):
                 break
-            recent = counts[len(counts) - window:]
+            recent = values[len(values) - window:]
             high, low, low_squares = self.thresholds(window)
             total = float(recent.sum())
             squares = float(np.square(recent[0::2] - recent[1::2]).sum())
@@ -268,7 +268,8 @@ class SamplesPerStep:
         for k in range(0, len(values), 3):
             rows, real, unknown = values[k:k + 3]
             self._counts.append(math.nan if unknown else real)
-            if unknown and found is None and rows > self.max_batch_size * self.ranks:
+            if (unknown and found is None and self.max_batch_size is not None  # (a count is unknown only with K)
+                    and rows > self.max_batch_size * self.ranks):
                 # K rows per batch and rank, padding included: more is certainly several batches per step
                 found = Finding("rows-beyond-max-batch-size", 1, rows, math.nan, self.max_batch_size * self.ranks,
                                 math.nan)

@@ -58,6 +58,7 @@ def _one_sample_per_row(reading: InputRows, axis: int, tags: list[torch.Tensor],
         return False
     shape = list(reading.shape)
     shape.insert(0, shape.pop(axis))
+    assert reading.dtype is not None  # (set with its sketches)
     eps, rel = tolerance(reading.dtype, reading.precision)
     sketches = [real[axis], *(t[axis] for t in tagged)]
     bad = torch.zeros(sketches[0].shape[0], dtype=torch.bool, device=sketches[0].device)
@@ -112,12 +113,12 @@ class CarriedRows(torch.Tensor):
 
     @property
     def requires_grad(self) -> bool:
-        return torch._C.TensorBase.requires_grad.__get__(self)
+        return torch._C.TensorBase.requires_grad.__get__(self)  # type: ignore[attr-defined]  # (torch's stub: a bool, a descriptor in fact)
 
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
         if not (value and self.requires_grad):
-            torch._C.TensorBase.requires_grad.__set__(self, value)
+            torch._C.TensorBase.requires_grad.__set__(self, value)  # type: ignore[attr-defined]  # (likewise)
 
     def requires_grad_(self, requires_grad: bool = True):
         if not (requires_grad and self.requires_grad):

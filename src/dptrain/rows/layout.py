@@ -125,6 +125,7 @@ class RowMap:
         hook = getattr(rule, "regroup_call", None)
         if hook is not None:  # the rule regroups the call itself (the fallback replays each sample's rows)
             return hook(module, activation, grad, self.samples, self.batch)
+        assert self.samples is not None  # (regrouped: a map that is not the identity)
         act, g = activation, grad
         if self.axes == 2:
             act, g = act.flatten(0, 1), g.flatten(0, 1)

@@ -115,6 +115,8 @@ class ProofMemo:
 class _Key(tuple):
     """A graph's key, its hash taken once (a key holds a few entries per node: hashing it is a walk of its own)."""
 
+    _hash: int
+
     def __new__(cls, items):
         key = super().__new__(cls, items)
         key._hash = tuple.__hash__(key)
@@ -138,7 +140,7 @@ def _structure(roots, batch: int, stop):
     are numbered as the walk discovers them; each one's entry names the numbers its edges lead to."""
     index: dict = {}
     nexts: list = []
-    key = [batch == 1]
+    key: list = [batch == 1]
     stack = []
     for node, nr, rows in roots:
         if node is not None and node not in index:

@@ -10,6 +10,7 @@ import copy
 import dataclasses
 import weakref
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -79,19 +80,19 @@ def map_tensors(obj, fn, depth: int = 0):
             return type(obj)(*items)
         return type(obj)(items)
     if isinstance(obj, Mapping):
-        items = {k: map_tensors(v, fn, depth + 1) for k, v in obj.items()}
-        if all(items[k] is v for k, v in obj.items()):
+        entries = {k: map_tensors(v, fn, depth + 1) for k, v in obj.items()}
+        if all(entries[k] is v for k, v in obj.items()):
             return obj
         if type(obj) is dict:
-            return items
+            return entries
         try:
-            new = copy.copy(obj)
-            for k, v in items.items():
+            new: Any = copy.copy(obj)  # (a mapping of the user's: set item by item, or TypeError)
+            for k, v in entries.items():
                 if v is not obj[k]:
                     new[k] = v
             return new
         except TypeError:  # (a read-only mapping)
-            return items
+            return entries
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         changes = {f.name: map_tensors(getattr(obj, f.name), fn, depth + 1) for f in dataclasses.fields(obj)}
         if all(v is getattr(obj, k) for k, v in changes.items()):
@@ -116,7 +117,7 @@ def carries_input_rows(t: torch.Tensor) -> bool:
         node = stack.pop()
         if node is None or node in seen:
             continue
-        if isinstance(node, _InputRowsNode._backward_cls) or node.metadata.get(FROM_INPUT):
+        if isinstance(node, _InputRowsNode._backward_cls) or node.metadata.get(FROM_INPUT):  # type: ignore[attr-defined]  # (torch's stub: metadata a method, a dict in fact)
             return True
         seen.add(node)
         stack.extend(next_node for next_node, _ in node.next_functions)

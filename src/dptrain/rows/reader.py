@@ -91,9 +91,9 @@ class BackwardRows:
         self.tags: list[torch.Tensor] | None = None
         self.tag_pass = 0
         #: sketches of the tagged gradients of calls recorded during a tag pass (recomputations), by pattern
-        self.tagged: dict[tuple, tuple[list[dict], list[torch.Tensor]]] = {}
+        self.tagged: dict[tuple | None, tuple[list[dict], list[torch.Tensor] | None]] = {}  # (looked up by any pattern)
         #: maps read for recomputed calls (a second pass recomputes them again), by pattern
-        self.resolved: dict[tuple, RowMap] = {}
+        self.resolved: dict[tuple | None, RowMap] = {}
 
         #: the model input's rows seen in this backward (``InputRows``), by identity
         self.inputs: dict[int, InputRows] = {}
@@ -209,6 +209,7 @@ class BackwardRows:
         rowmap = read_sketches(clean(real), [clean(t) for t in tagged], tags, batch, shape, axes, eps, rel)
         samples = rowmap.layout.samples(shape, batch) if rowmap.layout is not None else None
         bad = bad.cpu()
+        assert self.padded is not None  # (read around padding only where the batch has some)
         if samples is None or bool((samples[bad] < 0).any()) or not bool(self.padded[samples[bad]].all()):
             raise NonFiniteRows("a layer's output gradient is inf or NaN in rows that are not padding")
         return rowmap

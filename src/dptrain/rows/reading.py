@@ -118,4 +118,5 @@ def read_rows(grad: torch.Tensor, tagged: list[torch.Tensor], tags: list[torch.T
                                  tags, batch, tuple(grad.shape), axes, eps, rel)
         except RowsMixSamples as e:
             err = e
+    assert err is not None  # (one reading at least)
     raise err

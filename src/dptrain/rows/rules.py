@@ -226,7 +226,8 @@ def index_pattern(node) -> tuple | None:
     """Which leading dimensions an advanced index (``x[:, idx]``) leaves whole, as the positions of its index tensors
     (a boolean mask covers as many dimensions as it has); None where they are not adjacent (their dimensions then move
     to the front)."""
-    positions, at = [], 0
+    positions: list[int] = []
+    at = 0
     for index in node._saved_indices:
         if index is None:
             at += 1

@@ -34,10 +34,10 @@ def mismatches(got: dict, expected: dict, *, rtol: float, atol: float = 0.0, rel
         bound = atol + rtol * (ref.abs() if relative_to == "entry" else largest)
         bad = ~(error <= bound)  # NaN counts as a mismatch
         if bool(bad.any()):
-            bound = torch.broadcast_to(torch.as_tensor(bound, dtype=dtype, device=ref.device), error.shape)
+            bounds = torch.broadcast_to(torch.as_tensor(bound, dtype=dtype, device=ref.device), error.shape)
             k = int(torch.where(bad.flatten(), error.flatten().nan_to_num(float("inf")), -1.0).argmax())
             out.append(f"{prefix}{name!r} differs by {error.flatten()[k].item():.3g} at entry {k} (allowed "
-                       f"{bound.flatten()[k].item():.3g}; largest entry of the oracle's {largest:.3g})")
+                       f"{bounds.flatten()[k].item():.3g}; largest entry of the oracle's {largest:.3g})")
     return out
 
 

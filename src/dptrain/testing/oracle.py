@@ -54,7 +54,10 @@ def per_sample_gradients(model: nn.Module, losses_fn: Callable, batch) -> dict[s
     named = trainable_named_parameters(model)
     params = [p for _, p in named.values()]
     rows: list[list[torch.Tensor]] = []
-    for i in range(batch_len(batch)):
+    samples = batch_len(batch)
+    if samples is None:
+        raise ValueError("the batch holds no tensor with a batch dimension: the oracle cannot tell its samples")
+    for i in range(samples):
         loss = _call(losses_fn, model, _take(batch, i, i + 1))
         grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
         rows.append([torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -97,7 +98,7 @@ def assert_rule_exact(
             raise ValueError(f"{type(module).__name__} has no trainable parameters: nothing to check")
         grads = per_sample_gradients(model, losses_fn, batch)
         R = max_grad_norm if max_grad_norm is not None else _threshold_between(model, grads, clipping_style)
-        options = dict(max_grad_norm=R, clipping_fn=clipping_fn, clipping_style=clipping_style,
+        options: dict[str, Any] = dict(max_grad_norm=R, clipping_fn=clipping_fn, clipping_style=clipping_style,
                        clipping_gamma=clipping_gamma)
         expected = _clipped_sum(model, grads, **options)
 

@@ -4,6 +4,8 @@
 (a table or a mask: ``_shared_arguments``)."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.utils import _pytree as pytree
 
@@ -12,11 +14,15 @@ from .bags import _flat_bag_arguments
 from .guarded_outputs import SIDE_CHANNELS
 from .independence import _close, _perturb_first, _rows_kept
 from .objects import _may_change, _snapshot
+from .parts import _FallbackParts
 from .records import FallbackCall
 
 
-class _CallArguments:
+class _CallArguments(_FallbackParts):
     """``FallbackRule``'s record of a call's arguments, and of those every sample shares (mixed into it)."""
+
+    # its state, which FallbackRule.__init__ sets and describes
+    _before: dict[int, tuple[Any, Any]]
 
     def before_call(self, module, args, kwargs) -> None:
         """The objects among the call's arguments that hold tensors, as they are before it runs (copies, their tensors

@@ -9,10 +9,11 @@ import inspect
 import torch
 from torch import nn
 
+from .parts import _FallbackParts
 from .replay_context import autograd_vjp
 
 
-class _FlatBags:
+class _FlatBags(_FallbackParts):
     """``FallbackRule``'s per-sample gradients of a call of flat bags (mixed into it)."""
 
     def _per_sample_of_bags(self, module, call, g, primals) -> dict[str, torch.Tensor]:
@@ -21,6 +22,7 @@ class _FlatBags:
         device, enabled, dtype = call.autocast
         args, kwargs = call.arguments()
         per_bag = _flat_bags(module, args, kwargs)
+        assert per_bag is not None  # (call.bags: its arguments are flat bags)
         if len(per_bag) != g.shape[0]:
             raise RuntimeError(f"{self._name(module)}: {len(per_bag)} bags for an output of {g.shape[0]} rows")
         grads: dict[str, list[torch.Tensor]] = {n: [] for n in primals}

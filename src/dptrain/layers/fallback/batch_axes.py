@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 from ..protocol import OutputLeaves
 from .independence import SampleMixingError, _close, _perturb_first, _rows_kept
+from .parts import _FallbackParts
 from .records import FallbackCall
 
 #: the most assignments of batch axes verified for one call pattern (each costs a few replays of the module)
@@ -38,7 +39,7 @@ class _AxisAssignment:
         return call
 
 
-class _BatchAxes:
+class _BatchAxes(_FallbackParts):
     """``FallbackRule``'s search for the batch axes of a call (mixed into it; see the module's docstring).
 
     A call is searched only where its leading axis is not verified as the batch: the batch-first reading's check
@@ -50,6 +51,11 @@ class _BatchAxes:
     refused. The assignment found is kept per call pattern (``_axes_found``), as the one to try first: each later
     call verifies it again on its own values (a few replays, not a search) and searches again where it fails. (An
     assignment that failed on some call is no reading of the module; the one kept verifies on every call.)"""
+
+    # its state, which FallbackRule.__init__ sets and describes
+    _axes_found: dict[tuple, _AxisAssignment | None]
+    _apart: set[tuple]
+    _verified_now: tuple | None
 
     def _axes_after_refusal(self, module, call: FallbackCall, leaves: list, depends: tuple[int, ...],
                             paths: tuple[str, ...], batch: int | None, err: SampleMixingError) -> _AxisAssignment:
@@ -86,6 +92,7 @@ class _BatchAxes:
         """The checks ``_search_axes`` verified ``found`` with, on this call's values: the whole replay reproduces the
         call, one sample changed along its axes moves that sample's outputs alone, each sample alone gives its own."""
         axes, per_sample, outs = dict(found.args), found.picked.per_sample, found.picked.axes
+        assert outs is not None  # (an assignment's output leaves have their batch axes)
         device, enabled, dtype = call.autocast
         with torch.no_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
             whole = self._whole_leaves(module, call, leaves, depends)
@@ -144,6 +151,7 @@ class _BatchAxes:
                 self._verified_now = (weakref.ref(output), "rows", call.signature)
                 return False
         call.batched, call.batch = [], 0
+        found: _AxisAssignment | None
         if err is not None:
             found = self._axes_after_refusal(module, call, [output], (0,), ("",), batch, err)
         elif key in self._axes_found and self._axes_found[key] is None:
@@ -193,9 +201,9 @@ class _BatchAxes:
                 expected = [whole[k].movedim(o, 0) for k, o in zip(per_sample, outs)]
                 # each argument alone: the axes along which one sample's change moves that sample only; where it
                 # moves nothing (the sample's data makes it so: a mask over tokens all alike), the axes, or shared
-                options = {}
-                for k, axes in candidates.items():
-                    moves = {a: self._moves_one_sample(module, call, {k: a}, per_sample, outs, expected) for a in axes}
+                options: dict[int, list[int | None]] = {}
+                for k, sized in candidates.items():
+                    moves = {a: self._moves_one_sample(module, call, {k: a}, per_sample, outs, expected) for a in sized}
                     if any(m is True for m in moves.values()):
                         options[k] = [a for a, m in moves.items() if m is True]
                     elif any(m is None for m in moves.values()):
@@ -296,6 +304,7 @@ class _BatchAxes:
         """[B, *param] per-sample gradients of a call whose arguments carry the batch at ``call.axes``: a vmap over
         each argument's batch axis; the output gradient ``g`` has the batch first (``OutputLeaves.axes``)."""
         positions, axes = call.batched, call.axes
+        assert axes is not None  # (a call whose batch axes were found: apply set them)
 
         def one_sample(sample_leaves, g_i):
             args, kwargs = call.arguments({k: t.unsqueeze(a) for k, a, t in zip(positions, axes, sample_leaves)})

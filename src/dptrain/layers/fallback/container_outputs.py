@@ -10,10 +10,11 @@ from torch.utils import _pytree as pytree
 from ..protocol import OutputLeaves
 from .independence import SampleMixingError
 from .objects import _tensors_within
+from .parts import _FallbackParts
 from .records import FallbackCall
 
 
-class _ContainerOutputs:
+class _ContainerOutputs(_FallbackParts):
     """``FallbackRule``'s capture of a call with a container output (mixed into it)."""
 
     def capture_leaves(self, module, args, kwargs, output, batch):

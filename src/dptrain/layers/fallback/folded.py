@@ -9,11 +9,12 @@ import dataclasses
 import torch
 
 from .independence import SampleMixingError
+from .parts import _FallbackParts
 from .records import FallbackOperands, FoldedRows
 from .replay_context import autograd_vjp
 
 
-class _FoldedRowReplays:
+class _FoldedRowReplays(_FallbackParts):
     """``FallbackRule``'s per-sample gradients of calls with rows folded into the batch (mixed into it)."""
 
     def regroup_call(self, module, activation, grad, samples, batch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from .objects import _tensor_slots
+from .parts import _FallbackParts
 
 
 class SideChannel:
@@ -42,7 +43,7 @@ class _UnusedOutput(torch.autograd.Function):
         return (None, *grads)
 
 
-class _GuardedOutputs:
+class _GuardedOutputs(_FallbackParts):
     """``FallbackRule``'s guards on the tensors a call hands on that the replay does not differentiate (mixed into
     it)."""
 

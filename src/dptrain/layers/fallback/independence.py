@@ -13,6 +13,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..numerics import close
+from .parts import _FallbackParts
 from .replay_context import autograd_vjp
 
 
@@ -42,7 +43,7 @@ class SampleMixingError(RuntimeError):
     """A module given to the fallback does not treat the samples of a batch independently."""
 
 
-class _SampleChecks:
+class _SampleChecks(_FallbackParts):
     """``FallbackRule``'s checks that samples stay apart (mixed into it)."""
 
     def _whole_vjp(self, module, call, primals):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import enum
 import functools
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -53,6 +54,7 @@ def _tensor_slots(obj, depth: int = 0):
         return
     if depth >= 4 or isinstance(obj, (str, bytes, type, nn.Module)):
         return
+    items: list[tuple[Any, Callable | None]]
     if isinstance(obj, dict):
         items = [(v, functools.partial(obj.__setitem__, key)) for key, v in obj.items()]
     elif isinstance(obj, list):

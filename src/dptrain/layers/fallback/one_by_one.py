@@ -10,11 +10,16 @@ import torch
 
 from ..._checks import first_line
 from .independence import SampleMixingError
+from .parts import _FallbackParts
 from .replay_context import autograd_vjp
 
 
-class _OneSampleAtATime:
+class _OneSampleAtATime(_FallbackParts):
     """``FallbackRule``'s replay of one sample at a time (mixed into it)."""
+
+    # its state, which FallbackRule.__init__ sets and describes
+    _one_by_one: set[tuple]
+    _warned_one_by_one: bool
 
     def _per_sample_one_by_one(self, module, call, g, primals, vmap_error: BaseException | None = None):
         """Per-sample gradients of a batch-first call that vmap cannot run: each sample's rows replayed alone (a

@@ -37,6 +37,10 @@ class FallbackRule(_CallArguments, _ContainerOutputs, _GuardedOutputs, _BatchAxe
 
     fallback = True
     takes_output_leaves = True
+    # LayerRule's optional hooks, which two of the parts implement, named here (as the bases' order resolves them):
+    # the type check reads a method in one base and an optional hook in another as a conflict
+    before_call = _CallArguments.before_call
+    regroup_call = _FoldedRowReplays.regroup_call
 
     def __init__(self, module: nn.Module, name: str | None = None, batch_first: bool = True):
         # its own parameters, and those it reads from its parameter containers (by dotted name)
@@ -162,7 +166,7 @@ class FallbackRule(_CallArguments, _ContainerOutputs, _GuardedOutputs, _BatchAxe
                 store.per_sample.setdefault(name, grad)
         return {n: store.per_sample[n] for n in names}
 
-    def clipped_grads(self, module, ops, factors):
+    def clipped_grads(self, module, ops, factors) -> dict[str, torch.Tensor]:
         """Module 5 on per-sample gradients the norm stage formed; otherwise (the two-pass modes' second
         pass) one replay of the whole batch with each sample's output gradient scaled by its factor,
         sum_i C_i vjp_i(g_i) = vjp(C g) for a module that keeps samples apart (checked), with no

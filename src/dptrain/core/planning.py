@@ -16,6 +16,7 @@ layers is decided once, for all of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -80,6 +81,7 @@ class LayerDecision:
         return asdict(self)
 
 
+@functools.lru_cache(maxsize=4096)  # (a pure function of frozen values, asked for every parameter of every backward)
 def decide(recipe: Recipe, dims: LayerDims, decision_rule: str, weight_trainable: bool) -> tuple[Norm, Grad]:
     """(norm primitive, gradient primitive) a recipe uses for one layer call.
 

@@ -279,18 +279,15 @@ class Backward:
 
     def _reduce_layer(self, state: LayerState) -> None:
         """Stages 1-2 of a layer whose parameters no other layer uses (``_can_reduce_now``)."""
-        self._prepare_layer(state)
-        ready = self._ready.get(id(state))
-        if ready is not None and not any(p in self._works for p in state.params.values()):
-            named = [(self.trainable.users[p][0][1], p) for p in state.params.values()]
-            for p, work, norm, grad in layer_norms(ready, named, self.recipe, self.setup.decision_rule,
-                                                   self.trainable.group_of):
-                self._works[p] = work
-                self._decide(ready, self.trainable.users[p][0][1], norm, grad)
-        for p in state.params.values():
-            self._norm_stage(p)
-        if all(p in self._works for p in state.params.values()):  # book-keeping keeps its own operands
-            self._ready.pop(id(state), None)
+        self._prepare_layer(state)  # (it refuses a layer some of whose parameters were reduced already)
+        ready = self._ready.pop(id(state), None)  # (book-keeping keeps the operands it needs in its works)
+        if ready is None:
+            return
+        named = [(self.trainable.users[p][0][1], p) for p in state.params.values()]
+        works = layer_norms(ready, named, self.recipe, self.setup.decision_rule, self.trainable.group_of)
+        for (name, _), (p, work, norm, grad) in zip(named, works):
+            self._works[p] = work
+            self._decide(ready, name, norm, grad)
 
     def _row_map(self, state: LayerState, call: Call, batch: int) -> RowMap:
         try:

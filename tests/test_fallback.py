@@ -164,6 +164,20 @@ class OnePlusRMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
 
+class BufferedRMSNorm(PlainRMSNorm):
+    """An RMS norm whose epsilon lives in a buffer: its normalised input comes from the generic replay, which protects
+    buffers (the others' from their own forward with the weight swapped in its slot)."""
+
+    def __init__(self, d, eps=1e-6):
+        super().__init__(d, eps)
+        self.register_buffer("eps_buffer", torch.tensor(eps))
+
+    def forward(self, x):
+        xf = x.to(torch.float32)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps_buffer)
+        return self.weight * xf.to(x.dtype)
+
+
 class MeanAbsNorm(nn.Module):
     """Shaped like an RMS norm (one weight [d], an eps) but divides by the mean absolute value."""
 
@@ -188,7 +202,8 @@ class NormNet(nn.Module):
 def norm_case(kind: str) -> Case:
     torch.manual_seed(2)
     g = torch.Generator().manual_seed(2)
-    norm = {"plain": PlainRMSNorm, "one-plus": OnePlusRMSNorm, "mean-abs": MeanAbsNorm}[kind](6)
+    norm = {"plain": PlainRMSNorm, "one-plus": OnePlusRMSNorm, "buffered": BufferedRMSNorm,
+            "mean-abs": MeanAbsNorm}[kind](6)
     with torch.no_grad():
         norm.weight.add_(0.5 * torch.randn(6, generator=g))
     x = torch.randn(B, 3, 4, generator=g) * 2
@@ -264,6 +279,7 @@ CASES = {
     "fallback-modules-seed-2-frozen": lambda: fallback_case(2, frozen=True),
     "rms-norm-plain": lambda: norm_case("plain"),
     "rms-norm-one-plus": lambda: norm_case("one-plus"),
+    "rms-norm-buffered": lambda: norm_case("buffered"),
     "rms-norm-check-fails": lambda: norm_case("mean-abs"),  # shaped like one, handed to the fallback
     "fallback-around-child": block_case,  # the child's hooks stay silent while its parent is replayed
     "fallback-root-aliased-conv": lambda: aliased_case("conv"),  # a layer registered under two names
@@ -284,7 +300,7 @@ def _engine(case, **kwargs):
 # sum_i C_i L_i (the two-pass modes) rounds the C_i-scaled gradients there, where the oracle rounds
 # unscaled ones and scales after: those modes are also checked exactly against that same backward
 # driven by the oracle's own clipping factors.
-FLOAT32_INSIDE = {"rms-norm-plain"}
+FLOAT32_INSIDE = {"rms-norm-plain", "rms-norm-buffered"}
 
 
 def check_against_oracle(name, case, R, ref, got, mode, float32_inside):
@@ -322,6 +338,40 @@ def test_clipping_styles_match_oracle(mode, style):
         torch.set_default_dtype(previous)
     got = _engine(case, mode=mode, max_grad_norm=R, clipping_style=style_value)
     assert_matches(got, ref, what=f"{mode} {style}")
+
+
+@pytest.mark.parametrize("kind", ["plain", "one-plus", "buffered"])
+def test_a_recognised_norms_own_weight_stays_in_its_slot(kind):
+    """The normalised input is the norm's own forward with another weight in the weight's slot, at every backward:
+    the user's parameter is back in its slot after each step, and a step that raises inside that forward puts it back
+    too."""
+    case = norm_case(kind)
+    model, norm = case.model, case.model.norm
+    weight = norm.weight
+    engine = dptrain.PrivacyEngine(model, batch_size=B, sample_size=100, noise_multiplier=0.0, max_grad_norm=1.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine.attach(optimizer)
+    try:
+        for _ in range(2):
+            engine.backward(case.losses_fn(model, *case.batch))
+            optimizer.step()
+            optimizer.zero_grad()
+            assert norm.weight is weight and norm._parameters["weight"] is weight
+        losses = case.losses_fn(model, *case.batch)
+        forward = type(norm).forward
+
+        def failing(self, x):  # the replay of the norm raises; the model's own forward already ran
+            raise RuntimeError("a forward that fails when run again")
+
+        type(norm).forward = failing
+        try:
+            with pytest.raises(RuntimeError, match="fails when run again"):
+                engine.backward(losses)
+        finally:
+            type(norm).forward = forward
+        assert norm.weight is weight and norm._parameters["weight"] is weight
+    finally:
+        engine.detach()
 
 
 def test_micro_batches_accumulate_exactly():

@@ -106,6 +106,23 @@ def test_default_clipped_grads_from_one_hot_factors_adds_repeated_tokens():
     torch.testing.assert_close(factor_weighted_sum(v, OneHot(ids, 5), c), expected.t(), rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("widths", [(3, 5), (5, 3)])  # (either factor the narrower: the one scaled)
+@pytest.mark.parametrize("chunk_bytes", [None, 1, 96])  # one product; a row at a time; a few rows, across samples
+def test_factor_weighted_sum_is_sum_of_scaled_products_whatever_the_chunks(monkeypatch, widths, chunk_bytes):
+    """sum_i c_i U_i^T V_i, formed in one product where the widened factors fit a chunk, else a chunk of rows at a
+    time (an LM head's gradient in float32 would double the step's largest tensor): the same sum either way."""
+    import dptrain.layers.numerics as numerics
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(numerics, "_WIDENED_CHUNK_BYTES", chunk_bytes)
+    g = torch.Generator().manual_seed(3)
+    u = torch.randn(3, 4, widths[0], dtype=F64, generator=g)
+    v = torch.randn(3, 4, widths[1], dtype=F64, generator=g)
+    c = torch.tensor([0.5, 2.0, -1.5], dtype=F64)
+    expected = sum(c[i] * u[i].t() @ v[i] for i in range(3))
+    torch.testing.assert_close(factor_weighted_sum(u, v, c), expected, rtol=1e-12, atol=1e-14)
+
+
 def test_default_clipped_grads_forms_the_bf16_linear_weight_in_float32():
     """bf16 operands: the factor-scaled gradient and the product stay float32 (never rounded to bf16, which
     could lift one sample's contribution above R); the operands themselves are the bf16 ones the norm saw."""

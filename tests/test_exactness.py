@@ -92,6 +92,18 @@ def test_engine_backward_matches_oracle(case_name, mode):
     check_against_oracle(case_name, mode)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case_name", ["transformer", "resnet-groupnorm", "layernorm-2d-shape-no-bias"])
+def test_kept_gradients_alone_and_joined_match_oracle(case_name, mode, monkeypatch):
+    """The kept per-sample gradients of biases and norms are joined into one matrix per group (SmallGradients) up to
+    pipeline.SMALL_NUMEL numbers a sample; larger ones are reduced one by one. Every case with a limit of 0 (none
+    joined) too, so that the path of a large kept gradient keeps its oracle test."""
+    import dptrain.core.pipeline
+
+    monkeypatch.setattr(dptrain.core.pipeline, "SMALL_NUMEL", 0)
+    check_against_oracle(case_name, mode, combos=SOME_COMBOS)
+
+
 PLAIN_BACKWARD_CASES = [
     "linear-[B,T,d]", "mlp-inplace-relu", "frozen-bitfit", "conv2d", "embedding-padding-idx",
     "layernorm-2d-shape-no-bias", "resnet-groupnorm", "transformer", "called-twice-conv-embedding",

@@ -19,6 +19,7 @@ from enum import Enum
 import torch
 from torch import nn
 
+from ..layers.numerics import outside_autocast
 from ..layers.protocol import LayerDims
 from ..rows import BackwardRows, NonFiniteRows, RowMap, RowReader, describe_layouts, tag_passes
 from .algorithms import Grad, Norm, Recipe
@@ -190,8 +191,8 @@ class Backward:
             reweighted = (losses * weights.to(losses.dtype)).sum()
             self.reweighted = []
             torch.autograd.backward(reweighted, retain_graph=k < len(groups) - 1)
-            add_second_pass_gradients(self.setup.sums, self.reweighted, set(params), ones, self._operands,
-                                      self.trainable.threshold)
+            outside_autocast(add_second_pass_gradients, self.setup.sums, self.reweighted, set(params), ones,
+                             self._operands, self.trainable.threshold)
             for _, call in self.reweighted:
                 call.grad = None
             self.reweighted = []
@@ -415,8 +416,12 @@ class Backward:
     def finish(self, expected_batch: int | None, scale: float) -> list[torch.Tensor]:
         """Clipping factors per group; the single-backward modes then add the clipped sum to the step's sums.
 
-        Non-finite norms raise ``Overflow`` where a GradScaler can act on it, else ``FloatingPointError``.
+        Non-finite norms raise ``Overflow`` where a GradScaler can act on it, else ``FloatingPointError``. (With autocast
+        off, as every piece of the engine's arithmetic: ``numerics.without_autocast``.)
         """
+        return outside_autocast(self._finish, expected_batch, scale)
+
+    def _finish(self, expected_batch: int | None, scale: float) -> list[torch.Tensor]:
         try:
             batch = self.batch = self.reduce_all(expected_batch)
             self.rows.check_inputs(", ".join(f"{s.path} ({type(s.module).__name__})" for s in self.trainable.layers[:3])

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..layers.numerics import outside_autocast
 from ..privacy.sampling import SamplesPerStep
 from ..rows import NonFiniteRows, tag_passes, tag_rows
 from ..rows.losses import OutputMark, check_losses
@@ -141,7 +142,7 @@ class BackwardRunner:
             self._pending_rows = B if real_rows is None else real_rows
             units, step_users = self._units(users) if users is not None else (None, set())
             try:
-                proven = self._check_rows(losses, units)
+                proven = outside_autocast(self._check_rows, losses, units)
             except NonFiniteRows as err:  # (the loss check's tag passes met inf or NaN before the backward's norms)
                 if self.scaling is None:
                     raise non_finite_losses(losses) or err  # noqa: B904  (the refusal that replaces err, or err)
@@ -329,13 +330,14 @@ class BackwardRunner:
                     "engine.backward(per_sample_losses) instead of loss.backward()"
                 )
             backward = self._begin_plain(from_layer=call)
-        backward.on_output_grad(state, call, grad, self.done_forwards)
+        # (the engine's arithmetic in float32 also where the backward runs inside the user's autocast region)
+        outside_autocast(backward.on_output_grad, state, call, grad, self.done_forwards)
 
     def on_input_grad(self, reading, grad: torch.Tensor) -> None:
         """The gradient of a tensor carrying the model input's rows (a verifying forward, ``rows.InputRows``)."""
         backward = self.current
         if backward is not None and backward.phase not in (Phase.SECOND_PASS, Phase.DISCARD) and not self.capture.paused:
-            backward.rows.record_input(reading, grad)
+            outside_autocast(backward.rows.record_input, reading, grad)
 
     def _refuse_plain_user_level(self) -> None:
         if self.config.privacy_unit == "user":

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from ..layers.numerics import outside_autocast
 from ..privacy import sampling
 from ..privacy.budget import PrivacyBudgetExceeded
 from ..privacy.sampling import SamplingMismatch
@@ -384,8 +385,9 @@ class PrivateStep:
             raise
         self._marker.forget()
         c = self.config
-        apply_private_gradient(step_params, self.sums, self.noise.sampler(self.steps_taken),
-                               c.noise_multiplier * c.max_grad_norm, c.batch_size, self.parallel, self._given)
+        # (autocast off: an optimizer.step() inside the user's autocast region still adds float32 noise)
+        outside_autocast(apply_private_gradient, step_params, self.sums, self.noise.sampler(self.steps_taken),
+                         c.noise_multiplier * c.max_grad_norm, c.batch_size, self.parallel, self._given)
         self.discard()
         self._count()
 

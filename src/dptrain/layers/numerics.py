@@ -6,6 +6,7 @@ Nothing here knows about modules or the registry: these are functions of tensors
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -74,6 +75,41 @@ def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype]:
         return device_type, enabled, torch.get_autocast_gpu_dtype() if cuda else torch.get_autocast_cpu_dtype()
     except RuntimeError:  # a device type without autocast (meta)
         return "cpu", False, torch.bfloat16
+
+
+_any_autocast = getattr(torch._C, "_is_any_autocast_enabled", None)
+#: the device types whose autocast ``without_autocast`` turns off where it is on
+_AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def autocast_is_on() -> bool:
+    """Whether autocast is on for any device type on this thread (one call of torch's: asked at every layer call's
+    output gradient)."""
+    if _any_autocast is not None:
+        return bool(_any_autocast())
+    return any(torch.is_autocast_enabled(d) for d in _AUTOCAST_DEVICES)
+
+
+@contextlib.contextmanager
+def without_autocast():
+    """The engine's own arithmetic (per-sample norms, clipping factors, clipped sums, the row check's readings) with
+    autocast off: a backward run inside the user's ``torch.autocast`` region (``loss.backward()`` or
+    ``engine.backward`` in the ``with`` block) would otherwise form them in bf16/fp16, since autocast lowers ``bmm``,
+    ``mm`` and ``einsum``. A norm then has 8 bits and a clipped sum is rounded to bf16 as a whole: one sample's
+    contribution measured up to 1.65 R. The model's own backward is left as the user runs it."""
+    with contextlib.ExitStack() as stack:
+        for device_type in _AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+def outside_autocast(fn, *args):
+    """``fn(*args)`` as ``without_autocast`` runs it; directly where no autocast is on (the usual case)."""
+    if not autocast_is_on():
+        return fn(*args)
+    with without_autocast():
+        return fn(*args)
 
 
 def close(a: torch.Tensor, b: torch.Tensor, tol: float, scale=None) -> bool:

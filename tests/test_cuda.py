@@ -128,6 +128,27 @@ def test_conv_per_sample_weights_on_cuda_by_both_kernels_equal_autograd(float64,
                        F.unfold(padded, conv.kernel_size, dilation=conv.dilation, stride=conv.stride))
 
 
+def test_bf16_products_run_as_bf16_with_float32_results_on_cuda():
+    """Tensor cores for the per-sample math of bf16 operands (``numerics.takes_out_dtype``): Gram matrices and
+    book-keeping's clipped sum (three bf16 parts of the scaled factor) equal the widened float32 products of the same
+    values, to float32's accuracy."""
+    from dptrain.layers import numerics
+
+    assert numerics.takes_out_dtype(torch.device("cuda")), "this torch's mm/bmm take no out_dtype on CUDA"
+    gen = torch.Generator().manual_seed(0)
+    u = torch.randn(4, 64, 96, generator=gen).to(torch.bfloat16)
+    v = torch.randn(4, 64, 320, generator=gen).to(torch.bfloat16)
+    c = torch.rand(4, generator=gen)
+    gram = numerics.wide_matmul(u.cuda(), u.cuda().transpose(1, 2))
+    assert gram.dtype == torch.float32
+    torch.testing.assert_close(gram.double().cpu(), u.double() @ u.double().transpose(1, 2), rtol=1e-5, atol=1e-4)
+    exact = sum(c[i].double() * u[i].double().t() @ v[i].double() for i in range(4))
+    got = numerics.factor_weighted_sum(u.cuda(), v.cuda(), c.cuda())  # (the split path on this device)
+    assert got.dtype == torch.float32
+    scale = exact.abs().max().item()
+    assert (got.double().cpu() - exact).abs().max().item() <= 1e-5 * scale
+
+
 def test_sketch_projections_are_drawn_on_the_gradients_device():
     """A block drawn on the CPU and copied over cost seconds per tag pass on an H200: they are drawn on the GPU."""
     from dptrain.rows.sketch import Projections

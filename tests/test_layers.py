@@ -154,3 +154,69 @@ def test_default_clipped_grads_names_a_parameter_per_sample_grads_forgot():
 
     with pytest.raises(KeyError, match=r"Forgetful.per_sample_grads gave no gradient for \['weight'\]"):
         Forgetful().clipped_grads(Scale(3), (torch.randn(4, 2, 3, dtype=F64),), {"weight": torch.ones(4, dtype=F64)})
+
+
+def _bf16_operands(seed: int, widths: tuple[int, int], batch: int = 3, tokens: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(batch, tokens, widths[0], generator=g).to(torch.bfloat16)
+    v = torch.randn(batch, tokens, widths[1], generator=g).to(torch.bfloat16)
+    return u, v
+
+
+def test_wide_matmul_is_the_float32_product_of_the_low_precision_operands():
+    """bf16 and fp16 operands into float32: as the widened product (the products of two bf16, or two fp16, numbers
+    are exact in float32), on the device's tensor cores where it has them (``takes_out_dtype``), widened here."""
+    from dptrain.layers.numerics import wide_matmul
+
+    for dtype in (torch.bfloat16, torch.float16):
+        u, v = (t.to(dtype) for t in _bf16_operands(4, (6, 6)))
+        got = wide_matmul(u, v.transpose(1, 2))
+        assert got.dtype == torch.float32
+        exact = u.double() @ v.double().transpose(1, 2)
+        torch.testing.assert_close(got.double(), exact, rtol=1e-6, atol=1e-6)
+        flat = wide_matmul(u[0].t(), v[0])
+        assert flat.dtype == torch.float32
+        torch.testing.assert_close(flat.double(), u[0].double().t() @ v[0].double(), rtol=1e-6, atol=1e-6)
+    x = torch.randn(2, 3, 4, dtype=F64)
+    assert wide_matmul(x, x.transpose(1, 2)).dtype == F64  # (float64 stays float64)
+
+
+@pytest.mark.parametrize("widths", [(6, 40), (40, 6)])  # (either factor the narrower: the one scaled and split)
+@pytest.mark.parametrize("chunk_bytes", [None, 64])  # one chunk; a few rows at a time
+def test_split_weighted_sum_is_the_float32_weighted_sum_of_bf16_factors(monkeypatch, widths, chunk_bytes):
+    """Book-keeping's clipped sum on tensor cores (``split_weighted_sum``: the scaled smaller factor in three bf16
+    parts, each multiplied in float32): against the sum formed in float64 from the same bf16 values, it is as close
+    as the widened float32 product, part by part (checked here with the float32 product of the parts, which is what
+    the tensor cores give: exact products, float32 additions)."""
+    import dptrain.layers.numerics as numerics
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(numerics, "_WIDENED_CHUNK_BYTES", chunk_bytes)
+    u, v = _bf16_operands(5, widths, batch=4, tokens=9)
+    c = torch.tensor([0.3, 1.0, 0.0123, 0.77])
+    exact = sum(c[i].double() * u[i].double().t() @ v[i].double() for i in range(4))
+    split = numerics.split_weighted_sum(u, v, c, numerics.wide_matmul)
+    widened = factor_weighted_sum(u, v, c)  # (the float32 path this machine takes)
+    assert split.dtype == torch.float32 and split.shape == exact.shape
+    scale = exact.abs().max().item()
+    split_error = (split.double() - exact).abs().max().item() / scale
+    widened_error = (widened.double() - exact).abs().max().item() / scale
+    assert split_error <= 2 * widened_error + 2**-23, (split_error, widened_error)
+    # one bf16 part alone would be 2^-9 off: the split is what makes it float32's
+    one_part = numerics.wide_matmul(*((u * c[:, None, None]).to(torch.bfloat16).flatten(0, 1).t(), v.flatten(0, 1))) \
+        if widths[0] <= widths[1] else None
+    if one_part is not None:
+        assert (one_part.double() - exact).abs().max().item() / scale > 8 * split_error
+
+
+def test_a_sample_clipped_on_tensor_cores_stays_within_R():
+    """The clipped contribution of one sample whose factor is R over its norm: within R to float32's rounding."""
+    import dptrain.layers.numerics as numerics
+
+    for seed in range(8):
+        u, v = _bf16_operands(10 + seed, (16, 48), batch=1, tokens=33)
+        grad = u[0].double().t() @ v[0].double()
+        R = 0.25
+        c = torch.tensor([R / grad.norm().item()], dtype=torch.float32)
+        clipped = numerics.split_weighted_sum(u, v, c, numerics.wide_matmul)
+        assert clipped.double().norm().item() <= R * (1 + 2**-20)

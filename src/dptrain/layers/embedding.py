@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .numerics import OneHot, float32_at_least
+from .numerics import OneHot, wide_matmul
 from .protocol import LayerDims, LayerRule, expand_input_rows
 from .registry import register_layer
 
@@ -59,9 +59,9 @@ class EmbeddingRule(LayerRule):
 
     def ghost_sq_norm(self, module, ops):
         ids, g = ops
-        g = float32_at_least(g)
-        same_token = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(g.dtype)
-        return (same_token * torch.bmm(g, g.transpose(1, 2))).sum((1, 2))
+        gram = wide_matmul(g, g.transpose(1, 2))
+        same_token = (ids.unsqueeze(2) == ids.unsqueeze(1)).to(gram.dtype)
+        return (same_token * gram).sum((1, 2))
 
     def per_sample_grads(self, module, ops, names):
         ids, g = ops

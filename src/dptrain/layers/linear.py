@@ -6,7 +6,7 @@ import math
 import torch
 from torch import nn
 
-from .numerics import accumulation_dtype, flatten_tokens, float32_at_least
+from .numerics import accumulation_dtype, flatten_tokens, float32_at_least, wide_matmul
 from .protocol import LayerDims, LayerRule, expand_input_rows
 from .registry import register_layer
 
@@ -17,11 +17,11 @@ def gram_inner(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     This is ||a^T g||_F^2 computed from two T x T Gram matrices (the ghost norm). With T = 1
     the Grams are scalars and the product of squared norms is all that is needed.
     """
-    a, g = float32_at_least(a), float32_at_least(g)
     if a.shape[1] == 1:
+        a, g = float32_at_least(a), float32_at_least(g)
         return a.square().sum((1, 2)) * g.square().sum((1, 2))
-    gram_a = torch.bmm(a, a.transpose(1, 2))
-    gram_g = torch.bmm(g, g.transpose(1, 2))
+    gram_a = wide_matmul(a, a.transpose(1, 2))
+    gram_g = wide_matmul(g, g.transpose(1, 2))
     return (gram_a * gram_g).sum((1, 2))
 
 

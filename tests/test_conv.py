@@ -254,3 +254,20 @@ def test_the_accelerator_kernels_keep_one_samples_influence_within_r(mode, B, R,
     y = torch.randint(0, 3, (B,))
     assert_neighbours_bounded(model, lambda m, a, b: torch.nn.functional.cross_entropy(m(a), b, reduction="none"),
                               (x, y), max_grad_norm=R, mode=mode)
+
+
+def test_bf16_gram_tiles_on_tensor_cores_equal_the_widened_ones(monkeypatch):
+    """The Gram tiles of a bf16 convolution's ghost norm where the device multiplies bf16 into float32
+    (``numerics.takes_out_dtype``; emulated here by the widened product, which is the value tensor cores give:
+    exact products, float32 additions): the batched products over blocks and token tiles equal the widened einsum's."""
+    from dptrain.layers import conv
+
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(3, 2, 12, 10, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(3, 2, 5, 10, generator=gen).to(torch.bfloat16)
+    widened = conv._tiled_gram_product(a.float(), grad.float(), 4)
+    monkeypatch.setattr(conv, "takes_out_dtype", lambda device: True)
+    monkeypatch.setattr(conv, "wide_matmul", lambda x, y: x.float() @ y.float())
+    on_cores = conv._tiled_gram_product(a, grad, 4)
+    assert on_cores.dtype == torch.float32
+    torch.testing.assert_close(on_cores, widened, rtol=1e-6, atol=1e-6)

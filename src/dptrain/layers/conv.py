@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .numerics import accumulation_dtype, float32_at_least, weighted_sum
+from .numerics import accumulation_dtype, float32_at_least, takes_out_dtype, weighted_sum, wide_matmul
 from .protocol import LayerDims, LayerRule, expand_input_rows
 from .registry import register_layer
 
@@ -162,12 +162,16 @@ class ConvRule(LayerRule):
         d = module.in_channels // g * math.prod(module.kernel_size)
         p = module.out_channels // g
         T = sum(math.prod(c.grad.shape[2:]) for c in ops)
-        acc = float32_at_least(ops[0].grad).dtype
-        size = torch.empty((), dtype=acc).element_size()
-        budget = self.workspace(ops[0].grad)
+        like = ops[0].grad
+        # bf16/fp16 patches stay as they are where the Gram products take them into float32 (numerics.wide_matmul:
+        # tensor cores, the widened product's value); elsewhere they are widened first
+        low = like.dtype in (torch.float16, torch.bfloat16) and takes_out_dtype(like.device)
+        acc = like.dtype if low else float32_at_least(like).dtype
+        size, gram_size = acc.itemsize, float32_at_least(like).dtype.itemsize
+        budget = self.workspace(like)
         # Gram tiles of at most `tile` tokens: three [g, tile, tile] products per sample in the budget
-        tile = max(1, min(T, math.isqrt(max(1, budget // (6 * g * size)))))
-        per_sample = size * g * (d + p) * T + 3 * size * g * tile * tile
+        tile = max(1, min(T, math.isqrt(max(1, budget // (6 * g * gram_size)))))
+        per_sample = size * g * (d + p) * T + 3 * gram_size * g * tile * tile
         chunk = max(1, min(B, budget // per_sample))
         norms = []
         for start in range(0, B, chunk):
@@ -177,7 +181,7 @@ class ConvRule(LayerRule):
             norms.append(_tiled_gram_product(a.reshape(a.shape[0], g, d, T), grad, tile))
             del a, grad  # the patches of this chunk go now, before the next chunk's are formed
         if not norms:
-            return ops[0].grad.new_zeros(0, dtype=acc)
+            return like.new_zeros(0, dtype=float32_at_least(like).dtype)
         return torch.cat(norms)
 
     @staticmethod
@@ -300,12 +304,25 @@ def _tiled_gram_product(a: torch.Tensor, grad: torch.Tensor, tile: int) -> torch
     only tiles i <= j are formed and those off the diagonal count twice.
     """
     T = a.shape[-1]
-    total = a.new_zeros(a.shape[0])
+    total = None
     for i in range(0, T, tile):
         a_i, g_i = a[..., i : i + tile], grad[..., i : i + tile]
         for j in range(i, T, tile):
-            gram_a = torch.einsum("bgdt,bgds->bgts", a_i, a[..., j : j + tile])
-            gram_g = torch.einsum("bgpt,bgps->bgts", g_i, grad[..., j : j + tile])
+            gram_a = _block_gram(a_i, a[..., j : j + tile])
+            gram_g = _block_gram(g_i, grad[..., j : j + tile])
             term = (gram_a * gram_g).sum((1, 2, 3))
-            total += term if i == j else 2 * term
+            term = term if i == j else 2 * term
+            total = term if total is None else total + term
+    assert total is not None  # (one tile at least: T >= 1)
     return total
+
+
+def _block_gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """[b, g, t, s] inner products of the tokens of x [b, g, d, t] and y [b, g, d, s], in float32 or wider: bf16/fp16
+    operands as they are where the device takes them into float32 (``numerics.wide_matmul``), else by ``einsum`` (on
+    the CPU faster than the batched product of the transposed operand, by up to a third)."""
+    if x.dtype in (torch.float16, torch.bfloat16) and takes_out_dtype(x.device):
+        b, g, d = x.shape[:3]
+        gram = wide_matmul(x.transpose(-1, -2).reshape(b * g, x.shape[-1], d), y.reshape(b * g, d, y.shape[-1]))
+        return gram.reshape(b, g, x.shape[-1], y.shape[-1])
+    return torch.einsum("bgdt,bgds->bgts", x, y)

@@ -579,3 +579,16 @@ def test_gpu_table_job_in_a_fresh_interpreter(tmp_path):
     assert outcome["exit"] == "exit status 0" and not outcome["killed"], (tmp_path / "jobs-log.txt").read_text()
     env = next(e["environment"] for e in events if e["event"] == "environment")
     assert env["device"] == "cpu" and env["torch_defaults"]["cudnn.benchmark"] is False
+
+
+def test_tensor_cores_benchmark_runs_its_dry_run():
+    """``benchmarks/tensor_cores.py --dry-run``: every figure of a row, and the clipped sum's error against float64
+    within float32's, on the CPU (the GPU run has none to compare with here)."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "tensor_cores.py"), "--dry-run"], env=env,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    row = json.loads(out.splitlines()[0])
+    for key in ("weight_grad_bf16_ms", "gram_ms", "gram_widened_ms", "clipped_sum_ms", "clipped_sum_widened_ms"):
+        assert row[key] > 0, key
+    assert row["clipped_sum_relative_error"] < 1e-6 and row["clipped_sum_widened_relative_error"] < 1e-6

@@ -22,6 +22,7 @@ from torch import nn
 from ..layers.numerics import outside_autocast
 from ..layers.protocol import LayerDims
 from ..rows import BackwardRows, NonFiniteRows, RowMap, RowReader, describe_layouts, tag_passes
+from ..rows.layout import check_source_rows
 from .algorithms import Grad, Norm, Recipe
 from .calls import Call, LayerState, outside_model_call
 from .capture import Capture
@@ -295,6 +296,8 @@ class Backward:
             rowmap = self.rows.resolve(state, call, batch if self.units is None else self.samples)  # type: ignore[arg-type]  # (units come with engine.backward's samples)
         except NonFiniteRows:
             raise self._non_finite() from None
+        if call.source:
+            check_source_rows(rowmap, call.grad, f"{state.path} ({type(state.module).__name__})", self.units)
         if self.padded is not None:  # rows of padding belong to no sample: zeroed before any norm
             rows = call.shape[0] if rowmap.axes == 1 else call.shape[0] * call.shape[1]
             rowmap = rowmap.without(self.padded, rows)

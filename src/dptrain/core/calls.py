@@ -51,6 +51,10 @@ class Call:
     #: a gradient hook was registered during its model call (on some tensor): it acts on the gradient outside the
     #: graph, so its rows are read by tag passes, never proven
     hooked: bool = False
+    #: it was given the model's input (or a view of it) as it is, token ids included, no gradient required: its rows
+    #: are the samples in their order, which no gradient can show, so its output gradient's rows must be in that
+    #: order too (``rows.layout.check_source_rows``)
+    source: bool = False
 
     def __init__(self, activation: Any, dims: LayerDims, batch_size: int | None, version: int | None = None,
                  forward_id: int | None = None, recomputed: bool = False):

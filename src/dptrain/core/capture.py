@@ -58,9 +58,8 @@ def batch_size_of(inputs, dim: int) -> int | None:
 class Capture(LayerHooks):
     """Installs and removes the hooks; the engine reacts to what they record.
 
-    ``set_layers`` may be called again while installed (the trainable set changed): hooks
-    look up each module's current state, so a module that is no longer covered records
-    nothing, and newly covered modules are hooked.
+    ``set_layers`` may be called again while installed (the trainable set changed): hooks look up each module's
+    current state, so a module that is no longer covered records nothing, and newly covered modules are hooked.
     """
 
     def __init__(self, model: nn.Module, on_grad: Callable[[LayerState, Call, torch.Tensor], None] | None, *,
@@ -82,6 +81,7 @@ class Capture(LayerHooks):
         #: the storages of the open model call's integer inputs with the batch (ids): an untrained embedding of them,
         #: or of a view of them, is carried too (``_embedding_hook``)
         self._input_ids: set[int] = set()
+        self._input_storages: set[int] = set()  # of the open model call's inputs with the batch (``Call.source``)
         self._embeddings: dict[int, nn.Module] = {}  # the embeddings hooked for their output (``_embedding_hook``)
         #: the open model call's input depends on trainable parameters outside the model (a GAN's generated samples):
         #: the model is a function for it, not trained (``_outside_parameters``)
@@ -272,6 +272,7 @@ class Capture(LayerHooks):
         def carry(t: torch.Tensor) -> torch.Tensor:
             if t.dim() <= axis or t.shape[axis] != batch:
                 return t
+            self._input_storages.add(t.untyped_storage().data_ptr())
             if not t.is_floating_point():
                 if not t.is_complex() and t.numel():  # ids: an embedding of them (or of a view) is carried
                     self._input_ids.add(t.untyped_storage().data_ptr())
@@ -336,6 +337,7 @@ class Capture(LayerHooks):
         self._carried.clear()
         self._from_input.clear()
         self._input_ids.clear()
+        self._input_storages.clear()
         self._readings = 0
 
     def _defers(self, module, args, kwargs) -> bool:

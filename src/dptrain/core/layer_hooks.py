@@ -17,6 +17,7 @@ from ..layers.protocol import LayerDims, OutputLeaves
 from ..rows.outputs import FROM_INPUT
 from ..rows.proof import call_edge
 from .broadcast import BroadcastRows, broadcast_rows, rows_of, shared_use_marker
+from .call_inputs import batch_to_front, broadcast_rows_of, of_own_parameter, requires_grad_in
 from .calls import Call, LayerState, in_backward
 from .distributed import is_dtensor
 from .graph_nodes import _GradientPenalty, _Origin, _OutputLeaves
@@ -39,6 +40,7 @@ class LayerHooks:
         _ordinals: dict[int, int]
         _recomputed_ordinals: dict[int, int]
         _from_input: set[int]
+        _input_storages: set[int]
         _own_handles: int
         _own_ids: set[int]
         _pre_ids: dict[int, int]
@@ -252,7 +254,7 @@ class LayerHooks:
         # A table broadcast over the batch that an earlier layer handed over ([1, ...], broadcast.py) is seen by the
         # rule as its rows over the batch, the call's output too where it is one (a LayerNorm on a position table).
         if self._broadcasting:
-            inputs = _broadcast_rows_of(inputs)
+            inputs = broadcast_rows_of(inputs)
         broadcast = type(tensor) is BroadcastRows
         if broadcast:
             tensor = rows_of(tensor)
@@ -261,15 +263,17 @@ class LayerHooks:
             # Sequence first: a tensor [T, B, ...] is given to the rules as [B, T, ...]; one that already leads with
             # the batch (a pooled [B, d]) stays; with T == B it stays as it is for a rule whose rows are read over
             # both leading axes (either layout is then found from the gradient), and is refused for the others.
-            inputs = _batch_to_front(inputs, forward_batch, state)
-            seen_output = _batch_to_front(tensor, forward_batch, state)
+            inputs = batch_to_front(inputs, forward_batch, state)
+            seen_output = batch_to_front(tensor, forward_batch, state)
         if site is None:
             args, kwargs = inputs
             activation = state.rule.capture_call(module, args, kwargs, seen_output)
+            source = self._given_model_input((*args, *kwargs.values()))
         else:
             activation = state.rule.capture_at(module, site, inputs, seen_output)
+            source = self._given_model_input(inputs)
         output_swapped = seen_output is not tensor
-        if not self.dry and tensor.grad_fn is None and tensor.requires_grad and _of_own_parameter(tensor, state):
+        if not self.dry and tensor.grad_fn is None and tensor.requires_grad and of_own_parameter(tensor, state):
             # A parameter of the layer itself, or a view of one made while its flag was off (a class token's
             # cls.expand(B, -1, -1)): its gradient would go to the parameter without reaching the engine. The rule
             # differentiates the call itself (the fallback's replay); the model gets the values, with no history
@@ -294,6 +298,8 @@ class LayerHooks:
                 broadcast = forward_batch > 0  # (an empty batch has no row to hand over: it gets the empty rows)
         call = self._new_call(state, activation, state.rule.dims(module, activation, seen), tuple(seen.shape),
                               forward_batch, recomputed)
+        if source:
+            call.source = True
         if self.dry:
             return tensor
         returned: torch.Tensor
@@ -307,6 +313,15 @@ class LayerHooks:
             call.edge_swapped = True
         self._on_gradient(tensor, state, None, call)
         return returned
+
+    def _given_model_input(self, values) -> bool:
+        """Whether a layer's inputs are the model's input (or a view of it) as it is, no gradient required by any: its
+        rows are then the samples in their order, which no gradient can show (``Call.source``)."""
+        storages = self._input_storages
+        if not storages or requires_grad_in(values):
+            return False
+        return any(isinstance(v, torch.Tensor) and v.numel() and v.untyped_storage().data_ptr() in storages
+                   for v in values)
 
     def _new_call(self, state: LayerState, activation, dims: LayerDims, shape: tuple, forward_batch: int | None,
                   recomputed: bool) -> Call:
@@ -450,46 +465,3 @@ class LayerHooks:
             return None
 
         node.register_prehook(pre_hook)
-
-
-def _of_own_parameter(tensor: torch.Tensor, state: LayerState) -> bool:
-    """Whether ``tensor`` is one of the layer's trainable parameters or a view of one."""
-    base = tensor._base if tensor._is_view() else tensor
-    return any(base is p for p in state.params.values())
-
-
-def _broadcast_rows_of(inputs: tuple) -> tuple:
-    """A layer call's inputs ((args, kwargs), or a capture site's tensors) with each BroadcastRows replaced by its rows
-    over the batch (a quick look first: this runs at every layer call)."""
-    flat = (*inputs[0], *inputs[1].values()) if len(inputs) == 2 and isinstance(inputs[1], dict) else inputs
-    for a in flat:
-        if type(a) is BroadcastRows or isinstance(a, (list, tuple, dict)):
-            return pytree.tree_map_only(BroadcastRows, rows_of, inputs)
-    return inputs
-
-
-def _batch_to_front(inputs, batch: int | None, state: LayerState):
-    """Tensors [T, B, ...] of a sequence-first model as [B, T, ...] (every tensor, if the batch is unknown)."""
-    if isinstance(inputs, torch.Tensor):
-        if inputs.dim() < 2:
-            return inputs
-        if batch is None:
-            return swap01(inputs)
-        first, second = inputs.shape[0] == batch, inputs.shape[1] == batch
-        if first and second:
-            if getattr(state.rule, "rows_fold_into_tokens", False):
-                # the rows are read over both leading axes (rows.py): [T, B, ...] and [B, T, ...] alike
-                return inputs
-            raise ValueError(
-                f"{state.path} ({type(state.module).__name__}) got a tensor of shape "
-                f"{tuple(inputs.shape)} in a sequence-first model (batch_first=False) whose batch is {batch}: with "
-                f"as many positions as samples the engine cannot tell which axis is the batch, and the rule "
-                f"{type(state.rule).__name__} cannot take its rows in either layout. Use another batch size for "
-                "this step, or freeze this layer"
-            )
-        return swap01(inputs) if second else inputs
-    if isinstance(inputs, tuple):
-        return tuple(_batch_to_front(x, batch, state) for x in inputs)
-    if isinstance(inputs, dict):
-        return {k: _batch_to_front(v, batch, state) for k, v in inputs.items()}
-    return inputs

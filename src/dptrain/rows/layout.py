@@ -226,6 +226,48 @@ def _describe(rowmap: RowMap) -> str:
     return "rows picked by the data"
 
 
+def check_source_rows(rowmap: RowMap, grad: torch.Tensor | None, name: str, units: torch.Tensor | None = None) -> None:
+    """Refuse the row map of a call whose inputs required no gradient (``Call.source``) where it reorders the samples.
+
+    Such a call's rows are in the order the forward gave them (the model's input as it is, token ids), and no gradient
+    reaches that order to show it: its row j is sample j (or, with several rows per sample, the rows of its own leading
+    axes in order: blocks, or time-major). Its output gradient's row j coming from another sample's loss means the
+    forward reordered the rows after this layer (a roll, an index or argsort along the batch, a gather) without undoing
+    it, so that one sample's features meet another sample's loss, and the clipped unit of that loss holds two samples.
+    Rows without a gradient count for nothing, whichever sample they are read as (a padded sample's); a reordering
+    within one user is none at user level (``units``: each sample's user).
+    """
+    if rowmap.identity or rowmap.layout is not None or rowmap.samples is None:
+        return
+    samples, batch = rowmap.samples, rowmap.batch
+    rows = samples.numel()
+    live = samples >= 0
+    if grad is not None:
+        flat = grad.flatten(0, 1) if rowmap.axes == 2 and grad.dim() >= 2 else grad
+        if flat.shape[0] == rows:
+            live &= (flat.reshape(rows, -1) != 0).any(1).cpu()
+    own = torch.arange(rows)
+    orders = [own] if rows == batch else [own // (rows // batch), own % batch] if batch and rows % batch == 0 else []
+    for natural in orders:  # (one row per sample; else blocks of rows per sample, or time-major)
+        moved = live & (samples != natural)
+        if units is not None:
+            moved &= units.cpu()[samples.clamp(min=0)] != units.cpu()[natural]
+        if not bool(moved.any()):
+            return
+    if rows == batch:
+        row = int((live & (samples != own)).nonzero()[0])
+        detail = f"row {row} (sample {row}) gets the gradient of sample {int(samples[row])}'s loss"
+    else:
+        detail = f"its {rows} rows are {batch} samples' in an order no layout explains"
+    raise RowsMixSamples(
+        f"{name}: its inputs required no gradient (the model's input as it is, token ids, or a tensor made outside "
+        f"autograd), so its rows are the samples in the order the forward gave them, but {detail}. The forward "
+        "reorders the samples after this layer (a roll, an index or argsort along the batch, a gather) without "
+        "undoing it, so one sample's features meet another sample's loss and per-sample clipping cannot keep them "
+        "apart. Undo the reordering before the losses, or reorder the inputs (and the targets) before the model"
+    )
+
+
 def describe_layouts(rowmaps) -> str:
     """The layouts of a layer's calls in one backward, each named once, in the order met."""
     return ", ".join(dict.fromkeys(_describe(m) for m in rowmaps if m is not None)) or "identity"

@@ -3,19 +3,22 @@
 A proof (``proof.prove``) reads every node's shapes and applies a rule to each: on a 12-layer GPT-2 it costs twenty
 times a plain walk of the graph. What it proves depends on the graph alone, never on the values in it: the node types,
 how they connect, the attributes and shapes the rules read. So the engine proves each backward's graph from a memo
-keyed by exactly that, read in one walk:
+keyed by the structure, read in one walk:
 
 - every node's type, which edges lead where (by position in the walk), where the walk stopped (the model's outputs, for
   the loss check), and whether a layer call reads its gradient there;
-- for each node whose rule reads shapes or attributes (views, reductions, products, slices, transposes, ...), those
-  attributes and its shapes, each size written as the batch (``"B"``), 1, or another size (``"*"``). Element-wise
+- for each node whose rule reads attributes (reductions, softmaxes, slices, transposes, indexing, ...), those
+  attributes (a slice's bounds as whether it keeps its whole axis, an index as which dimensions it picks). Element-wise
   operations, convolutions, poolings and per-sample normalisations read only where the batch sits: their key is their
   type;
 - whether the batch has one sample (every size of 1 is then the batch's).
 
-A key seen before gives the proof made on it (which layer calls and input readings were proven, in which layout);
-any other graph is proven in full and remembered. A layer call's layout taken from the memo is still checked against
-the call's own shape (``layout.map_from_layout``): a layout that does not fit is read by tag passes.
+A key seen before gives the proof made on it (which layer calls and input readings were proven, in which layout), once
+each of its views is proven again, alone, from the rows the proof gave its output (``_views_hold``): where a reshape
+puts the batch depends on how its sizes relate to the batch's (``reshape(4, -1)`` keeps each row one sample at B = 4,
+and puts two in a row at B = 8). Any other graph is proven in full and remembered. A layer call's layout taken from the
+memo is still checked against the call's own shape (``layout.map_from_layout``): a layout that does not fit is read by
+tag passes.
 """
 from __future__ import annotations
 
@@ -24,9 +27,9 @@ from collections import OrderedDict
 from . import rules as _rules
 from .proof import CALL_EDGE, Proof, prove
 
-# The attributes each rule reads (by node type). The sizes the rules read are not in the key: they follow from the
-# node types and attributes of a code path but for the batch's own size (sequence lengths and widths change from
-# batch to batch without changing which rows meet), and a layout taken from the memo must fit each call's shape.
+# The attributes each rule reads (by node type). The sizes the rules read are not in the key (sequence lengths and
+# widths change from batch to batch without changing which rows meet): a layout taken from the memo must fit each
+# call's shape, and a view, whose result depends on its sizes, is proven again before a proof is reused.
 _DIM = ("_saved_dim",)
 _ATTRIBUTES: dict[str, tuple[str, ...]] = {
     **{name: ("_saved_dim", "_saved_keepdim") for name in _rules._REDUCTIONS},
@@ -43,7 +46,7 @@ _MISSING = object()
 class _Reads:
     """What the key holds of one node type (made once per type name)."""
 
-    __slots__ = ("attributes", "is_slice", "is_index")
+    __slots__ = ("attributes", "is_slice", "is_index", "is_view")
 
     def __init__(self, name: str):
         base = name[: name.find("Backward")] if "Backward" in name else name
@@ -51,6 +54,7 @@ class _Reads:
         self.attributes = _ATTRIBUTES.get(base, ()) if ruled else ()
         self.is_slice = base in ("Slice", "Narrow")
         self.is_index = base == "Index"
+        self.is_view = ruled and base in _rules._VIEWS
 
 
 _READS: dict[str, _Reads] = {}
@@ -72,7 +76,7 @@ class ProofMemo:
 
     def __init__(self, limit: int = 128):
         self.limit = limit
-        self._entries: OrderedDict[tuple, tuple] = OrderedDict()
+        self._entries: OrderedDict[tuple, list] = OrderedDict()
         #: how many proofs were made in full, and how many were taken from the memo (for tests and benchmarks)
         self.made = self.reused = 0
 
@@ -82,34 +86,72 @@ class ProofMemo:
         if batch <= 0:
             return Proof({}, set(), set(), "an empty batch")
         try:
-            nexts, key = _structure(roots, batch, stop)
+            nodes, nexts, key = _structure(roots, batch, stop)
         finally:
             _rules._SHAPES.clear()
             _rules._NEXT.clear()
         try:
-            return self._proof(key, roots, batch, stop, nexts)
+            return self._proof(key, roots, batch, stop, nodes, nexts)
         finally:
             _rules._SHAPES.clear()
+            _rules._NEXT.clear()
 
-    def _proof(self, key: tuple, roots: list, batch: int, stop, nexts: list) -> Proof:
-        entry = self._entries.get(key)
+    def _proof(self, key: tuple, roots: list, batch: int, stop, nodes: list, nexts: list) -> Proof:
+        variants = self._entries.get(key)
+        entry = next((v for v in variants if _views_hold(v[0], nodes, batch)), None) if variants else None
         if entry is None:
             self.made += 1
+            _rules._NEXT.clear()  # (prove's walk takes a node it has read for one it has walked)
             found = prove(roots, batch, stop)
-            entry = _remember(found, nexts)
-            self._entries[key] = entry
-            if len(self._entries) > self.limit:
-                self._entries.popitem(last=False)
+            if variants is None:
+                variants = self._entries[key] = []
+                if len(self._entries) > self.limit:
+                    self._entries.popitem(last=False)
+            variants.append(_remember(found, nodes, nexts))
+            del variants[:-_VARIANTS]
             return found
         self.reused += 1
         self._entries.move_to_end(key)
-        values, unproven, stopped_at, recomputes = entry
+        _, values, unproven, stopped_at, recomputes = entry
         edges = {(node, nr): rows for node, nr, rows in roots if node is not None}
         for i, k, value in values:
             edge = nexts[i][k]
             edges[edge] = _concrete(value, _rules._shape(*edge), batch) if type(value) is tuple else value
         stops = {nexts[i][k] for i, k, _ in values if stop is not None and stop(*nexts[i][k])}
         return Proof(edges, {nexts[i][k] for i, k in unproven}, stops, stopped_at, recomputes)
+
+
+#: proofs kept for one structure whose views place the batch differently (``_views_hold``)
+_VARIANTS = 4
+
+
+def _views_hold(views: list, nodes: list, batch: int) -> bool:
+    """Whether each view of a remembered proof still takes the batch's rows where it did when proven. The key holds
+    the node types alone; where a view puts the batch depends on how its sizes relate to the batch's, and a reshape to
+    a size of the code's (``reshape(4, -1)``) keeps each row one sample at B = 4 and puts two samples in a row at B = 8.
+    So each view is proven again, alone (``rules._regroup``), from the rows the proof gave its output: two shapes read
+    (a sequence length that changes keeps the proof)."""
+    for at, out, into in views:
+        node = nodes[at]
+        oshape = node._input_metadata[0].shape
+        ishape = getattr(node, "_saved_self_sym_sizes", None) or _rules._input_shapes(node)[0]
+        if ishape is None or not oshape or not ishape:
+            return False
+        if out in _LEADING and into in _LEADING:
+            # The batch leading on both sides, a sample's elements one run of the flattened order on each: it stays so
+            # where both leading sizes are multiples of the batch, each row one sample exactly where it is the batch.
+            if (oshape[0] % batch or ishape[0] % batch or (oshape[0] == batch) != (out[1] == "identity")
+                    or (ishape[0] == batch) != (into[1] == "identity")):
+                return False
+            continue
+        rows = _concrete(out, tuple(oshape), batch) if type(out) is tuple else out
+        got = None if rows is _rules.UNPROVEN else _rules._regroup(rows, oshape, tuple(ishape), batch)
+        if got is None or _abstract(got) != into:
+            return False
+    return True
+
+
+_LEADING = ((0, "identity"), (0, "blocks"))
 
 
 class _Key(tuple):
@@ -139,6 +181,7 @@ def _structure(roots, batch: int, stop):
     """The walk's next edges of each node in order, and the key of the graph (see the module docstring), flat. Nodes
     are numbered as the walk discovers them; each one's entry names the numbers its edges lead to."""
     index: dict = {}
+    nodes: list = []
     nexts: list = []
     key: list = [batch == 1]
     stack = []
@@ -152,6 +195,7 @@ def _structure(roots, batch: int, stop):
     while stack:
         node, at = stack.pop()
         following = node.next_functions
+        nodes.append(node)
         nexts.append(following)
         name = node.name()
         reads = reads_of.get(name)
@@ -172,11 +216,18 @@ def _structure(roots, batch: int, stop):
                 stack.append((nxt, to))
             key.append(to)
             key.append(nr)
-    return nexts, _Key(key)
+    return nodes, nexts, _Key(key)
 
 
-def _remember(found: Proof, nexts: list) -> tuple:
-    """What the memo keeps of a full proof: no node, only positions in the walk (the graph is not held)."""
+def _remember(found: Proof, nodes: list, nexts: list) -> tuple:
+    """What the memo keeps of a full proof: no node, only positions in the walk (the graph is not held); with, for each
+    view that took the batch's rows, the rows at its output and at its input (``_views_hold``)."""
+    views = []
+    for at, node in enumerate(nodes):
+        if _READS[node.name()].is_view and nexts[at] and nexts[at][0][0] is not None:
+            out, into = found.edges.get((node, 0)), found.edges.get(nexts[at][0])
+            if isinstance(out, _rules.Rows) and isinstance(into, _rules.Rows):
+                views.append((at, _abstract(out), _abstract(into)))
     values, unproven = [], []
     for i, following in enumerate(nexts):
         for k, (nxt, nr) in enumerate(following):
@@ -187,7 +238,7 @@ def _remember(found: Proof, nexts: list) -> tuple:
                 unproven.append((i, k))
             if edge in found.stops or _interesting(nxt):
                 values.append((i, k, _abstract(found.edges.get(edge, _rules.UNPROVEN))))
-    return values, unproven, found.stopped_at, found.recomputes
+    return views, values, unproven, found.stopped_at, found.recomputes
 
 
 def _abstract(value):

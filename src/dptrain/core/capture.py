@@ -32,7 +32,7 @@ from torch.nn.utils.rnn import PackedSequence
 from torch.utils.hooks import RemovableHandle
 
 from ..layers.fallback import in_replay
-from ..rows import InputRows, RowReader, computing_precision, map_tensors, tensors_in
+from ..rows import InputRows, RowReader, computing_precision, map_tensors, refuse_uncarried, tensors_in
 from ..rows.inputs import CarriedRows, _InputRowsNode
 from ..rows.losses import mark_outputs
 from .calls import Call, LayerState, graph_task, in_backward
@@ -257,8 +257,9 @@ class Capture(LayerHooks):
         self._passthrough = None if self.dry else _outside_parameters((args, kwargs), self.model)
         if torch.is_grad_enabled() and not self.dry:
             self.state_writes.before()
-        if self._passthrough is None and not self.dry and self.forward_batch and torch.is_grad_enabled():
-            return self._carry_inputs(args, kwargs, dim)
+        if self._passthrough is None and not self.dry and torch.is_grad_enabled():
+            refuse_uncarried((args, kwargs), self.forward_batch, dim)
+            return self._carry_inputs(args, kwargs, dim) if self.forward_batch else None
         return None
 
     # ------------------------------------------------------------------ the rows of the model's input
@@ -283,8 +284,7 @@ class Capture(LayerHooks):
         return None if carried is (args, kwargs) else carried
 
     def _carry(self, t: torch.Tensor, axes: tuple[int, ...]) -> torch.Tensor:
-        """A copy of ``t`` through ``_InputRowsNode``: it requires gradients, and its gradient is read (as
-        ``InputRows``) wherever the graph does not prove its rows apart."""
+        """A copy of ``t`` through ``_InputRowsNode``: it requires gradients, its gradient read where not proven."""
         assert self.forward_batch is not None  # (an open model call's)
         reading = InputRows(self.forward_batch, axes, self.forward_precision)
         self._readings += 1

@@ -18,7 +18,7 @@ from .errors import NonFiniteRows, RowsMixSamples
 from .inputs import InputRows
 from .layout import IDENTITY, Layout, RowMap, can_regroup, describe_layouts, map_from_layout, pattern_key
 from .memo import ProofMemo
-from .outputs import carries_input_rows, gradient_edge, map_tensors, tag_rows, tensors_in
+from .outputs import carries_input_rows, gradient_edge, map_tensors, refuse_uncarried, tag_rows, tensors_in
 from .reader import BackwardRows, RowReader
 from .reading import DIGITS, computing_precision, make_tags, read_rows, read_sketches, tag_passes
 from .sketch import Projections, sketch_rows
@@ -27,5 +27,5 @@ __all__ = [
     "BackwardRows", "DIGITS", "IDENTITY", "InputRows", "Layout", "NonFiniteRows", "Projections", "ProofMemo",
     "RowMap", "RowReader", "RowsMixSamples", "can_regroup", "carries_input_rows", "computing_precision",
     "describe_layouts", "gradient_edge", "make_tags", "map_from_layout", "map_tensors", "pattern_key", "read_rows",
-    "read_sketches", "sketch_rows", "tag_passes", "tag_rows", "tensors_in",
+    "read_sketches", "refuse_uncarried", "sketch_rows", "tag_passes", "tag_rows", "tensors_in",
 ]

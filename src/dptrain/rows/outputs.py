@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import types
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -41,8 +42,8 @@ class _TagRows(torch.autograd.Function):
 
 
 #: how many containers deep the tensors of a model's input or output are looked for (a model call's (args, kwargs)
-#: count as one)
-DEPTH = 6
+#: count as one; a container that holds itself stops there)
+DEPTH = 16
 
 
 def tensors_in(obj, depth: int = 0, whole: tuple[type, ...] = ()):
@@ -62,6 +63,52 @@ def tensors_in(obj, depth: int = 0, whole: tuple[type, ...] = ()):
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         for f in dataclasses.fields(obj):
             yield from tensors_in(getattr(obj, f.name), depth + 1, whole)
+    elif isinstance(obj, types.SimpleNamespace):
+        for item in vars(obj).values():
+            yield from tensors_in(item, depth + 1, whole)
+
+
+def opaque_holders(obj, depth: int = 0):
+    """The objects in a model's input that hold tensors where ``tensors_in`` does not look (attributes of a class of
+    the user's): their tensors cannot be carried (``Capture._carry_inputs``)."""
+    if isinstance(obj, torch.Tensor) or depth >= DEPTH or obj is None or isinstance(obj, (str, bytes, int, float)):
+        return
+    if isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from opaque_holders(item, depth + 1)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            yield from opaque_holders(item, depth + 1)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from opaque_holders(getattr(obj, f.name), depth + 1)
+    elif isinstance(obj, types.SimpleNamespace):
+        for item in vars(obj).values():
+            yield from opaque_holders(item, depth + 1)
+    elif not isinstance(obj, (type, types.ModuleType, torch.nn.Module)) and any(
+            isinstance(v, torch.Tensor) for v in getattr(obj, "__dict__", {}).values()):
+        yield obj
+
+
+def refuse_uncarried(inputs, batch: int | None, axis: int) -> None:
+    """Refuse a model call's input whose rows the engine cannot carry (``Capture._carry_inputs``): what the forward
+    computes from it before its first trainable layer would not be in the graph, and a mixing of the samples there
+    would not be seen. A complex tensor with the batch (its gradient's rows are not read), and an object of the user's
+    holding tensors in its attributes (it cannot be rebuilt with the carried copies)."""
+    for t in tensors_in(inputs):
+        if t.is_complex() and t.dim() > axis and t.shape[axis] == batch:
+            raise TypeError(
+                f"the model's input holds a complex tensor of shape {tuple(t.shape)} with the batch: the row check "
+                "carries real floating-point inputs only, so what the forward computes from it would not be checked "
+                "for mixing samples. Give the model its real and imaginary parts (torch.view_as_real(x))"
+            )
+    for holder in opaque_holders(inputs):
+        raise TypeError(
+            f"the model's input holds a {type(holder).__name__} whose attributes hold tensors: the engine passes each "
+            "floating-point input with the batch through a copy that carries its rows (what the forward computes "
+            "from it is then checked for mixing samples) and cannot rebuild this object with the copies. Give the "
+            "model its tensors in a dict, a dataclass, a named tuple or a types.SimpleNamespace"
+        )
 
 
 def map_tensors(obj, fn, depth: int = 0):
@@ -91,8 +138,20 @@ def map_tensors(obj, fn, depth: int = 0):
                 if v is not obj[k]:
                     new[k] = v
             return new
-        except TypeError:  # (a read-only mapping)
-            return entries
+        except TypeError:  # (a read-only mapping: made from the entries, as a dict is)
+            try:
+                new = type(obj)(entries)  # type: ignore[call-arg]  # (a Mapping of the user's: its own constructor)
+            except Exception:  # noqa: BLE001  (any constructor's error: the refusal below says what to do)
+                new = None
+            if isinstance(new, type(obj)) and all(new[k] is v for k, v in entries.items()):
+                return new
+            raise TypeError(
+                f"the model's input holds a {type(obj).__name__}, a read-only Mapping that cannot be made from a dict "
+                "of its entries: the engine passes each floating-point input with the batch through a copy that "
+                "carries its rows (what the forward computes from it is then checked), and could only give the model "
+                "a plain dict in its place. Give the model a dict, or a Mapping that supports item assignment or "
+                f"{type(obj).__name__}(dict_of_entries)"
+            ) from None
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         changes = {f.name: map_tensors(getattr(obj, f.name), fn, depth + 1) for f in dataclasses.fields(obj)}
         if all(v is getattr(obj, k) for k, v in changes.items()):
@@ -100,6 +159,14 @@ def map_tensors(obj, fn, depth: int = 0):
         new = copy.copy(obj)
         for k, v in changes.items():
             object.__setattr__(new, k, v)
+        return new
+    if isinstance(obj, types.SimpleNamespace):
+        changes = {k: map_tensors(v, fn, depth + 1) for k, v in vars(obj).items()}
+        if all(v is getattr(obj, k) for k, v in changes.items()):
+            return obj
+        new = copy.copy(obj)
+        for k, v in changes.items():
+            setattr(new, k, v)
         return new
     return obj
 

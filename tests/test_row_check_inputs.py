@@ -109,3 +109,27 @@ def test_an_input_whose_rows_cannot_be_carried_is_refused_with_what_to_give_inst
     with pytest.raises(TypeError, match=named):
         neighbour_test(_FrozenFirst(unwrap, mix=False).double(), losses, _data(0), mode="bk-mixopt",
                        max_grad_norm=1.0)
+
+
+def test_a_tensor_without_the_batch_before_the_batched_input_is_named_as_where_the_batch_size_was_read(float64):
+    """The batch size is read from the model's first input tensor: a prior of another size given first is read
+    instead, and the refusal says so (an outside probe found the message did not)."""
+    from dptrain.testing import attached_engine
+
+    class WithPrior(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
+
+        def forward(self, inputs):
+            return self.head(torch.tanh(self.inp(inputs["x"] + inputs["prior"].mean(0))))
+
+    model = WithPrior().double()
+    engine, _ = attached_engine(model, mode="bk-mixopt", max_grad_norm=1.0)
+    try:
+        x, y = _data(0)
+        losses = F.cross_entropy(model({"prior": torch.randn(3, 6), "x": x}), y, reduction="none")
+        with pytest.raises(ValueError, match="first tensor of the model's input"):
+            engine.backward(losses)
+    finally:
+        engine.detach()

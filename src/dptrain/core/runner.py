@@ -166,8 +166,11 @@ class BackwardRunner:
             self.forget_calls()
             raise ValueError(
                 f"engine.backward got {B} per-sample losses but the model was last called with a batch of "
-                f"{forward_batch}: give one loss per sample of that call (reduction='none'). A model that takes "
-                "the batch in the second dimension of its input (sequence first) needs batch_first=False"
+                f"{forward_batch}: give one loss per sample of that call (reduction='none'). The batch size is read "
+                "from the first tensor of the model's input (in argument order, containers looked into), along its "
+                "first dimension: a tensor without the batch given before the batched ones (a table, a prior) is read "
+                "instead, so pass it after them. A model that takes the batch in the second dimension of its input "
+                "(sequence first) needs batch_first=False"
             )
         if B == 0 or not losses.requires_grad:
             if B == 0 and losses.requires_grad and isinstance(parallel, distributed.FSDP2Gradients):

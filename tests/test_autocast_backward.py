@@ -104,6 +104,39 @@ def test_a_plain_loss_backward_inside_autocast_is_clipped_in_float32(mode):
     assert distance <= 1 + 1e-3, f"{mode}: removing one sample moved the clipped sum by {distance:.4f} R"
 
 
+class _Gated(nn.Module):
+    """A module without a rule (the per-sample fallback replays it under the forward's autocast): a learned gate."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.gate = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+    def forward(self, h):
+        return h * torch.sigmoid(self.gate) + h.square() @ torch.ones(h.shape[-1], h.shape[-1]) * 1e-2
+
+
+class _WithFallback(_Tokens):
+    def __init__(self):
+        super().__init__()
+        self.gated = _Gated(16)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = self.conv(h.transpose(1, 2)).transpose(1, 2)
+        return self.head(self.norm(self.gated(torch.tanh(self.hidden(h)))))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_module_the_fallback_replays_is_clipped_in_float32_with_the_backward_inside_autocast(mode):
+    torch.manual_seed(0)
+    model = _WithFallback()
+    ids, targets = _batch(256)
+    full = _clipped_sum(model, (ids, targets), mode, inside=True, warm_steps=1)
+    without_one = _clipped_sum(model, (ids[1:], targets[1:]), mode, inside=True)
+    distance = (full - without_one).norm().item() / R
+    assert distance <= 1 + 1e-3, f"{mode}: removing one sample moved the clipped sum by {distance:.4f} R"
+
+
 def test_without_autocast_turns_off_every_autocast_that_is_on_and_restores_it():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert autocast_is_on()

@@ -661,3 +661,64 @@ def test_rmsnorm_rule_matches_torch_eps_for_bf16_inputs():
     expected = F.rms_norm(x.float(), (16,), eps=torch.finfo(torch.float32).eps)
     got = find_rule(norm).normalized(norm, x)
     assert (got.float() - expected).abs().max().item() <= ROUNDING * expected.abs().max().item()
+
+
+def _aligned(B: int):
+    """Nearly the same sample B times: their clipped gradients add up, and a rounding shared by all shows."""
+    torch.manual_seed(0)
+    return torch.randn(1, 16) + 1e-3 * torch.randn(B, 16), torch.zeros(B, dtype=torch.long)
+
+
+def _rounding_model():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 4))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_fp16_with_a_grad_scaler_moves_the_clipped_sum_by_at_most_R(mode):
+    """The scaled losses are divided by the expected batch size, a constant, not averaged: the mean's 1/B was rounded
+    into each sample's fp16 gradient, and removing one of 512 aligned samples moved the clipped sum by 1.005 R."""
+    x, y = _aligned(512)
+    model, R = _rounding_model(), 1e-3
+
+    def clipped_sum(xs, ys):
+        m = copy.deepcopy(model)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+        engine, opt = attached_engine(m, mode=mode, max_grad_norm=R, grad_scaler=scaler)
+        try:
+            with torch.autocast("cpu", dtype=torch.float16):
+                losses = F.cross_entropy(m(xs).float(), ys, reduction="none")
+            engine.backward(scaler.scale(losses))
+            scaler.step(opt)
+            scaler.update()
+            return torch.cat([p.grad.double().flatten() for p in m.parameters()])
+        finally:
+            engine.detach()
+
+    distance = (clipped_sum(x, y) - clipped_sum(x[1:], y[1:])).norm().item() / R
+    assert distance <= 1 + 1e-4, f"{mode}: {distance:.6f} R"
+
+
+@pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
+def test_a_plain_mean_backward_after_a_bf16_forward_on_poisson_batches_is_refused(mode):
+    """Its 1/B is the user's, rounded into each sample's bf16 gradient (1.4 R for one of 512 aligned samples): refused
+    before anything is accumulated, naming the ways out; loss.sum() with loss_reduction='sum' is exact."""
+    x, y = _aligned(512)
+    model, R = _rounding_model(), 1e-3
+
+    def clipped_sum(xs, ys, reduction):
+        m = copy.deepcopy(model)
+        engine, opt = attached_engine(m, mode=mode, max_grad_norm=R, loss_reduction=reduction)
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = F.cross_entropy(m(xs).float(), ys, reduction=reduction)
+            loss.backward()
+            opt.step()
+            return torch.cat([p.grad.double().flatten() for p in m.parameters()])
+        finally:
+            engine.detach()
+
+    with pytest.raises(ValueError, match="mean's 1/B is rounded.*engine.backward"):
+        clipped_sum(x, y, "mean")
+    distance = (clipped_sum(x, y, "sum") - clipped_sum(x[1:], y[1:], "sum")).norm().item() / R
+    assert distance <= 1 + 1e-4, f"{mode}: {distance:.6f} R"

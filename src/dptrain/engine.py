@@ -278,7 +278,8 @@ class PrivacyEngine:
             rows=self._rows,
         )
         setup = BackwardSetup(self.recipe, self.decision_rule, self.clipping_fn, self.clipping_gamma,
-                              self._sums, self._rows, capture, overflow_skippable=enabled)
+                              self._sums, self._rows, capture, overflow_skippable=enabled,
+                              loss_divisor=max(1, self.config.batch_size))
         self._runner = runner = BackwardRunner(self.config, setup, lambda: self._trainable, self._scaling,
                                                self._parallel, self._step.before_backward, self._step.after_backward)
         capture.on_grad, capture.on_output_grad = runner.on_output_grad, runner.on_model_output_grad

@@ -69,6 +69,7 @@ class BackwardSetup:
     capture: Capture
     #: a GradScaler is in use: non-finite gradients are an overflow to retry or skip, not an error
     overflow_skippable: bool
+    loss_divisor: int = 1  # a GradScaler's scaled losses are divided by it (the expected batch size: ``run``)
 
 
 def needs_tags(trainable: TrainableSet, rows: RowReader) -> bool:
@@ -121,13 +122,15 @@ class Backward:
         """Back-propagate per-sample losses (both passes in the two-pass modes); True if it overflowed and the
         step is skipped.
 
-        Without a GradScaler the objective is ``sum_i L_i``. With one, ``losses`` carry its scale S and
-        the objective is their mean, as in ordinary fp16 training (a sum would be B times larger and
-        overflow). Where a scale above the last one that worked overflows, the same batch is
+        Without a GradScaler the objective is ``sum_i L_i``. With one, ``losses`` carry its scale S and the objective
+        is their sum over the expected batch size, a constant (a sum alone could overflow). Not their mean: its 1/B
+        would be rounded into each sample's fp16 gradient, so every sample's clipped gradient changed with the batch
+        size (one of 512 aligned samples moved the sum by over R). Where a scale above the last one that worked
+        overflows, the same batch is
         back-propagated again at the scaler's back-off (``can_retry``): finding the scale costs a
         backward, never a skipped step or privacy budget. The graph is kept for that only then.
         """
-        B = losses.shape[0]
+        divisor = self.setup.loss_divisor
         if scaling is None:
             self._one_backward(losses, 1.0, 1.0, retain=False, passes=passes)
             return False
@@ -136,7 +139,8 @@ class Backward:
         while True:
             try:
                 self.consumed = [] if can_retry else None
-                self._one_backward(losses, attempt / B, scale * attempt / B, retain=can_retry, passes=passes)
+                self._one_backward(losses, attempt / divisor, scale * attempt / divisor, retain=can_retry,
+                                   passes=passes)
                 break
             except Overflow:
                 if not can_retry or scale * attempt <= 1.0:  # below scale 1 a smaller scale no longer helps

@@ -1,5 +1,6 @@
-"""What a backward is refused for, as the exception to raise: per-sample losses that are not finite, and a backward
-compiled by torch.compile that cannot run twice. (``runner`` raises them; nothing of the backward is kept.)"""
+"""What a backward is refused for, as the exception to raise: per-sample losses that are not finite, a backward
+compiled by torch.compile that cannot run twice, and a plain backward of a mean loss rounded in low precision.
+(``runner`` raises them; nothing of the backward is kept.)"""
 from __future__ import annotations
 
 import torch
@@ -24,3 +25,20 @@ def compiled_backward_refusal(err: RuntimeError) -> RuntimeError | None:
         "and the two-pass clipping modes always do. Set torch._functorch.config.donated_buffer = False before the "
         "first compiled step (it costs a little memory, no speed), or compile only parts of the model between its "
         "trainable layers. Nothing of this backward was accumulated")
+
+
+def rounded_mean_refusal(loss_reduction: str, fixed_shape: bool, precision: torch.dtype | None) -> ValueError | None:
+    """The refusal of a plain ``loss.backward()`` of a mean loss after a bf16/fp16 forward (``precision``), on batches
+    whose size changes with the data: the mean's 1/B is rounded into each sample's low-precision gradient, so every
+    sample's clipped gradient changes with the batch size (one of 512 aligned samples moved the clipped sum by 1.4 R).
+    None where the mean divides by the same number at every step (fixed-shape batches), or nothing is rounded."""
+    if loss_reduction != "mean" or fixed_shape or precision not in (torch.float16, torch.bfloat16):
+        return None
+    name = str(precision).replace("torch.", "")
+    return ValueError(
+        f"loss.backward() of a mean loss after a {name} forward, on batches whose size changes with the data (Poisson "
+        f"sampling): the mean's 1/B is rounded into each sample's {name} gradient, so every sample's clipped gradient "
+        "would change with the batch size, and one sample could move the step by more than max_grad_norm. Call "
+        "engine.backward(per_sample_losses), or back-propagate loss.sum() with loss_reduction='sum', or use "
+        "fixed-shape batches (max_batch_size=...), whose mean divides by the same number at every step"
+    )

@@ -27,7 +27,7 @@ from .config import EngineConfig
 from .pipeline import Overflow
 from .planning import LayerDecision
 from .precision import LossScaling
-from .refusals import compiled_backward_refusal, non_finite_losses
+from .refusals import compiled_backward_refusal, non_finite_losses, rounded_mean_refusal
 from .trainable import TrainableSet
 
 
@@ -453,6 +453,9 @@ class BackwardRunner:
             )
         self._refuse_rows_beyond_loader(self.capture.forward_batch, "loss.backward() over a model call of", "rows")
         self._refuse_unmasked_padding(self.capture.forward_batch, "loss.backward() over a model call of", "rows")
+        if (refusal := rounded_mean_refusal(self.config.loss_reduction, self.config.max_batch_size is not None,
+                                            self.capture.forward_precision)) is not None:
+            raise refusal
         self._pending_rows = self.capture.forward_batch or 0
         self.before_backward()
         backward = self.current = Backward(self.setup, self.trainable(), Phase.PLAIN)

@@ -19,8 +19,9 @@ def compiled_backward_refusal(err: RuntimeError) -> RuntimeError | None:
     if "donated_buffer" not in str(err):
         return None
     return RuntimeError(
-        "torch.compile compiled a backward that frees its buffers as it runs (inductor's donated buffers), so it "
-        "cannot be back-propagated twice; the engine back-propagates a step more than once where the graph does not "
+        "torch.compile compiled a backward that frees its buffers as it runs (donated buffers: inductor's and "
+        "aot_eager's alike), so it cannot be back-propagated twice; the engine back-propagates a step more than once "
+        "where the graph does not "
         "prove which sample each row belongs to (a compiled region is opaque to it: its tag passes read the rows), "
         "and the two-pass clipping modes always do. Set torch._functorch.config.donated_buffer = False before the "
         "first compiled step (it costs a little memory, no speed), or compile only parts of the model between its "

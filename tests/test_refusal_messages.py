@@ -145,3 +145,33 @@ def test_an_optimizer_built_before_fix_is_told_that_fix_returns_a_copy():
     assert "dptrain.fix(model) returns a copy" in message and "model = dptrain.fix(model)" in message
     engine.attach(torch.optim.SGD(fixed.parameters(), lr=0.1))  # the fix it names works
     engine.detach()
+
+
+def test_a_reentrant_recomputation_that_differs_from_the_forward_is_named_in_the_refusal():
+    """Dropout with preserve_rng_state=False under reentrant checkpointing: each recomputation draws another mask, so
+    the tag passes read rows as mixed; the refusal says that a recomputation that differs reads so (an outside probe
+    found it named only mixups and tables)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from dptrain.testing import attached_engine
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.mid, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+        def block(self, h):
+            return F.dropout(torch.tanh(self.mid(h)), 0.3, training=True)
+
+        def forward(self, x):
+            return self.head(checkpoint(self.block, self.inp(x), use_reentrant=True, preserve_rng_state=False))
+
+    torch.manual_seed(0)
+    model = Net()
+    engine, _ = attached_engine(model, mode="bk-mixopt", max_grad_norm=1.0)
+    try:
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        with pytest.raises(ValueError, match="recomputation that differs from the forward"):
+            engine.backward(F.cross_entropy(model(x), y, reduction="none"))
+    finally:
+        engine.detach()

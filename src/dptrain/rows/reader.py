@@ -28,6 +28,7 @@ class RowReader:
         #: layer calls received their gradient as recomputed in a backward (reentrant activation checkpointing): such
         #: calls are only known once recomputed, after any proof, so every backward reads rows by tag passes
         self.recomputes = False
+        self.graph_recomputes = False  # the last graph proven holds a region reentrant checkpointing recomputes
 
     @staticmethod
     def pattern(state, call) -> tuple | None:
@@ -46,6 +47,7 @@ class RowReader:
             return not unread
         proof = self.proofs.prove(roots, batch)
         by_edge = edges_by_call(proof)
+        self.graph_recomputes = proof.recomputes  # (named where rows read as mixed: BackwardRows._read)
         complete = not self.recomputes and not proof.recomputes
         for state, call in unread:
             layout = None
@@ -256,6 +258,10 @@ class BackwardRows:
                 "output only where it meets the batch (x + pos), index or reduce it after that, or give the "
                 "layer per-sample ids (ids.expand(B, -1)), or freeze it"
             ) from None
+        recomputed = (" Activation checkpointing recomputed calls in this backward: a recomputation that differs "
+                      "from the forward (dropout with preserve_rng_state=False, a counter) reads as rows mixing "
+                      "samples too; keep the RNG state, or checkpoint with use_reentrant=False."
+                      if call.recomputed or self.reader.recomputes or self.reader.graph_recomputes else "")
         raise RowsMixSamples(
             f"{name}: {err} (output of shape {tuple(call.grad.shape)}, batch of {batch}): per-sample "
             "clipping cannot split such rows. Typical causes: an operation over the batch axis after this layer "
@@ -263,5 +269,5 @@ class BackwardRows:
             "embeddings looked up on [T] ids), per-class or pooled vectors, an input of the model concatenated "
             "with itself. Freeze this layer; for a table, give it ids with a batch axis of size 1 "
             "(torch.arange(T)[None]: its [1, T, d] output then broadcasts over the batch, exactly) or per-sample "
-            "ids (ids.expand(B, -1)); or register a rule for the module that mixes the samples"
+            f"ids (ids.expand(B, -1)); or register a rule for the module that mixes the samples.{recomputed}"
         ) from None

@@ -15,16 +15,17 @@ from helpers import MODES
 
 
 class _FixedRows(nn.Module):
-    """Rows reshaped to a fixed 4, an op along each row, then back to the batch."""
+    """Rows reshaped to a fixed number (4: one sample a row at B = 4, two at B = 8; 8: two rows a sample at B = 4, two
+    samples a row at B = 16), an op along each row, then back to the batch."""
 
-    def __init__(self, along: str):
+    def __init__(self, along: str, rows: int = 4):
         super().__init__()
-        self.along = along
+        self.along, self.rows = along, rows
         self.inp, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
 
     def forward(self, x):
         h = torch.tanh(self.inp(x))
-        rows = h.reshape(4, -1)
+        rows = h.reshape(self.rows, -1)
         rows = rows.cumsum(-1) if self.along == "cumsum" else rows - rows.mean(-1, keepdim=True)
         return self.head(rows.reshape(x.shape[0], -1))
 
@@ -83,18 +84,6 @@ def test_tokens_folded_into_the_batch_keep_their_proof_across_batch_sizes(float6
     assert report.refused is None and report.worst <= 1 + 1e-9, report
 
 
-class _EightRows(nn.Module):
-    """Rows reshaped to a fixed 8: two rows a sample at B = 4 (blocks), two samples a row at B = 16."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp, self.head = nn.Linear(6, 8), nn.Linear(8, 3)
-
-    def forward(self, x):
-        rows = torch.tanh(self.inp(x)).reshape(8, -1)
-        return self.head((rows - rows.mean(-1, keepdim=True)).reshape(x.shape[0], -1))
-
-
 class _TimeMajor(nn.Module):
     """Tokens time-major ([T, B, d]) folded into one axis ([T * B, d]: a sample's rows interleaved) and back."""
 
@@ -112,7 +101,7 @@ class _TimeMajor(nn.Module):
 @pytest.mark.parametrize("mode", ["bk-mixopt", "ghost", "per-sample"])
 def test_a_fixed_reshape_in_blocks_is_proven_again_where_it_puts_two_samples_in_a_row(float64, mode):
     torch.manual_seed(0)
-    report = neighbour_test(_EightRows(), _losses, _data(16, 0), mode=mode, max_grad_norm=1.0,
+    report = neighbour_test(_FixedRows("centre", rows=8), _losses, _data(16, 0), mode=mode, max_grad_norm=1.0,
                             warm_up=[_data(4, 1), _data(4, 2)])  # (B = 4: blocks of two rows, proven)
     assert report.refused is not None, f"{mode}: {report.worst:.3f} R, not refused"
 

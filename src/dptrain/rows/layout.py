@@ -248,10 +248,11 @@ def check_source_rows(rowmap: RowMap, grad: torch.Tensor | None, name: str, unit
             live &= (flat.reshape(rows, -1) != 0).any(1).cpu()
     own = torch.arange(rows)
     orders = [own] if rows == batch else [own // (rows // batch), own % batch] if batch and rows % batch == 0 else []
+    units = units.cpu() if units is not None else None
     for natural in orders:  # (one row per sample; else blocks of rows per sample, or time-major)
         moved = live & (samples != natural)
         if units is not None:
-            moved &= units.cpu()[samples.clamp(min=0)] != units.cpu()[natural]
+            moved &= units[samples.clamp(min=0)] != units[natural]
         if not bool(moved.any()):
             return
     if rows == batch:

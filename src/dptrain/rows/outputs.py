@@ -46,48 +46,44 @@ class _TagRows(torch.autograd.Function):
 DEPTH = 16
 
 
+def _items(obj):
+    """The items of a container the engine looks into (tuple/list/named tuple, dict or any other ``Mapping``
+    (``UserDict``, a tokenizer's ``BatchEncoding``), Hugging Face ModelOutput, dataclass, ``types.SimpleNamespace``), or
+    None for anything else."""
+    if isinstance(obj, (tuple, list)):
+        return obj
+    if isinstance(obj, Mapping):
+        return obj.values()
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    if isinstance(obj, types.SimpleNamespace):
+        return vars(obj).values()
+    return None
+
+
 def tensors_in(obj, depth: int = 0, whole: tuple[type, ...] = ()):
-    """The tensors in a model's input or output (a tensor, tuple/list/named tuple, dict or any other ``Mapping``
-    (``UserDict``, a tokenizer's ``BatchEncoding``), Hugging Face ModelOutput or dataclass), in order, up to
-    ``DEPTH`` containers deep; objects of the types ``whole`` are yielded as they are, not looked into."""
+    """The tensors in a model's input or output, in order, in the containers ``_items`` names, up to ``DEPTH``
+    containers deep; objects of the types ``whole`` are yielded as they are, not looked into."""
     if isinstance(obj, torch.Tensor) or whole and isinstance(obj, whole):
         yield obj
-    elif depth >= DEPTH:
-        return
-    elif isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from tensors_in(item, depth + 1, whole)
-    elif isinstance(obj, Mapping):
-        for item in obj.values():
-            yield from tensors_in(item, depth + 1, whole)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from tensors_in(getattr(obj, f.name), depth + 1, whole)
-    elif isinstance(obj, types.SimpleNamespace):
-        for item in vars(obj).values():
+    elif depth < DEPTH:
+        for item in _items(obj) or ():
             yield from tensors_in(item, depth + 1, whole)
 
 
-def opaque_holders(obj, depth: int = 0):
-    """The objects in a model's input that hold tensors where ``tensors_in`` does not look (attributes of a class of
-    the user's): their tensors cannot be carried (``Capture._carry_inputs``)."""
-    if isinstance(obj, torch.Tensor) or depth >= DEPTH or obj is None or isinstance(obj, (str, bytes, int, float)):
-        return
-    if isinstance(obj, (tuple, list)):
-        for item in obj:
-            yield from opaque_holders(item, depth + 1)
-    elif isinstance(obj, Mapping):
-        for item in obj.values():
-            yield from opaque_holders(item, depth + 1)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from opaque_holders(getattr(obj, f.name), depth + 1)
-    elif isinstance(obj, types.SimpleNamespace):
-        for item in vars(obj).values():
-            yield from opaque_holders(item, depth + 1)
-    elif not isinstance(obj, (type, types.ModuleType, torch.nn.Module)) and any(
-            isinstance(v, torch.Tensor) for v in getattr(obj, "__dict__", {}).values()):
+def _leaves(obj, depth: int = 0):
+    """``tensors_in``'s tensors, and the objects that hold tensors where it does not look (attributes of a class of the
+    user's)."""
+    if isinstance(obj, torch.Tensor):
         yield obj
+    elif depth < DEPTH and obj is not None and not isinstance(obj, (str, bytes, int, float)):
+        items = _items(obj)
+        if items is not None:
+            for item in items:
+                yield from _leaves(item, depth + 1)
+        elif not isinstance(obj, (type, types.ModuleType, torch.nn.Module)) and any(
+                isinstance(v, torch.Tensor) for v in getattr(obj, "__dict__", {}).values()):
+            yield obj
 
 
 def refuse_uncarried(inputs, batch: int | None, axis: int) -> None:
@@ -95,20 +91,20 @@ def refuse_uncarried(inputs, batch: int | None, axis: int) -> None:
     computes from it before its first trainable layer would not be in the graph, and a mixing of the samples there
     would not be seen. A complex tensor with the batch (its gradient's rows are not read), and an object of the user's
     holding tensors in its attributes (it cannot be rebuilt with the carried copies)."""
-    for t in tensors_in(inputs):
-        if t.is_complex() and t.dim() > axis and t.shape[axis] == batch:
+    for leaf in _leaves(inputs):
+        if not isinstance(leaf, torch.Tensor):
             raise TypeError(
-                f"the model's input holds a complex tensor of shape {tuple(t.shape)} with the batch: the row check "
+                f"the model's input holds a {type(leaf).__name__} whose attributes hold tensors: the engine passes "
+                "each floating-point input with the batch through a copy that carries its rows (what the forward "
+                "computes from it is then checked for mixing samples) and cannot rebuild this object with the "
+                "copies. Give the model its tensors in a dict, a dataclass, a named tuple or a types.SimpleNamespace"
+            )
+        if leaf.is_complex() and leaf.dim() > axis and leaf.shape[axis] == batch:
+            raise TypeError(
+                f"the model's input holds a complex tensor of shape {tuple(leaf.shape)} with the batch: the row check "
                 "carries real floating-point inputs only, so what the forward computes from it would not be checked "
                 "for mixing samples. Give the model its real and imaginary parts (torch.view_as_real(x))"
             )
-    for holder in opaque_holders(inputs):
-        raise TypeError(
-            f"the model's input holds a {type(holder).__name__} whose attributes hold tensors: the engine passes each "
-            "floating-point input with the batch through a copy that carries its rows (what the forward computes "
-            "from it is then checked for mixing samples) and cannot rebuild this object with the copies. Give the "
-            "model its tensors in a dict, a dataclass, a named tuple or a types.SimpleNamespace"
-        )
 
 
 def map_tensors(obj, fn, depth: int = 0):

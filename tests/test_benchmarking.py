@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import csv
 import dataclasses
+import importlib
 import json
 import os
 import subprocess
@@ -340,6 +341,20 @@ def test_host_cost_times_the_forward_and_the_step_against_non_private_training()
     for phase in ("forward", "backward", "update", "step"):
         assert step[f"private_{phase}_ms"] > 0 and step[f"{phase}_ratio"] > 0
     assert step["private_operations"] > step["non_private_operations"]  # (the norms and clipped sums)
+
+
+def test_forward_parts_splits_the_private_forward_and_puts_the_record_back():
+    """benchmarks/forward_parts.py (where the private forward's host time goes): one round on GPT-2 gives each
+    variant's ratio, and the engine's own record is back in place afterwards (the variants replace it meanwhile)."""
+    pytest.importorskip("transformers")
+    from dptrain.core.layer_hooks import LayerHooks
+
+    forward_parts = importlib.import_module("forward_parts")
+    record = LayerHooks._record
+    row = forward_parts.measure("gpt2", rounds=1)
+    assert LayerHooks._record is record
+    for key in ("engine_ratio", "bare_hook_ratio", "no_record_ratio"):
+        assert row[key] > 0, key
 
 
 # --------------------------------------------------------------------------- issue 43's GPU table (gpu_table.sh)

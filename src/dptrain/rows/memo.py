@@ -46,12 +46,13 @@ _MISSING = object()
 class _Reads:
     """What the key holds of one node type (made once per type name)."""
 
-    __slots__ = ("attributes", "is_slice", "is_index", "is_view")
+    __slots__ = ("attributes", "names_dims", "is_slice", "is_index", "is_view")
 
     def __init__(self, name: str):
         base = name[: name.find("Backward")] if "Backward" in name else name
         ruled = _rules.rule_of_name(name) is not None
         self.attributes = _ATTRIBUTES.get(base, ()) if ruled else ()
+        self.names_dims = any(a.startswith("_saved_dim") for a in self.attributes)
         self.is_slice = base in ("Slice", "Narrow")
         self.is_index = base == "Index"
         self.is_view = ruled and base in _rules._VIEWS
@@ -63,6 +64,9 @@ _READS: dict[str, _Reads] = {}
 def _facts(node, reads: _Reads) -> tuple:
     facts = [getattr(node, a, _MISSING) for a in reads.attributes]
     facts = [None if f is _MISSING else tuple(f) if isinstance(f, list) else f for f in facts]
+    if reads.names_dims:  # a saved dimension is relative to the rank (-2: the batch's axis at rank 2)
+        shape = _rules._shape(node, 0)
+        facts.append(None if shape is None else len(shape))
     if reads.is_slice:  # whether it keeps every row of its axis depends on its bounds and sizes
         dim = _rules._axis(node._saved_dim, len(_rules._shape(node, 0)))
         facts.append((dim, _rules._whole(node, dim)))
@@ -131,12 +135,10 @@ def _views_hold(views: list, nodes: list, batch: int) -> bool:
     a size of the code's (``reshape(4, -1)``) keeps each row one sample at B = 4 and puts two samples in a row at B = 8.
     So each view is proven again, alone (``rules._regroup``), from the rows the proof gave its output: two shapes read
     (a sequence length that changes keeps the proof)."""
-    for at, out, into in views:
-        node = nodes[at]
-        oshape = node._input_metadata[0].shape
-        ishape = getattr(node, "_saved_self_sym_sizes", None) or _rules._input_shapes(node)[0]
-        if ishape is None or not oshape or not ishape:
-            return False
+    for at, out, into, ranks in views:
+        oshape, ishape = _view_shapes(nodes[at])
+        if ishape is None or not oshape or not ishape or (len(oshape), len(ishape)) != ranks:
+            return False  # (a view that changes rank where it did not, a squeeze of a size 1: what a dim names moves)
         if out in _LEADING and into in _LEADING:
             # The batch leading on both sides, a sample's elements one run of the flattened order on each: it stays so
             # where both leading sizes are multiples of the batch, each row one sample exactly where it is the batch.
@@ -152,6 +154,11 @@ def _views_hold(views: list, nodes: list, batch: int) -> bool:
 
 
 _LEADING = ((0, "identity"), (0, "blocks"))
+
+
+def _view_shapes(node) -> tuple:
+    """A view's output and input shapes."""
+    return node._input_metadata[0].shape, getattr(node, "_saved_self_sym_sizes", None) or _rules._input_shapes(node)[0]
 
 
 class _Key(tuple):
@@ -227,7 +234,9 @@ def _remember(found: Proof, nodes: list, nexts: list) -> tuple:
         if _READS[node.name()].is_view and nexts[at] and nexts[at][0][0] is not None:
             out, into = found.edges.get((node, 0)), found.edges.get(nexts[at][0])
             if isinstance(out, _rules.Rows) and isinstance(into, _rules.Rows):
-                views.append((at, _abstract(out), _abstract(into)))
+                oshape, ishape = _view_shapes(node)
+                ranks = (len(oshape), len(ishape)) if oshape is not None and ishape is not None else None
+                views.append((at, _abstract(out), _abstract(into), ranks))
     values, unproven = [], []
     for i, following in enumerate(nexts):
         for k, (nxt, nr) in enumerate(following):

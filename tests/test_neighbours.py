@@ -115,3 +115,29 @@ def test_losses_without_gradient_leave_no_r_to_choose(float64):
         neighbour_test(model, lambda m, x, y: honest(m, x, y) * 0, batch)
     with pytest.raises(ValueError, match=r"one loss per sample, \[4\]"):
         neighbour_test(model, lambda m, x, y: honest(m, x, y).mean(), batch)
+
+
+class _WithDropout(nn.Module):
+    def __init__(self, p: float):
+        super().__init__()
+        self.inp, self.drop, self.head = nn.Linear(6, 8), nn.Dropout(p), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.head(self.drop(torch.tanh(self.inp(x))))
+
+
+def test_losses_that_draw_random_numbers_are_refused_naming_the_draws(float64):
+    """Dropout shifts the other samples' masks when one is removed (an honest network read 1.3 R at p = 0.1): the test
+    refuses it, naming dropout; at p = 0 the same network is tested, and within R."""
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 6, dtype=torch.float64), torch.randint(0, 3, (8,))
+
+    def losses(m, x, y):
+        return F.cross_entropy(m(x), y, reduction="none")
+
+    with pytest.raises(ValueError, match="dropout"):
+        neighbour_test(_WithDropout(0.1).double(), losses, (x, y), max_grad_norm=1.0)
+    report = neighbour_test(_WithDropout(0.0).double(), losses, (x, y), max_grad_norm=1.0)
+    assert report.refused is None and 0 < report.worst <= 1 + 1e-9, report
+    drawn = neighbour_test(_WithDropout(0.5).double(), losses, (x, y), max_grad_norm=0.01, allow_random_draws=True)
+    assert drawn.worst > 1.01, drawn  # (what the refusal spares: the draws, read as a distance)

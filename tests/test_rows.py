@@ -464,6 +464,20 @@ def _views_setup(mode, seed=0):
     return model, engine, opt, x, y, batches
 
 
+def test_a_batch_from_a_loader_that_was_not_attached_is_refused_naming_attach(float64):
+    """A plain DataLoader taken up mid-run, the Poisson loader still attached: its larger batch is refused, and the
+    message says to attach the new loader (an outside probe read only the views' fix in it)."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    model, engine, opt, x, y, _ = _views_setup("bk-mixopt")
+    data = TensorDataset(torch.randn(30, 4, dtype=torch.float64), torch.randint(0, 3, (30,)))
+    xs, ys = next(iter(DataLoader(data, batch_size=20)))
+    with pytest.raises(ValueError, match=r"attach that loader instead \(engine.detach\(\), then "
+                                         r"engine.attach\(optimizer, data_loader=\.\.\.\)"):
+        engine.backward(F.cross_entropy(model(xs), ys, reduction="none"))
+    engine.detach()
+
+
 @pytest.mark.parametrize("mode,path", [(m, "engine") for m in MODES] + [(m, "plain") for m in SINGLE_BACKWARD_MODES])
 def test_a_backward_over_more_rows_than_the_loaders_batch_is_refused(float64, mode, path):
     """``model(torch.cat([x, x_aug]))``: each row would be clipped as a sample (a sample moving the model by 2R);

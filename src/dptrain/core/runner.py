@@ -269,8 +269,10 @@ class BackwardRunner:
             f"{what} {rows} {unit}, but the attached loader's batch had {limit} samples: the engine clips each "
             "row as a sample, so rows that belong to one sample (views concatenated with torch.cat([x, x_aug])) "
             "would each be clipped alone and move the model by up to (rows per sample) x R. Call the model once "
-            "per view and give engine.backward one loss per sample (the sum of its views' losses). Nothing of "
-            "this backward was accumulated"
+            "per view and give engine.backward one loss per sample (the sum of its views' losses). If the batch "
+            "comes from another loader than the attached one, attach that loader instead (engine.detach(), then "
+            "engine.attach(optimizer, data_loader=...); the epsilon assumes dptrain.data.poisson_loader batches). "
+            "Nothing of this backward was accumulated"
         )
 
     def _refuse_unmasked_padding(self, rows: int | None, what: str, unit: str) -> None:

@@ -102,7 +102,7 @@ def neighbour_test(model: nn.Module, losses_fn: Callable, batch, *,
                    max_grad_norm: float | Sequence[float] | None = None, mode: str = DEFAULT_CLIPPING_MODE,
                    remove: Sequence[int] | None = None, users=None, warm_up: Sequence = (),
                    warm_up_losses: Callable | None = None, path: str = "engine", seed: int = 0,
-                   **options) -> NeighbourReport:
+                   allow_random_draws: bool = False, **options) -> NeighbourReport:
     """The neighbour test of one private step (see the module docstring).
 
     ``losses_fn(model, *batch)`` gives the per-sample losses ``[B]``; ``batch`` is a tensor or a tuple, list or dict
@@ -112,11 +112,16 @@ def neighbour_test(model: nn.Module, losses_fn: Callable, batch, *,
     (default: every one); with ``users`` (each sample's user id, ``[B]``) the engine clips per user
     (``privacy_unit="user"``) and ``remove`` names users (default: every user).
     ``path``: ``"engine"`` (``engine.backward(losses)``), or ``"mean"`` / ``"sum"`` (a plain ``loss.backward()``).
-    ``seed``: both runs of a pair draw the same random numbers (dropout, a permutation in the loss). ``options``: the
-    engine's other arguments. The model is never changed.
+    ``seed``: every run starts from it. A forward or loss that draws random numbers (dropout in training mode, a
+    random augmentation) is refused (``ValueError``): removing a sample shifts the draws of the samples after it, so
+    the distance would measure the draws, not a coupling (a network with dropout 0.1 reads about 1.3 R, 0.5 about
+    2.8 R). ``allow_random_draws=True`` runs it anyway (for draws made per sample, independently of the batch).
+    ``options``: the engine's other arguments. The model is never changed.
     """
     if path not in ("engine", "mean", "sum"):
         raise ValueError(f"path must be 'engine', 'mean' or 'sum', got {path!r}")
+    if not allow_random_draws:
+        _refuse_random_draws(model, losses_fn, batch, seed)
     size = len(users) if users is not None else _length(batch)
     ids = torch.as_tensor(users) if users is not None else torch.arange(size)
     units = sorted(set(ids.tolist()))
@@ -170,6 +175,27 @@ def neighbour_test(model: nn.Module, losses_fn: Callable, batch, *,
             if smaller is not None:
                 report.distances[R][unit] = _distance(full, smaller) / R
     return report
+
+
+def _refuse_random_draws(model: nn.Module, losses_fn: Callable, batch, seed: int) -> None:
+    """Refuses losses that differ between two evaluations of the batch at two seeds (see ``neighbour_test``)."""
+    probe = copy.deepcopy(model)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        first = _call(losses_fn, probe, batch)
+        torch.manual_seed(seed + 1)
+        second = _call(losses_fn, probe, batch)
+    if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and first.shape == second.shape and bool(
+            torch.isclose(first, second, rtol=0.0, atol=0.0, equal_nan=True).all()):
+        return
+    raise ValueError(
+        "neighbour_test: losses_fn gave other losses for the same batch at another seed, so the forward or the loss "
+        "draws random numbers (dropout in training mode, a random augmentation or mask). Removing a sample shifts the "
+        "draws of the samples after it, so the test would measure the draws, not a coupling (dropout 0.1 reads about "
+        "1.3 R on an honest model). Test with the draws off: set the dropout probabilities to 0 (each nn.Dropout's p; "
+        "for a Hugging Face model the config's dropout fields, such as hidden_dropout_prob, attn_pdrop, "
+        "attention_dropout, lora_dropout), or pass allow_random_draws=True where each sample's draws do not depend "
+        "on the others")
 
 
 def default_thresholds(model: nn.Module, losses_fn: Callable, batch, ids: torch.Tensor, *, seed: int = 0,

@@ -180,11 +180,13 @@ def neighbour_test(model: nn.Module, losses_fn: Callable, batch, *,
 def _refuse_random_draws(model: nn.Module, losses_fn: Callable, batch, seed: int) -> None:
     """Refuses losses that differ between two evaluations of the batch at two seeds (see ``neighbour_test``)."""
     probe = copy.deepcopy(model)
-    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]):  # (gradients enabled: a loss may differentiate inside, as in the steps)
         torch.manual_seed(seed)
         first = _call(losses_fn, probe, batch)
         torch.manual_seed(seed + 1)
         second = _call(losses_fn, probe, batch)
+    if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor):
+        first, second = first.detach(), second.detach()
     if isinstance(first, torch.Tensor) and isinstance(second, torch.Tensor) and first.shape == second.shape and bool(
             torch.isclose(first, second, rtol=0.0, atol=0.0, equal_nan=True).all()):
         return

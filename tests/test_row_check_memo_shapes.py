@@ -187,3 +187,18 @@ def test_a_squeeze_without_an_op_across_its_rows_is_exact_warm_and_cold(float64,
         report = neighbour_test(_SqueezedRows("none"), _losses, _sequences(1, 0), mode=mode, max_grad_norm=1.0,
                                 warm_up=warm)
         assert report.refused is None and report.worst <= 1 + 1e-9, (mode, len(warm), report.worst, report.refused)
+
+
+def test_the_key_tells_a_negative_dimension_at_two_ranks_apart():
+    """softmax(-2) of a [B, T, d] input and of a [B, d] one: the same node types and the same saved -2, which names T
+    in one and the batch in the other. The memo's key holds the rank beside a dimension counted from the end (a
+    positive one names the same axis at any rank, and stays out of it)."""
+    from dptrain.rows import memo
+
+    def key(shape, dim):
+        x = torch.randn(*shape, requires_grad=True)
+        out = x.softmax(dim).sum()
+        return memo._structure([(out.grad_fn, 0, None)], shape[0], None)[2]
+
+    assert key((4, 3, 5), -2) != key((4, 5), -2)
+    assert key((4, 3, 5), 1) == key((4, 3, 7), 1)  # (sizes stay out of the key: a sequence length changes)

@@ -46,13 +46,13 @@ _MISSING = object()
 class _Reads:
     """What the key holds of one node type (made once per type name)."""
 
-    __slots__ = ("attributes", "names_dims", "is_slice", "is_index", "is_view")
+    __slots__ = ("attributes", "dim_slots", "is_slice", "is_index", "is_view")
 
     def __init__(self, name: str):
         base = name[: name.find("Backward")] if "Backward" in name else name
         ruled = _rules.rule_of_name(name) is not None
         self.attributes = _ATTRIBUTES.get(base, ()) if ruled else ()
-        self.names_dims = any(a.startswith("_saved_dim") for a in self.attributes)
+        self.dim_slots = tuple(k for k, a in enumerate(self.attributes) if a.startswith("_saved_dim"))
         self.is_slice = base in ("Slice", "Narrow")
         self.is_index = base == "Index"
         self.is_view = ruled and base in _rules._VIEWS
@@ -64,7 +64,7 @@ _READS: dict[str, _Reads] = {}
 def _facts(node, reads: _Reads) -> tuple:
     facts = [getattr(node, a, _MISSING) for a in reads.attributes]
     facts = [None if f is _MISSING else tuple(f) if isinstance(f, list) else f for f in facts]
-    if reads.names_dims:  # a saved dimension is relative to the rank (-2: the batch's axis at rank 2)
+    if any(_negative(facts[k]) for k in reads.dim_slots):  # -2 names the batch's axis at rank 2, not at rank 3
         shape = _rules._shape(node, 0)
         facts.append(None if shape is None else len(shape))
     if reads.is_slice:  # whether it keeps every row of its axis depends on its bounds and sizes
@@ -73,6 +73,14 @@ def _facts(node, reads: _Reads) -> tuple:
     if reads.is_index:  # which dimensions it indexes (not by which values)
         facts.append(_rules.index_pattern(node))
     return tuple(facts)
+
+
+def _negative(dim) -> bool:
+    """Whether a saved dimension (or any of several) counts from the end: autograd keeps it as given, some nodes as
+    an unsigned 64-bit integer (``rules._axis``)."""
+    if isinstance(dim, tuple):
+        return any(_negative(d) for d in dim)
+    return type(dim) is int and (dim < 0 or dim >= 1 << 63)
 
 
 class ProofMemo:

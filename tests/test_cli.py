@@ -5,6 +5,7 @@ import json
 import math
 import re
 import struct
+import sys
 import warnings
 from collections import Counter
 
@@ -379,6 +380,19 @@ def test_missing_optional_package_names_the_extra(spec, module, extra, capsys):
     argv = ["plan", "--model", spec] + (["--seq-len", "8"] if spec.startswith("hf:") else [])
     status, _, err = run(argv, capsys)
     assert status == 1 and f"pip install 'dptrain[{extra}]'" in err and len(err.strip().splitlines()) == 1
+
+
+def block(monkeypatch, package):
+    """Make ``package`` (and its submodules already imported) look absent: importing it raises ImportError."""
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")] + [package]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_missing_scikit_learn_names_the_extra(monkeypatch, capsys):
+    block(monkeypatch, "sklearn")
+    status, out, err = run(tiny(epochs=1), capsys)
+    assert status == 1 and "Traceback" not in err and out == ""
+    assert err == "dptrain train: error: --dataset digits needs scikit-learn: pip install 'dptrain[cli]'\n"
 
 
 # ====================================================================== plan: the papers' tables

@@ -395,6 +395,18 @@ def test_missing_scikit_learn_names_the_extra(monkeypatch, capsys):
     assert err == "dptrain train: error: --dataset digits needs scikit-learn: pip install 'dptrain[cli]'\n"
 
 
+def test_missing_matplotlib_skips_the_plot_with_a_warning(tmp_path, monkeypatch, capsys):
+    block(monkeypatch, "matplotlib")
+    status, out, err = run(tiny(epochs=1) + ["--output", str(tmp_path)], capsys)
+    assert status == 0, err
+    warning = [line for line in err.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "Traceback" not in err
+    assert warning[0].startswith("dptrain train: warning: training.png skipped: it needs matplotlib "
+                                 "(pip install 'dptrain[cli]'); report.json and checkpoint.pt are written")
+    assert report_of(tmp_path)["steps"] == 3 and (tmp_path / "checkpoint.pt").is_file()
+    assert not (tmp_path / "training.png").exists() and "test accuracy" in out
+
+
 # ====================================================================== plan: the papers' tables
 #
 # The papers count, per layer, the per-sample space of the ghost norm, 2T^2, and of one

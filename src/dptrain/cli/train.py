@@ -104,7 +104,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         saved = run.saved_epoch if run.output else 0
         written = run.write_finished_epochs()
-        hint = (f"; {REPORT_NAME} and {PLOT_NAME} in {run.output} show the finished epochs" if written else "")
+        shown = f"{REPORT_NAME} and {PLOT_NAME} in {run.output} show" if getattr(run, "plotted", True) \
+            else f"{REPORT_NAME} in {run.output} shows"
+        hint = (f"; {shown} the finished epochs" if written else "")
         hint += (f"; continue from the checkpoint ({plural(saved, 'epoch')} done) with: dptrain train --resume "
                  f"{run.output}" if saved else "")
         print(f"\ndptrain train: interrupted{hint}", file=sys.stderr)
@@ -369,8 +371,22 @@ class TrainingRun(TrainingReport):
         report = self._report(step, wall_time)
         if self.output is not None:
             (self.output / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
-            plot_run(self.history, report, self.output / PLOT_NAME)
+            self._plot(self.history, report)
         return report
+
+    def _plot(self, history: dict, report: dict) -> bool:
+        """The plot, written after the report and checkpoint: without matplotlib a warning, not a failed run;
+        True if written."""
+        assert self.output is not None
+        try:
+            plot_run(history, report, self.output / PLOT_NAME)
+        except ImportError as err:
+            if (err.name or "").partition(".")[0] != "matplotlib":
+                raise
+            print(f"dptrain train: warning: {PLOT_NAME} skipped: it needs matplotlib (pip install 'dptrain[cli]'); "
+                  f"{REPORT_NAME} and {CHECKPOINT_NAME} are written in {self.output}", file=sys.stderr)
+            return False
+        return True
 
     def write_finished_epochs(self) -> bool:
         """After an interruption: the report and plot of the epochs in the checkpoint (what --resume
@@ -386,7 +402,7 @@ class TrainingRun(TrainingReport):
         report.update(interrupted=True, finished_epochs=epochs[-1]["epoch"])
         (self.output / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
         finished = {"step_loss": [sl for sl in history["step_loss"] if sl[0] <= last_step], "epochs": epochs}
-        plot_run(finished, report, self.output / PLOT_NAME)
+        self.plotted = self._plot(finished, report)
         return True
 
     def _step(self, logical: list) -> tuple[int, float]:

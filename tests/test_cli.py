@@ -365,6 +365,19 @@ def test_missing_dataset_is_an_error_not_a_download(dataset, tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []  # nothing was fetched or created
 
 
+def test_an_output_that_is_a_file_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    from dptrain.cli import train as cli
+
+    monkeypatch.setattr(cli, "load_dataset", None)  # refused before the data is read
+    (tmp_path / "afile").write_text("notes")
+    for output, where in (("afile", ""), ("afile/run", "'{}' in it ".format(tmp_path / "afile"))):
+        status, out, err = run(tiny() + ["--output", str(tmp_path / output)], capsys)
+        assert status == 1 and out == ""
+        assert err == (f"dptrain train: error: --output {str(tmp_path / output)!r}: {where}is a file, not a folder; "
+                       "choose a folder (it is created if missing)\n")
+    assert (tmp_path / "afile").read_text() == "notes"
+
+
 def test_missing_checkpoint(tmp_path, capsys):
     status, _, err = run(["train", "--resume", str(tmp_path / "nothing")], capsys)
     assert status == 1 and "no checkpoint at" in err

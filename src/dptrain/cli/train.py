@@ -53,6 +53,18 @@ def _checkpoint_path(resume: str) -> Path:
     return path
 
 
+def _check_output(output: str | None) -> None:
+    """Before any work: --output is a folder, or a path where one can be made."""
+    if not output:
+        return
+    folder = Path(output)
+    for path in (folder, *folder.parents):
+        if path.exists() and not path.is_dir():
+            where = "" if path == folder else f"{str(path)!r} in it "
+            raise CLIError(f"--output {output!r}: {where}is a file, not a folder; choose a folder (it is created if "
+                           "missing)")
+
+
 def _train_config(args: argparse.Namespace) -> tuple[dict, dict | None]:
     """The run's configuration (defaults < checkpoint < command line) and the checkpoint, if resuming."""
     import torch
@@ -86,6 +98,7 @@ def _train_config(args: argparse.Namespace) -> tuple[dict, dict | None]:
     if given.get("non_private") and "delta" in given:
         raise CLIError("--delta has no meaning with --non-private")
     config.update({k: v for k, v in given.items() if k != "resume"})
+    _check_output(config.get("output"))
     if config["non_private"] or config["noise_multiplier"] is not None:
         config["epsilon"] = None  # no target: the run's epsilon is reported, not aimed at
     return config, checkpoint

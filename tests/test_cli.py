@@ -378,6 +378,31 @@ def test_an_output_that_is_a_file_is_refused_before_training(tmp_path, capsys, m
     assert (tmp_path / "afile").read_text() == "notes"
 
 
+def test_an_output_holding_a_run_is_refused_unless_that_run_is_resumed(tmp_path, capsys):
+    first, other = tmp_path / "first", tmp_path / "other"
+    for folder in (first, other):
+        assert run(tiny(epochs=1) + ["--output", str(folder)], capsys)[0] == 0
+    saved = (first / "checkpoint.pt").read_bytes()
+    checkpoint = first / "checkpoint.pt"
+    refusal = (f"dptrain train: error: --output {str(first)!r} holds an earlier run ({checkpoint}); continue it with "
+               f"--resume {checkpoint}, choose another --output, or remove it\n")
+    # A rerun without --resume, and a resumed run written into another run's folder, would overwrite its checkpoint.
+    for argv in (tiny(epochs=1) + ["--output", str(first)],
+                 ["train", "--resume", str(other), "--epochs", "2", "--output", str(first)]):
+        status, out, err = run(argv, capsys)
+        assert (status, out, err) == (1, "", refusal)
+    assert (first / "checkpoint.pt").read_bytes() == saved
+    # A folder with only a report (its checkpoint removed) holds a run too.
+    (other / "checkpoint.pt").unlink()
+    status, _, err = run(tiny(epochs=1) + ["--output", str(other)], capsys)
+    assert status == 1 and err == (f"dptrain train: error: --output {str(other)!r} holds an earlier run "
+                                   f"({other / 'report.json'}); choose another --output, or remove it\n")
+    # Continuing the run in its own folder is what --resume is for.
+    status, _, err = run(["train", "--resume", str(checkpoint), "--output", str(first), "--epochs", "2"], capsys)
+    assert status == 0, err
+    assert report_of(first)["steps"] == 6
+
+
 def test_missing_checkpoint(tmp_path, capsys):
     status, _, err = run(["train", "--resume", str(tmp_path / "nothing")], capsys)
     assert status == 1 and "no checkpoint at" in err

@@ -53,8 +53,9 @@ def _checkpoint_path(resume: str) -> Path:
     return path
 
 
-def _check_output(output: str | None) -> None:
-    """Before any work: --output is a folder, or a path where one can be made."""
+def _check_output(output: str | None, resumed_from: Path | None) -> None:
+    """Before any work: --output is a folder, or a path where one can be made, and holds no other run (whose
+    checkpoint this run would overwrite): only the run resumed from its own checkpoint there continues in it."""
     if not output:
         return
     folder = Path(output)
@@ -63,6 +64,14 @@ def _check_output(output: str | None) -> None:
             where = "" if path == folder else f"{str(path)!r} in it "
             raise CLIError(f"--output {output!r}: {where}is a file, not a folder; choose a folder (it is created if "
                            "missing)")
+    checkpoint, report = folder / CHECKPOINT_NAME, folder / REPORT_NAME
+    if checkpoint.exists():
+        if resumed_from is not None and resumed_from.resolve() == checkpoint.resolve():
+            return
+        raise CLIError(f"--output {output!r} holds an earlier run ({checkpoint}); continue it with --resume "
+                       f"{checkpoint}, choose another --output, or remove it")
+    if report.exists():
+        raise CLIError(f"--output {output!r} holds an earlier run ({report}); choose another --output, or remove it")
 
 
 def _train_config(args: argparse.Namespace) -> tuple[dict, dict | None]:
@@ -70,7 +79,7 @@ def _train_config(args: argparse.Namespace) -> tuple[dict, dict | None]:
     import torch
 
     given = {k: v for k, v in vars(args).items() if k != "command"}
-    checkpoint = None
+    checkpoint = path = None
     config = dict(TRAIN_DEFAULTS)
     if "resume" in given:
         path = _checkpoint_path(given["resume"])
@@ -98,7 +107,7 @@ def _train_config(args: argparse.Namespace) -> tuple[dict, dict | None]:
     if given.get("non_private") and "delta" in given:
         raise CLIError("--delta has no meaning with --non-private")
     config.update({k: v for k, v in given.items() if k != "resume"})
-    _check_output(config.get("output"))
+    _check_output(config.get("output"), path)
     if config["non_private"] or config["noise_multiplier"] is not None:
         config["epsilon"] = None  # no target: the run's epsilon is reported, not aimed at
     return config, checkpoint

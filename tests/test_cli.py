@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
 import sys
@@ -401,6 +402,18 @@ def test_an_output_holding_a_run_is_refused_unless_that_run_is_resumed(tmp_path,
     status, _, err = run(["train", "--resume", str(checkpoint), "--output", str(first), "--epochs", "2"], capsys)
     assert status == 0, err
     assert report_of(first)["steps"] == 6
+
+
+def test_python_m_dptrain_runs_the_dptrain_command():
+    import subprocess
+    from pathlib import Path
+
+    src = Path(dptrain.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "dptrain", "--help"], capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: dptrain ") and "train" in done.stdout
 
 
 def test_missing_checkpoint(tmp_path, capsys):

@@ -416,6 +416,25 @@ def test_python_m_dptrain_runs_the_dptrain_command():
     assert done.stdout.startswith("usage: dptrain ") and "train" in done.stdout
 
 
+def test_a_file_that_is_not_a_checkpoint_is_named_as_such(tmp_path, capsys):
+    (tmp_path / "text.pt").write_text("hello\n")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    torch.save({"weights": torch.ones(3)}, tmp_path / "other.pt")
+    whole = (tmp_path / "other.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(whole[:len(whole) // 2])
+    expects = "--resume takes the checkpoint.pt of a dptrain train --output folder, or that folder"
+    unread = "is not a dptrain checkpoint (torch.load could not read it); " + expects
+    for name, message in [("text.pt", unread),  # pickle's bare detail (an opcode, a key) is left out
+                          ("empty.pt", unread + " (the file is empty)"),
+                          ("cut.pt", unread + " (PytorchStreamReader failed reading zip archive"),
+                          ("other.pt", "is not a dptrain train checkpoint; " + expects)]:
+        status, out, err = run(["train", "--resume", str(tmp_path / name)], capsys)
+        assert status == 1 and out == "" and len(err.splitlines()) == 1, err
+        assert err.startswith(f"dptrain train: error: {str(tmp_path / name)!r} {message}")
+        if name == "text.pt":
+            assert err.endswith(expects + "\n")
+
+
 def test_missing_checkpoint(tmp_path, capsys):
     status, _, err = run(["train", "--resume", str(tmp_path / "nothing")], capsys)
     assert status == 1 and "no checkpoint at" in err

@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,6 +55,15 @@ def _checkpoint_path(resume: str) -> Path:
     return path
 
 
+def _readable_reason(err: BaseException, path: Path) -> str:
+    """Why torch.load failed, in words, or "" where its message is a bare detail (a pickle's opcode, a key)."""
+    if path.stat().st_size == 0:
+        return "the file is empty"
+    text = re.sub(r"\x1b\[[0-9;]*m", "", one_line(err))  # torch's messages may carry terminal colours
+    first = re.split(r"(?<=[a-z])\. ", text)[0].rstrip(".")  # the first sentence: torch adds paragraphs of advice
+    return first if re.search(r"[A-Za-z]{2,}\W+[A-Za-z]{2,}", first) else ""
+
+
 def _check_output(output: str | None, resumed_from: Path | None) -> None:
     """Before any work: --output is a folder, or a path where one can be made, and holds no other run (whose
     checkpoint this run would overwrite): only the run resumed from its own checkpoint there continues in it."""
@@ -83,13 +94,18 @@ def _train_config(args: argparse.Namespace) -> tuple[dict, dict | None]:
     config = dict(TRAIN_DEFAULTS)
     if "resume" in given:
         path = _checkpoint_path(given["resume"])
+        expects = f"--resume takes the {CHECKPOINT_NAME} of a dptrain train --output folder, or that folder"
         try:
-            # weights_only: a checkpoint is plain data, and loading it must not run pickled code.
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # torch's remark on a foreign pickle's protocol, before it fails
+                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                # weights_only: a checkpoint is plain data, and loading it must not run pickled code.
+                checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # a truncated or foreign file: say which, not a pickle traceback
-            raise CLIError(f"cannot read the checkpoint {str(path)!r}: {one_line(err)}") from None
+            reason = _readable_reason(err, path)
+            raise CLIError(f"{str(path)!r} is not a dptrain checkpoint (torch.load could not read it); {expects}"
+                           + (f" ({reason})" if reason else "")) from None
         if not isinstance(checkpoint, dict) or checkpoint.get("format") != "dptrain-train-checkpoint":
-            raise CLIError(f"{str(path)!r} is not a dptrain train checkpoint")
+            raise CLIError(f"{str(path)!r} is not a dptrain train checkpoint; {expects}")
         config.update(checkpoint["config"])
         for key, value in given.items():
             if key not in RESUME_MAY_CHANGE and value != config[key]:

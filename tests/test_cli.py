@@ -176,6 +176,15 @@ def test_non_private_run(tmp_path, capsys):
     assert "no privacy" in out.lower() or "privacy: none" in out
 
 
+def test_noise_multiplier_0_trains_with_a_warning_that_there_is_no_privacy(few_digits, capsys):
+    status, out, err = run(["train", "--epochs", "1", "--batch-size", "64", "--noise-multiplier", "0"], capsys)
+    assert status == 0, err
+    warnings_ = [line for line in err.splitlines() if "warning" in line]
+    assert warnings_ == ["dptrain train: warning: --noise-multiplier 0 adds no noise: the run has no privacy "
+                         "guarantee (epsilon is infinite)"]
+    assert "epsilon = inf" in out
+
+
 def test_physical_batches_give_the_same_step(tmp_path, capsys):
     """Splitting each logical batch into physical ones changes memory, not the update."""
     base = tiny(epochs=1) + ["--noise-multiplier", "1"]

@@ -135,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     config, checkpoint = _train_config(args)
+    if not config["non_private"] and config["noise_multiplier"] == 0:
+        print("dptrain train: warning: --noise-multiplier 0 adds no noise: the run has no privacy guarantee "
+              "(epsilon is infinite)", file=sys.stderr)
     run = TrainingRun(config, checkpoint)
     threads = torch.get_num_threads()
     try:

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import struct
+import sys
 import warnings
 from collections import Counter
 
@@ -172,6 +174,15 @@ def test_non_private_run(tmp_path, capsys):
     assert report["epsilon"] is None and report["noise_multiplier"] is None and report["clipping_mode"] is None
     assert report["test_accuracy"] > 0.5
     assert "no privacy" in out.lower() or "privacy: none" in out
+
+
+def test_noise_multiplier_0_trains_with_a_warning_that_there_is_no_privacy(few_digits, capsys):
+    status, out, err = run(["train", "--epochs", "1", "--batch-size", "64", "--noise-multiplier", "0"], capsys)
+    assert status == 0, err
+    warnings_ = [line for line in err.splitlines() if "warning" in line]
+    assert warnings_ == ["dptrain train: warning: --noise-multiplier 0 adds no noise: the run has no privacy "
+                         "guarantee (epsilon is infinite)"]
+    assert "epsilon = inf" in out
 
 
 def test_physical_batches_give_the_same_step(tmp_path, capsys):
@@ -364,6 +375,75 @@ def test_missing_dataset_is_an_error_not_a_download(dataset, tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []  # nothing was fetched or created
 
 
+def test_an_output_that_is_a_file_is_refused_before_training(tmp_path, capsys, monkeypatch):
+    from dptrain.cli import train as cli
+
+    monkeypatch.setattr(cli, "load_dataset", None)  # refused before the data is read
+    (tmp_path / "afile").write_text("notes")
+    for output, where in (("afile", ""), ("afile/run", "'{}' in it ".format(tmp_path / "afile"))):
+        status, out, err = run(tiny() + ["--output", str(tmp_path / output)], capsys)
+        assert status == 1 and out == ""
+        assert err == (f"dptrain train: error: --output {str(tmp_path / output)!r}: {where}is a file, not a folder; "
+                       "choose a folder (it is created if missing)\n")
+    assert (tmp_path / "afile").read_text() == "notes"
+
+
+def test_an_output_holding_a_run_is_refused_unless_that_run_is_resumed(tmp_path, capsys):
+    first, other = tmp_path / "first", tmp_path / "other"
+    for folder in (first, other):
+        assert run(tiny(epochs=1) + ["--output", str(folder)], capsys)[0] == 0
+    saved = (first / "checkpoint.pt").read_bytes()
+    checkpoint = first / "checkpoint.pt"
+    refusal = (f"dptrain train: error: --output {str(first)!r} holds an earlier run ({checkpoint}); continue it with "
+               f"--resume {checkpoint}, choose another --output, or remove it\n")
+    # A rerun without --resume, and a resumed run written into another run's folder, would overwrite its checkpoint.
+    for argv in (tiny(epochs=1) + ["--output", str(first)],
+                 ["train", "--resume", str(other), "--epochs", "2", "--output", str(first)]):
+        status, out, err = run(argv, capsys)
+        assert (status, out, err) == (1, "", refusal)
+    assert (first / "checkpoint.pt").read_bytes() == saved
+    # A folder with only a report (its checkpoint removed) holds a run too.
+    (other / "checkpoint.pt").unlink()
+    status, _, err = run(tiny(epochs=1) + ["--output", str(other)], capsys)
+    assert status == 1 and err == (f"dptrain train: error: --output {str(other)!r} holds an earlier run "
+                                   f"({other / 'report.json'}); choose another --output, or remove it\n")
+    # Continuing the run in its own folder is what --resume is for.
+    status, _, err = run(["train", "--resume", str(checkpoint), "--output", str(first), "--epochs", "2"], capsys)
+    assert status == 0, err
+    assert report_of(first)["steps"] == 6
+
+
+def test_python_m_dptrain_runs_the_dptrain_command():
+    import subprocess
+    from pathlib import Path
+
+    src = Path(dptrain.__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "dptrain", "--help"], capture_output=True, text=True, timeout=60,
+                          env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: dptrain ") and "train" in done.stdout
+
+
+def test_a_file_that_is_not_a_checkpoint_is_named_as_such(tmp_path, capsys):
+    (tmp_path / "text.pt").write_text("hello\n")
+    (tmp_path / "empty.pt").write_bytes(b"")
+    torch.save({"weights": torch.ones(3)}, tmp_path / "other.pt")
+    whole = (tmp_path / "other.pt").read_bytes()
+    (tmp_path / "cut.pt").write_bytes(whole[:len(whole) // 2])
+    expects = "--resume takes the checkpoint.pt of a dptrain train --output folder, or that folder"
+    unread = "is not a dptrain checkpoint (torch.load could not read it); " + expects
+    for name, message in [("text.pt", unread),  # pickle's bare detail (an opcode, a key) is left out
+                          ("empty.pt", unread + " (the file is empty)"),
+                          ("cut.pt", unread + " (PytorchStreamReader failed reading zip archive"),
+                          ("other.pt", "is not a dptrain train checkpoint; " + expects)]:
+        status, out, err = run(["train", "--resume", str(tmp_path / name)], capsys)
+        assert status == 1 and out == "" and len(err.splitlines()) == 1, err
+        assert err.startswith(f"dptrain train: error: {str(tmp_path / name)!r} {message}")
+        if name == "text.pt":
+            assert err.endswith(expects + "\n")
+
+
 def test_missing_checkpoint(tmp_path, capsys):
     status, _, err = run(["train", "--resume", str(tmp_path / "nothing")], capsys)
     assert status == 1 and "no checkpoint at" in err
@@ -379,6 +459,31 @@ def test_missing_optional_package_names_the_extra(spec, module, extra, capsys):
     argv = ["plan", "--model", spec] + (["--seq-len", "8"] if spec.startswith("hf:") else [])
     status, _, err = run(argv, capsys)
     assert status == 1 and f"pip install 'dptrain[{extra}]'" in err and len(err.strip().splitlines()) == 1
+
+
+def block(monkeypatch, package):
+    """Make ``package`` (and its submodules already imported) look absent: importing it raises ImportError."""
+    for name in [m for m in sys.modules if m == package or m.startswith(package + ".")] + [package]:
+        monkeypatch.setitem(sys.modules, name, None)
+
+
+def test_missing_scikit_learn_names_the_extra(monkeypatch, capsys):
+    block(monkeypatch, "sklearn")
+    status, out, err = run(tiny(epochs=1), capsys)
+    assert status == 1 and "Traceback" not in err and out == ""
+    assert err == "dptrain train: error: --dataset digits needs scikit-learn: pip install 'dptrain[cli]'\n"
+
+
+def test_missing_matplotlib_skips_the_plot_with_a_warning(tmp_path, monkeypatch, capsys):
+    block(monkeypatch, "matplotlib")
+    status, out, err = run(tiny(epochs=1) + ["--output", str(tmp_path)], capsys)
+    assert status == 0, err
+    warning = [line for line in err.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "Traceback" not in err
+    assert warning[0].startswith("dptrain train: warning: training.png skipped: it needs matplotlib "
+                                 "(pip install 'dptrain[cli]'); report.json and checkpoint.pt are written")
+    assert report_of(tmp_path)["steps"] == 3 and (tmp_path / "checkpoint.pt").is_file()
+    assert not (tmp_path / "training.png").exists() and "test accuracy" in out
 
 
 # ====================================================================== plan: the papers' tables

@@ -57,8 +57,11 @@ def load_dataset(name: str, data_dir: str) -> ImageData:
 
     mean, std = _NORMALISATION[name]
     if name == "digits":
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
+        try:
+            from sklearn.datasets import load_digits
+            from sklearn.model_selection import train_test_split
+        except ImportError:
+            raise CLIError("--dataset digits needs scikit-learn: pip install 'dptrain[cli]'") from None
 
         digits = load_digits()
         images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1)  # [1797, 1, 8, 8], 0..16

@@ -4,8 +4,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,22 +55,57 @@ def _checkpoint_path(resume: str) -> Path:
     return path
 
 
+def _readable_reason(err: BaseException, path: Path) -> str:
+    """Why torch.load failed, in words, or "" where its message is a bare detail (a pickle's opcode, a key)."""
+    if path.stat().st_size == 0:
+        return "the file is empty"
+    text = re.sub(r"\x1b\[[0-9;]*m", "", one_line(err))  # torch's messages may carry terminal colours
+    first = re.split(r"(?<=[a-z])\. ", text)[0].rstrip(".")  # the first sentence: torch adds paragraphs of advice
+    return first if re.search(r"[A-Za-z]{2,}\W+[A-Za-z]{2,}", first) else ""
+
+
+def _check_output(output: str | None, resumed_from: Path | None) -> None:
+    """Before any work: --output is a folder, or a path where one can be made, and holds no other run (whose
+    checkpoint this run would overwrite): only the run resumed from its own checkpoint there continues in it."""
+    if not output:
+        return
+    folder = Path(output)
+    for path in (folder, *folder.parents):
+        if path.exists() and not path.is_dir():
+            where = "" if path == folder else f"{str(path)!r} in it "
+            raise CLIError(f"--output {output!r}: {where}is a file, not a folder; choose a folder (it is created if "
+                           "missing)")
+    checkpoint, report = folder / CHECKPOINT_NAME, folder / REPORT_NAME
+    if checkpoint.exists():
+        if resumed_from is not None and resumed_from.resolve() == checkpoint.resolve():
+            return
+        raise CLIError(f"--output {output!r} holds an earlier run ({checkpoint}); continue it with --resume "
+                       f"{checkpoint}, choose another --output, or remove it")
+    if report.exists():
+        raise CLIError(f"--output {output!r} holds an earlier run ({report}); choose another --output, or remove it")
+
+
 def _train_config(args: argparse.Namespace) -> tuple[dict, dict | None]:
     """The run's configuration (defaults < checkpoint < command line) and the checkpoint, if resuming."""
     import torch
 
     given = {k: v for k, v in vars(args).items() if k != "command"}
-    checkpoint = None
+    checkpoint = path = None
     config = dict(TRAIN_DEFAULTS)
     if "resume" in given:
         path = _checkpoint_path(given["resume"])
+        expects = f"--resume takes the {CHECKPOINT_NAME} of a dptrain train --output folder, or that folder"
         try:
-            # weights_only: a checkpoint is plain data, and loading it must not run pickled code.
-            checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # torch's remark on a foreign pickle's protocol, before it fails
+                warnings.filterwarnings("ignore", message="Detected pickle protocol")
+                # weights_only: a checkpoint is plain data, and loading it must not run pickled code.
+                checkpoint = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # a truncated or foreign file: say which, not a pickle traceback
-            raise CLIError(f"cannot read the checkpoint {str(path)!r}: {one_line(err)}") from None
+            reason = _readable_reason(err, path)
+            raise CLIError(f"{str(path)!r} is not a dptrain checkpoint (torch.load could not read it); {expects}"
+                           + (f" ({reason})" if reason else "")) from None
         if not isinstance(checkpoint, dict) or checkpoint.get("format") != "dptrain-train-checkpoint":
-            raise CLIError(f"{str(path)!r} is not a dptrain train checkpoint")
+            raise CLIError(f"{str(path)!r} is not a dptrain train checkpoint; {expects}")
         config.update(checkpoint["config"])
         for key, value in given.items():
             if key not in RESUME_MAY_CHANGE and value != config[key]:
@@ -86,6 +123,7 @@ def _train_config(args: argparse.Namespace) -> tuple[dict, dict | None]:
     if given.get("non_private") and "delta" in given:
         raise CLIError("--delta has no meaning with --non-private")
     config.update({k: v for k, v in given.items() if k != "resume"})
+    _check_output(config.get("output"), path)
     if config["non_private"] or config["noise_multiplier"] is not None:
         config["epsilon"] = None  # no target: the run's epsilon is reported, not aimed at
     return config, checkpoint
@@ -97,6 +135,9 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     config, checkpoint = _train_config(args)
+    if not config["non_private"] and config["noise_multiplier"] == 0:
+        print("dptrain train: warning: --noise-multiplier 0 adds no noise: the run has no privacy guarantee "
+              "(epsilon is infinite)", file=sys.stderr)
     run = TrainingRun(config, checkpoint)
     threads = torch.get_num_threads()
     try:
@@ -104,7 +145,9 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         saved = run.saved_epoch if run.output else 0
         written = run.write_finished_epochs()
-        hint = (f"; {REPORT_NAME} and {PLOT_NAME} in {run.output} show the finished epochs" if written else "")
+        shown = f"{REPORT_NAME} and {PLOT_NAME} in {run.output} show" if getattr(run, "plotted", True) \
+            else f"{REPORT_NAME} in {run.output} shows"
+        hint = (f"; {shown} the finished epochs" if written else "")
         hint += (f"; continue from the checkpoint ({plural(saved, 'epoch')} done) with: dptrain train --resume "
                  f"{run.output}" if saved else "")
         print(f"\ndptrain train: interrupted{hint}", file=sys.stderr)
@@ -369,8 +412,22 @@ class TrainingRun(TrainingReport):
         report = self._report(step, wall_time)
         if self.output is not None:
             (self.output / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
-            plot_run(self.history, report, self.output / PLOT_NAME)
+            self._plot(self.history, report)
         return report
+
+    def _plot(self, history: dict, report: dict) -> bool:
+        """The plot, written after the report and checkpoint: without matplotlib a warning, not a failed run;
+        True if written."""
+        assert self.output is not None
+        try:
+            plot_run(history, report, self.output / PLOT_NAME)
+        except ImportError as err:
+            if (err.name or "").partition(".")[0] != "matplotlib":
+                raise
+            print(f"dptrain train: warning: {PLOT_NAME} skipped: it needs matplotlib (pip install 'dptrain[cli]'); "
+                  f"{REPORT_NAME} and {CHECKPOINT_NAME} are written in {self.output}", file=sys.stderr)
+            return False
+        return True
 
     def write_finished_epochs(self) -> bool:
         """After an interruption: the report and plot of the epochs in the checkpoint (what --resume
@@ -386,7 +443,7 @@ class TrainingRun(TrainingReport):
         report.update(interrupted=True, finished_epochs=epochs[-1]["epoch"])
         (self.output / REPORT_NAME).write_text(json.dumps(report, indent=2) + "\n")
         finished = {"step_loss": [sl for sl in history["step_loss"] if sl[0] <= last_step], "epochs": epochs}
-        plot_run(finished, report, self.output / PLOT_NAME)
+        self.plotted = self._plot(finished, report)
         return True
 
     def _step(self, logical: list) -> tuple[int, float]:

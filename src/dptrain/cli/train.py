@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         saved = run.saved_epoch if run.output else 0
         written = run.write_finished_epochs()
-        shown = f"{REPORT_NAME} and {PLOT_NAME} in {run.output} show" if getattr(run, "plotted", True) \
+        shown = f"{REPORT_NAME} and {PLOT_NAME} in {run.output} show" if run.plotted \
             else f"{REPORT_NAME} in {run.output} shows"
         hint = (f"; {shown} the finished epochs" if written else "")
         hint += (f"; continue from the checkpoint ({plural(saved, 'epoch')} done) with: dptrain train --resume "
@@ -168,6 +168,7 @@ class TrainingRun(TrainingReport):
         self.private = not config["non_private"]
         self.epoch = checkpoint["epoch"] if checkpoint else 0  # epochs whose steps have run
         self.saved_epoch = self.epoch  # epochs in the checkpoint on disk, what --resume continues from
+        self.plotted = True  # (False where the plot was skipped: no matplotlib)
 
     # ------------------------------------------------------------------ setup
     def _setup(self) -> None:

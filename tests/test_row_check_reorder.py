@@ -3,7 +3,12 @@ token ids) and never undoes it: loss i then meets sample perm(i)'s features, and
 samples (2-3 R in an outside probe, cold as warm). Such a layer's rows are in the order the forward gave them, which no
 gradient shows, so a reordering read from its output gradient is refused (``rows.layout.check_source_rows``); a
 reordering that is undone, or that stays within one user at user level, is exact. The oracle is DP's own: with noise 0
-the clipped sums of D and of D without one sample (or user) differ by at most R."""
+the clipped sums of D and of D without one sample (or user) differ by at most R.
+
+A layer's rows have several orders only as its input has them: a sample's tokens in one block where the batch leads the
+input, time-major where it comes second. A batch-major output folded and read as time-major
+(``h.flatten(0, 1).unflatten(0, (T, B))``) gave each loss tokens of several samples, and passed as a time-major layout
+(1.3-2.0 R, silent, cold, every mode, user level too, in an outside probe)."""
 from __future__ import annotations
 
 import pytest
@@ -164,3 +169,56 @@ def test_tokens_folded_into_the_batch_in_order_are_not_a_reordering(float64):
 
     report = neighbour_test(Folded().double(), _losses, _data(0, ids=True), mode="bk-mixopt")
     assert report.refused is None and report.worst <= 1 + 1e-9, report
+
+
+class _FoldedAsTimeMajor(nn.Module):
+    """[B, T, d] through a layer, its [B * T] rows read back as [T, B] (``time_major``: the input given time-major, a
+    transpose of the model's input, whose rows are then time-major indeed)."""
+
+    def __init__(self, time_major: bool = False, mix: bool = False):
+        super().__init__()
+        self.time_major, self.mix = time_major, mix
+        self.inp, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x):  # [B, T, 4]
+        B, T, _ = x.shape
+        if self.time_major:
+            h = torch.tanh(self.inp(x.transpose(0, 1)))  # [T, B, 6], time-major as given
+        else:
+            h = torch.tanh(self.inp(x)).flatten(0, 1).unflatten(0, (T, B))
+        if self.mix:
+            h = h.softmax(0) * h  # (along T in the time-major model: per sample)
+        return self.head(h).mean(0)
+
+
+def _sequences(B: int, T: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, T, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (B,), generator=g)
+
+
+@pytest.mark.parametrize("mix", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_batch_major_output_read_as_time_major_is_refused(float64, mode, mix):
+    torch.manual_seed(0)
+    for T, warm in ((2, []), (3, [_sequences(4, 1, 1)])):  # (cold; and warm at T = 1, where the fold is in order)
+        report = neighbour_test(_FoldedAsTimeMajor(mix=mix).double(), _losses, _sequences(4, T, 0), mode=mode,
+                                max_grad_norm=0.01, warm_up=warm)
+        assert report.refused is not None and "unflatten" in report.refused, (T, report.worst, report.refused)
+
+
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_a_batch_major_output_read_as_time_major_is_refused_at_user_level(float64, mode):
+    torch.manual_seed(0)
+    report = neighbour_test(_FoldedAsTimeMajor().double(), _losses, _sequences(4, 2, 0), mode=mode,
+                            max_grad_norm=0.01, users=[0, 0, 1, 2])
+    assert report.refused is not None, (report.worst, report)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_layer_given_the_input_time_major_keeps_its_time_major_rows(float64, mode):
+    """The control: the input transposed to [T, B] as it is given to the layer, its rows time-major in fact: exact."""
+    torch.manual_seed(0)
+    for B, T in ((4, 2), (4, 4)):
+        report = neighbour_test(_FoldedAsTimeMajor(time_major=True, mix=True).double(), _losses, _sequences(B, T, 0),
+                                mode=mode)
+        assert report.refused is None and report.worst <= 1 + 1e-9, (B, T, report)

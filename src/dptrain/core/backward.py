@@ -300,8 +300,8 @@ class Backward:
             rowmap = self.rows.resolve(state, call, batch if self.units is None else self.samples)  # type: ignore[arg-type]  # (units come with engine.backward's samples)
         except NonFiniteRows:
             raise self._non_finite() from None
-        if call.source:
-            check_source_rows(rowmap, call.grad, f"{state.path} ({type(state.module).__name__})", self.units)
+        if call.source is not None:
+            check_source_rows(rowmap, call.grad, f"{state.path} ({type(state.module).__name__})", self.units, call.source)
         if self.padded is not None:  # rows of padding belong to no sample: zeroed before any norm
             rows = call.shape[0] if rowmap.axes == 1 else call.shape[0] * call.shape[1]
             rowmap = rowmap.without(self.padded, rows)

@@ -1,13 +1,11 @@
 """Forward/backward hooks that record, per layer call, the activation and the output gradient.
 
-Ghost differentiation (book-keeping paper, section 2.1): a layer's parameters are switched
-to ``requires_grad=False`` for the duration of its own forward call only, so autograd
-records no parameter-gradient work (the non-private gradient is never computed) while
-output gradients still flow; the engine forms every parameter gradient itself. A layer
-whose input does not require grad (the first trainable layer) then gets its output
-attached to an engine-owned "origin" leaf, so back-propagation still reaches it. Outside
-its layer's call a parameter keeps requiring grad, so any other use of it reaches autograd
-and is caught by the engine instead of escaping clipping.
+Ghost differentiation (book-keeping paper, section 2.1): a layer's parameters are switched to ``requires_grad=False``
+for the duration of its own forward call only, so autograd records no parameter-gradient work (the non-private
+gradient is never computed) while output gradients still flow; the engine forms every parameter gradient itself. A
+layer whose input does not require grad (the first trainable layer) then gets its output attached to an engine-owned
+"origin" leaf, so back-propagation still reaches it. Outside its layer's call a parameter keeps requiring grad, so any
+other use of it reaches autograd and is caught by the engine instead of escaping clipping.
 
 The model's own call is hooked too: its input gives the batch size (read, never inferred
 from what a layer happens to see), a forward that raises drops what it recorded, and its
@@ -81,7 +79,7 @@ class Capture(LayerHooks):
         #: the storages of the open model call's integer inputs with the batch (ids): an untrained embedding of them,
         #: or of a view of them, is carried too (``_embedding_hook``)
         self._input_ids: set[int] = set()
-        self._input_storages: set[int] = set()  # of the open model call's inputs with the batch (``Call.source``)
+        self._input_storages: dict[int, int | None] = {}  # the call's inputs with the batch: storage -> batch stride
         self._embeddings: dict[int, nn.Module] = {}  # the embeddings hooked for their output (``_embedding_hook``)
         #: the open model call's input depends on trainable parameters outside the model (a GAN's generated samples):
         #: the model is a function for it, not trained (``_outside_parameters``)
@@ -273,7 +271,8 @@ class Capture(LayerHooks):
         def carry(t: torch.Tensor) -> torch.Tensor:
             if t.dim() <= axis or t.shape[axis] != batch:
                 return t
-            self._input_storages.add(t.untyped_storage().data_ptr())
+            ptr, stride = t.untyped_storage().data_ptr(), t.stride(axis)  # (None: two inputs there disagree)
+            self._input_storages[ptr] = stride if self._input_storages.get(ptr, stride) == stride else None
             if not t.is_floating_point():
                 if not t.is_complex() and t.numel():  # ids: an embedding of them (or of a view) is carried
                     self._input_ids.add(t.untyped_storage().data_ptr())

@@ -40,7 +40,7 @@ class LayerHooks:
         _ordinals: dict[int, int]
         _recomputed_ordinals: dict[int, int]
         _from_input: set[int]
-        _input_storages: set[int]
+        _input_storages: dict[int, int | None]
         _own_handles: int
         _own_ids: set[int]
         _pre_ids: dict[int, int]
@@ -298,8 +298,8 @@ class LayerHooks:
                 broadcast = forward_batch > 0  # (an empty batch has no row to hand over: it gets the empty rows)
         call = self._new_call(state, activation, state.rule.dims(module, activation, seen), tuple(seen.shape),
                               forward_batch, recomputed)
-        if source:
-            call.source = True
+        if source is not None:
+            call.source = source
         if self.dry:
             return tensor
         returned: torch.Tensor
@@ -314,14 +314,22 @@ class LayerHooks:
         self._on_gradient(tensor, state, None, call)
         return returned
 
-    def _given_model_input(self, values) -> bool:
+    def _given_model_input(self, values) -> int | None:
         """Whether a layer's inputs are the model's input (or a view of it) as it is, no gradient required by any: its
-        rows are then the samples in their order, which no gradient can show (``Call.source``)."""
+        rows are then the samples in their order, which no gradient can show (``Call.source``). None if not; else
+        where the batch sits in the first such input: 0 leading (a sample's rows in one block), 1 second (time-major),
+        -1 not told (either)."""
         storages = self._input_storages
         if not storages or requires_grad_in(values):
-            return False
-        return any(isinstance(v, torch.Tensor) and v.numel() and v.untyped_storage().data_ptr() in storages
-                   for v in values)
+            return None
+        for v in values:
+            if isinstance(v, torch.Tensor) and v.numel():
+                ptr = v.untyped_storage().data_ptr()
+                if ptr in storages:
+                    stride, batch = storages[ptr], self.forward_batch
+                    axes = [k for k in range(min(v.dim(), 2)) if v.shape[k] == batch and v.stride(k) == stride]
+                    return axes[0] if stride is not None and len(axes) == 1 else -1
+        return None
 
     def _new_call(self, state: LayerState, activation, dims: LayerDims, shape: tuple, forward_batch: int | None,
                   recomputed: bool) -> Call:

@@ -226,19 +226,22 @@ def _describe(rowmap: RowMap) -> str:
     return "rows picked by the data"
 
 
-def check_source_rows(rowmap: RowMap, grad: torch.Tensor | None, name: str, units: torch.Tensor | None = None) -> None:
+def check_source_rows(rowmap: RowMap, grad: torch.Tensor | None, name: str, units: torch.Tensor | None = None,
+                      batch_axis: int = -1) -> None:
     """Refuse the row map of a call whose inputs required no gradient (``Call.source``) where it reorders the samples.
 
     Such a call's rows are in the order the forward gave them (the model's input as it is, token ids), and no gradient
     reaches that order to show it: its row j is sample j (or, with several rows per sample, the rows of its own leading
-    axes in order: blocks, or time-major). Its output gradient's row j coming from another sample's loss means the
+    axes in order: blocks where the batch leads its input, ``batch_axis`` 0; time-major where it comes second, 1;
+    either where the input does not tell, -1). A batch-major input folded and read as time-major
+    (``h.flatten(0, 1).unflatten(0, (T, B))``) gives each loss rows of several samples. Its output gradient's row j coming from another sample's loss means the
     forward reordered the rows after this layer (a roll, an index or argsort along the batch, a gather) without undoing
     it, so that one sample's features meet another sample's loss, and the clipped unit of that loss holds two samples.
     Rows without a gradient count for nothing, whichever sample they are read as (a padded sample's); a reordering
     within one user is none at user level (``units``: each sample's user).
     """
-    if rowmap.identity or rowmap.layout is not None or rowmap.samples is None:
-        return
+    if rowmap.identity or rowmap.samples is None:
+        return  # (a layout's rows are checked too: an interleaved one is a reordering where the batch leads the input)
     samples, batch = rowmap.samples, rowmap.batch
     rows = samples.numel()
     live = samples >= 0
@@ -247,7 +250,9 @@ def check_source_rows(rowmap: RowMap, grad: torch.Tensor | None, name: str, unit
         if flat.shape[0] == rows:
             live &= (flat.reshape(rows, -1) != 0).any(1).cpu()
     own = torch.arange(rows)
-    orders = [own] if rows == batch else [own // (rows // batch), own % batch] if batch and rows % batch == 0 else []
+    blocks, time_major = (own // (rows // batch), own % batch) if batch and rows % batch == 0 else (None, None)
+    orders = ([own] if rows == batch else [] if blocks is None else [blocks] if batch_axis == 0
+              else [time_major] if batch_axis == 1 else [blocks, time_major])
     units = units.cpu() if units is not None else None
     for natural in orders:  # (one row per sample; else blocks of rows per sample, or time-major)
         moved = live & (samples != natural)
@@ -263,7 +268,8 @@ def check_source_rows(rowmap: RowMap, grad: torch.Tensor | None, name: str, unit
     raise RowsMixSamples(
         f"{name}: its inputs required no gradient (the model's input as it is, token ids, or a tensor made outside "
         f"autograd), so its rows are the samples in the order the forward gave them, but {detail}. The forward "
-        "reorders the samples after this layer (a roll, an index or argsort along the batch, a gather) without "
+        "reorders the samples after this layer (a roll, an index or argsort along the batch, a gather, a batch-major "
+        "tensor folded and read as time-major: h.flatten(0, 1).unflatten(0, (T, B))) without "
         "undoing it, so one sample's features meet another sample's loss and per-sample clipping cannot keep them "
         "apart. Undo the reordering before the losses, or reorder the inputs (and the targets) before the model"
     )

@@ -8,7 +8,8 @@ the clipped sums of D and of D without one sample (or user) differ by at most R.
 A layer's rows have several orders only as its input has them: a sample's tokens in one block where the batch leads the
 input, time-major where it comes second. A batch-major output folded and read as time-major
 (``h.flatten(0, 1).unflatten(0, (T, B))``) gave each loss tokens of several samples, and passed as a time-major layout
-(1.3-2.0 R, silent, cold, every mode, user level too, in an outside probe)."""
+(1.3-2.0 R, silent, cold, every mode, user level too, in an outside probe). So does token ids reshaped to [T, B] before
+the embedding (1.85 R): where a view of the input puts each row is read from the view itself."""
 from __future__ import annotations
 
 import pytest
@@ -222,3 +223,34 @@ def test_a_layer_given_the_input_time_major_keeps_its_time_major_rows(float64, m
         report = neighbour_test(_FoldedAsTimeMajor(time_major=True, mix=True).double(), _losses, _sequences(B, T, 0),
                                 mode=mode)
         assert report.refused is None and report.worst <= 1 + 1e-9, (B, T, report)
+
+
+class _IdsAsTimeMajor(nn.Module):
+    """Token ids [B, T] given to the embedding as [T, B]: reshaped (rows of several samples read as one column each) or
+    transposed (time-major indeed)."""
+
+    def __init__(self, how: str):
+        super().__init__()
+        self.how = how
+        self.embed, self.head = nn.Embedding(11, 6), nn.Linear(6, 3)
+
+    def forward(self, ids):
+        B, T = ids.shape
+        h = torch.tanh(self.embed(ids.reshape(T, B) if self.how == "reshape" else ids.t()))  # [T, B, 6]
+        return self.head(h).mean(0)
+
+
+def _ids(B: int, T: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 11, (B, T), generator=g), torch.randint(0, 3, (B,), generator=g)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_token_ids_reshaped_to_time_major_are_refused_and_transposed_ones_exact(float64, mode):
+    torch.manual_seed(0)
+    for B, T in ((4, 2), (4, 3), (4, 4)):
+        reshaped = neighbour_test(_IdsAsTimeMajor("reshape").double(), _losses, _ids(B, T, 0), mode=mode,
+                                  max_grad_norm=0.01)
+        assert reshaped.refused is not None, (B, T, reshaped.worst)
+        transposed = neighbour_test(_IdsAsTimeMajor("transpose").double(), _losses, _ids(B, T, 0), mode=mode)
+        assert transposed.refused is None and transposed.worst <= 1 + 1e-9, (B, T, transposed)

@@ -53,9 +53,9 @@ class Call:
     hooked: bool = False
     #: it was given the model's input (or a view of it) as it is, token ids included, no gradient required: its rows
     #: are the samples in their order, which no gradient can show, so its output gradient's rows must be in that
-    #: order too (``rows.layout.check_source_rows``). None: not given; else where the batch sits in that input: 0
-    #: leading (a sample's rows one block), 1 second (time-major), -1 not told
-    source: int | None = None
+    #: order too (``rows.layout.check_source_rows``). None: not given; else where that input lies in the model's
+    #: (``rows.layout.source_samples``), () where it cannot be told
+    source: tuple | None = None
 
     def __init__(self, activation: Any, dims: LayerDims, batch_size: int | None, version: int | None = None,
                  forward_id: int | None = None, recomputed: bool = False):

@@ -79,7 +79,7 @@ class Capture(LayerHooks):
         #: the storages of the open model call's integer inputs with the batch (ids): an untrained embedding of them,
         #: or of a view of them, is carried too (``_embedding_hook``)
         self._input_ids: set[int] = set()
-        self._input_storages: dict[int, int | None] = {}  # the call's inputs with the batch: storage -> batch stride
+        self._input_storages: dict[int, tuple | None] = {}  # the call's inputs with the batch: storage -> geometry
         self._embeddings: dict[int, nn.Module] = {}  # the embeddings hooked for their output (``_embedding_hook``)
         #: the open model call's input depends on trainable parameters outside the model (a GAN's generated samples):
         #: the model is a function for it, not trained (``_outside_parameters``)
@@ -271,8 +271,9 @@ class Capture(LayerHooks):
         def carry(t: torch.Tensor) -> torch.Tensor:
             if t.dim() <= axis or t.shape[axis] != batch:
                 return t
-            ptr, stride = t.untyped_storage().data_ptr(), t.stride(axis)  # (None: two inputs there disagree)
-            self._input_storages[ptr] = stride if self._input_storages.get(ptr, stride) == stride else None
+            ptr, where = t.untyped_storage().data_ptr(), (t.storage_offset(), t.stride(axis), batch)  # (contiguous:
+            self._input_storages[ptr] = (where if t.is_contiguous() and self._input_storages.get(ptr, where) == where
+                                         else None)  # a row's sample is read from its offset; None: inputs disagree)
             if not t.is_floating_point():
                 if not t.is_complex() and t.numel():  # ids: an embedding of them (or of a view) is carried
                     self._input_ids.add(t.untyped_storage().data_ptr())

@@ -40,7 +40,7 @@ class LayerHooks:
         _ordinals: dict[int, int]
         _recomputed_ordinals: dict[int, int]
         _from_input: set[int]
-        _input_storages: dict[int, int | None]
+        _input_storages: dict[int, tuple | None]
         _own_handles: int
         _own_ids: set[int]
         _pre_ids: dict[int, int]
@@ -314,11 +314,10 @@ class LayerHooks:
         self._on_gradient(tensor, state, None, call)
         return returned
 
-    def _given_model_input(self, values) -> int | None:
+    def _given_model_input(self, values) -> tuple | None:
         """Whether a layer's inputs are the model's input (or a view of it) as it is, no gradient required by any: its
-        rows are then the samples in their order, which no gradient can show (``Call.source``). None if not; else
-        where the batch sits in the first such input: 0 leading (a sample's rows in one block), 1 second (time-major),
-        -1 not told (either)."""
+        rows are then the samples in their order, which no gradient can show (``Call.source``). None if not; else the
+        first such input's place in the model's (``rows.layout.source_samples``), () where it cannot be told."""
         storages = self._input_storages
         if not storages or requires_grad_in(values):
             return None
@@ -326,9 +325,8 @@ class LayerHooks:
             if isinstance(v, torch.Tensor) and v.numel():
                 ptr = v.untyped_storage().data_ptr()
                 if ptr in storages:
-                    stride, batch = storages[ptr], self.forward_batch
-                    axes = [k for k in range(min(v.dim(), 2)) if v.shape[k] == batch and v.stride(k) == stride]
-                    return axes[0] if stride is not None and len(axes) == 1 else -1
+                    where = storages[ptr]
+                    return () if where is None else (v.storage_offset(), v.stride(), v.shape, *where)
         return None
 
     def _new_call(self, state: LayerState, activation, dims: LayerDims, shape: tuple, forward_batch: int | None,

@@ -226,15 +226,31 @@ def _describe(rowmap: RowMap) -> str:
     return "rows picked by the data"
 
 
+def source_samples(source: tuple, axes: int) -> torch.Tensor | None:
+    """The sample of each row (its first ``axes`` axes) of a view of the model's input, read from where the row lies
+    in the input's storage (``Call.source``: the view's offset, strides and shape, the input's offset, batch stride and
+    batch size); -1 for a row whose elements are several samples'. None where the view has fewer axes."""
+    offset, strides, shape, base, stride, batch = source
+    if len(shape) < axes or not batch:
+        return None
+    start = torch.arange(shape[0]) * strides[0]
+    if axes == 2:
+        start = (start[:, None] + torch.arange(shape[1]) * strides[1]).reshape(-1)
+    start = start + (offset - base)
+    end = start + sum((n - 1) * s for n, s in zip(shape[axes:], strides[axes:]) if n)
+    first, last = start // stride, end // stride
+    return torch.where(first == last, first % batch, -1)
+
+
 def check_source_rows(rowmap: RowMap, grad: torch.Tensor | None, name: str, units: torch.Tensor | None = None,
-                      batch_axis: int = -1) -> None:
+                      source: tuple = ()) -> None:
     """Refuse the row map of a call whose inputs required no gradient (``Call.source``) where it reorders the samples.
 
     Such a call's rows are in the order the forward gave them (the model's input as it is, token ids), and no gradient
     reaches that order to show it: its row j is sample j (or, with several rows per sample, the rows of its own leading
-    axes in order: blocks where the batch leads its input, ``batch_axis`` 0; time-major where it comes second, 1;
-    either where the input does not tell, -1). A batch-major input folded and read as time-major
-    (``h.flatten(0, 1).unflatten(0, (T, B))``) gives each loss rows of several samples. Its output gradient's row j coming from another sample's loss means the
+    axes in the order its input has them: ``source_samples`` where ``source`` tells (a view of the input, token ids
+    reshaped, transposed), else blocks or time-major). A batch-major input folded and read as time-major
+    (``h.flatten(0, 1).unflatten(0, (T, B))``, ``ids.reshape(T, B)``) gives each loss rows of several samples. Its output gradient's row j coming from another sample's loss means the
     forward reordered the rows after this layer (a roll, an index or argsort along the batch, a gather) without undoing
     it, so that one sample's features meet another sample's loss, and the clipped unit of that loss holds two samples.
     Rows without a gradient count for nothing, whichever sample they are read as (a padded sample's); a reordering
@@ -250,9 +266,12 @@ def check_source_rows(rowmap: RowMap, grad: torch.Tensor | None, name: str, unit
         if flat.shape[0] == rows:
             live &= (flat.reshape(rows, -1) != 0).any(1).cpu()
     own = torch.arange(rows)
-    blocks, time_major = (own // (rows // batch), own % batch) if batch and rows % batch == 0 else (None, None)
-    orders = ([own] if rows == batch else [] if blocks is None else [blocks] if batch_axis == 0
-              else [time_major] if batch_axis == 1 else [blocks, time_major])
+    told = source_samples(source, rowmap.axes) if source else None
+    if told is not None and told.numel() == rows:
+        orders = [told]
+    else:
+        orders = ([own] if rows == batch else [own // (rows // batch), own % batch] if batch and rows % batch == 0
+                  else [])
     units = units.cpu() if units is not None else None
     for natural in orders:  # (one row per sample; else blocks of rows per sample, or time-major)
         moved = live & (samples != natural)

@@ -247,24 +247,20 @@ def check_source_rows(rowmap: RowMap, grad: torch.Tensor | None, name: str, unit
     """Refuse the row map of a call whose inputs required no gradient (``Call.source``) where it reorders the samples.
 
     Such a call's rows are in the order the forward gave them (the model's input as it is, token ids), and no gradient
-    reaches that order to show it: its row j is sample j (or, with several rows per sample, the rows of its own leading
-    axes in the order its input has them: ``source_samples`` where ``source`` tells (a view of the input, token ids
-    reshaped, transposed), else blocks or time-major). A batch-major input folded and read as time-major
-    (``h.flatten(0, 1).unflatten(0, (T, B))``, ``ids.reshape(T, B)``) gives each loss rows of several samples. Its output gradient's row j coming from another sample's loss means the
-    forward reordered the rows after this layer (a roll, an index or argsort along the batch, a gather) without undoing
-    it, so that one sample's features meet another sample's loss, and the clipped unit of that loss holds two samples.
+    reaches that order to show it: its row j is sample j, or, with several rows per sample, the rows of its own leading
+    axes in the order its input has them (``source_samples`` where ``source`` tells: a view of the input, token ids
+    reshaped or transposed; else blocks or time-major). Its output gradient's row j coming from another sample's loss
+    means the forward reordered the rows after this layer (a roll, an index or argsort along the batch, a gather, a
+    batch-major tensor folded and read as time-major: ``h.flatten(0, 1).unflatten(0, (T, B))``) without undoing it,
+    so that one sample's features meet another sample's loss, and the clipped unit of that loss holds two samples.
     Rows without a gradient count for nothing, whichever sample they are read as (a padded sample's); a reordering
-    within one user is none at user level (``units``: each sample's user).
+    within one user is none at user level (``units``: each sample's user). The gradient is looked at (a copy to the
+    host) only where the rows are not in order.
     """
     if rowmap.identity or rowmap.samples is None:
         return  # (a layout's rows are checked too: an interleaved one is a reordering where the batch leads the input)
     samples, batch = rowmap.samples, rowmap.batch
     rows = samples.numel()
-    live = samples >= 0
-    if grad is not None:
-        flat = grad.flatten(0, 1) if rowmap.axes == 2 and grad.dim() >= 2 else grad
-        if flat.shape[0] == rows:
-            live &= (flat.reshape(rows, -1) != 0).any(1).cpu()
     own = torch.arange(rows)
     told = source_samples(source, rowmap.axes) if source else None
     if told is not None and told.numel() == rows:
@@ -273,15 +269,29 @@ def check_source_rows(rowmap: RowMap, grad: torch.Tensor | None, name: str, unit
         orders = ([own] if rows == batch else [own // (rows // batch), own % batch] if batch and rows % batch == 0
                   else [])
     units = units.cpu() if units is not None else None
-    for natural in orders:  # (one row per sample; else blocks of rows per sample, or time-major)
-        moved = live & (samples != natural)
-        if units is not None:
-            moved &= units[samples.clamp(min=0)] != units[natural]
-        if not bool(moved.any()):
-            return
-    if rows == batch:
-        row = int((live & (samples != own)).nonzero()[0])
-        detail = f"row {row} (sample {row}) gets the gradient of sample {int(samples[row])}'s loss"
+
+    def in_order(live: torch.Tensor) -> bool:
+        for natural in orders:  # (one row per sample; else the input's order, or blocks or time-major)
+            moved = live & (samples != natural)
+            if units is not None:
+                moved &= (units[samples.clamp(min=0)] != units[natural.clamp(min=0)]) | (natural < 0)
+            if not bool(moved.any()):
+                return True
+        return False
+
+    live = samples >= 0
+    if in_order(live):
+        return
+    if grad is not None:  # (rows without a gradient, a padded sample's: forgiven)
+        flat = grad.flatten(0, 1) if rowmap.axes == 2 and grad.dim() >= 2 else grad
+        if flat.shape[0] == rows:
+            live &= (flat.reshape(rows, -1) != 0).any(1).cpu()
+            if in_order(live):
+                return
+    wrong = (live & (samples != orders[0])).nonzero() if rows == batch and orders else None
+    if wrong is not None and wrong.numel():
+        row = int(wrong[0])
+        detail = f"row {row} (sample {int(orders[0][row])}) gets the gradient of sample {int(samples[row])}'s loss"
     else:
         detail = f"its {rows} rows are {batch} samples' in an order no layout explains"
     raise RowsMixSamples(

@@ -187,3 +187,35 @@ def test_user_level_with_a_mask_counts_padding_as_nothing(float64, mode):
     opt.step()
     engine.detach()
     assert_matches({n: p.grad for n, p in model.named_parameters()}, reference, what=f"user-level, padded, {mode}")
+
+
+class _RMSNorm(nn.Module):
+    """An RMS norm of the user's own (Llama's): recognised by its structure (``RecognisedRMSNormRule``)."""
+
+    def __init__(self, d: int, one_plus: bool = False):
+        super().__init__()
+        self.one_plus, self.eps = one_plus, 1e-6
+        self.weight = nn.Parameter(torch.randn(d) * 0.3 + (0.0 if one_plus else 1.0))
+
+    def forward(self, x):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((1 + self.weight) if self.one_plus else self.weight) * h
+
+
+class _RMSTokens(Tokens):
+    def __init__(self, one_plus: bool):
+        super().__init__()
+        self.norm = _RMSNorm(8, one_plus)
+
+
+@pytest.mark.parametrize("one_plus", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_recognised_rms_norm_regroups_each_users_rows_exactly(float64, mode, one_plus):
+    """A recognised RMS norm (Llama's, Gemma's 1 + w) at user level: its rows summed per user, as the oracle sums the
+    user's per-example gradients (it was refused, so no Llama trained at user level)."""
+    torch.manual_seed(0)
+    model = _RMSTokens(one_plus).double()
+    ids, y = _batch(len(USERS), seed=1)
+    reference = reference_user_clipped_gradient(model, _losses, (ids, y), USERS, max_grad_norm=R)
+    got, _ = _step(model, mode, [(ids, y, USERS)])
+    assert_matches(got, reference, what=f"user-level RMS norm {mode}")

@@ -302,6 +302,17 @@ class RecognisedRMSNormRule(AffineNormRule):
         with torch.autocast(device, dtype=dtype, enabled=enabled):  # xhat as the forward computed it
             return super().operands(module, activation.x, grad_output)
 
+    def regroup_call(self, module, activation, grad, samples, batch):
+        """A call's rows regrouped by unit (``LayerRule.regroup_call``; at user level, each row one of the unit's
+        examples): the operands are sums over each row's positions, so a unit's are its rows' sums added up."""
+        if isinstance(activation, FallbackCall):
+            return self.fallback.regroup_call(module, activation, grad, samples, batch)
+        ops = self.operands(module, activation, grad)
+        kept = (samples >= 0).to(grad.device)
+        units = samples.to(grad.device)[kept]
+        regrouped = tuple(o.new_zeros(batch, *o.shape[1:]).index_add_(0, units, o[kept]) for o in ops)
+        return regrouped, [self.dims(module, activation, grad)]
+
     def concat_calls(self, calls):
         kinds = {isinstance(ops[0], FallbackOperands) for ops in calls}
         if len(kinds) > 1:

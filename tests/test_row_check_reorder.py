@@ -254,3 +254,30 @@ def test_token_ids_reshaped_to_time_major_are_refused_and_transposed_ones_exact(
         assert reshaped.refused is not None, (B, T, reshaped.worst)
         transposed = neighbour_test(_IdsAsTimeMajor("transpose").double(), _losses, _ids(B, T, 0), mode=mode)
         assert transposed.refused is None and transposed.worst <= 1 + 1e-9, (B, T, transposed)
+
+
+def test_a_time_major_output_at_b_equal_t_is_refused_naming_the_other_axis(float64):
+    """A batch-first input, a [T, B, c] output: where B == T the output's batch is taken along axis 0 (sizes cannot
+    tell), and the loss over axis 0 reads as coupled; the refusal names the other axis of the batch's size and the
+    transpose that avoids it. At B != T the same model is exact. (A false refusal, failing safe: found by an outside
+    probe.)"""
+
+    class TimeMajorOut(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            return self.head(torch.tanh(self.inp(x.transpose(0, 1))))  # [T, B, 3]
+
+    def losses(m, x, y):
+        return F.cross_entropy(m(x).mean(0), y, reduction="none")
+
+    torch.manual_seed(0)
+    exact = neighbour_test(TimeMajorOut().double(), losses, _sequences(5, 3, 0), mode="bk-mixopt",
+                           remove=[0, 1])  # (B - 1 = 4 != T: no coincidence in either step)
+    assert exact.refused is None and exact.worst <= 1 + 1e-9, exact
+    refused = neighbour_test(TimeMajorOut().double(), losses, _sequences(4, 4, 0), mode="bk-mixopt",
+                             max_grad_norm=1.0)
+    assert refused.refused is not None and "also that of axis 1" in refused.refused, refused
+    assert "out.transpose(0, 1)" in refused.refused

@@ -44,7 +44,11 @@ class OutputMark:
 
     def describe(self) -> str:
         call = f" of model call {self.forward_id}" if self.forward_id is not None else ""
-        return f"the model's output of shape {self.shape}{call} (batch along axis {self.axis})"
+        others = [a for a, n in enumerate(self.shape) if n == self.batch and a != self.axis]
+        also = (f"; the batch's size is also that of axis {others[0]}: if the batch is there (a time-major output), "
+                f"return the output with the batch along axis {self.axis}, e.g. out.transpose({self.axis}, "
+                f"{others[0]})" if others else "")
+        return f"the model's output of shape {self.shape}{call} (batch along axis {self.axis}{also})"
 
 
 def output_axis(t: torch.Tensor, batch: int, axis: int) -> int | None:

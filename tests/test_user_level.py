@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import dptrain
-from dptrain.testing import reference_user_clipped_gradient
+from dptrain.testing import neighbour_test, reference_user_clipped_gradient
 from helpers import MODES, assert_matches
 
 R = 0.3
@@ -219,3 +219,17 @@ def test_a_recognised_rms_norm_regroups_each_users_rows_exactly(float64, mode, o
     reference = reference_user_clipped_gradient(model, _losses, (ids, y), USERS, max_grad_norm=R)
     got, _ = _step(model, mode, [(ids, y, USERS)])
     assert_matches(got, reference, what=f"user-level RMS norm {mode}")
+
+
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost", "per-sample"])
+def test_a_recognised_rms_norm_at_user_level_moves_the_step_by_at_most_r(float64, mode):
+    """DP's own definition at user level, with the RMS norm's rows regrouped: removing a user moves the step by at
+    most R, at B == T (5 examples of 5 tokens) and B != T, warm after a step of another size."""
+    torch.manual_seed(0)
+    users = torch.tensor([0, 0, 1, 2, 2])
+    for T in (5, 3):
+        ids, y = _batch(5, seed=2, T=T)
+        warm_ids, warm_y = _batch(3, seed=3, T=4)
+        report = neighbour_test(_RMSTokens(one_plus=False).double(), _losses, (ids, y), mode=mode, users=users,
+                                warm_up=[((warm_ids, warm_y), torch.tensor([4, 4, 5]))])
+        assert report.refused is None and report.worst <= 1 + 1e-9, (T, report)

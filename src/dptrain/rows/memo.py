@@ -76,11 +76,10 @@ def _facts(node, reads: _Reads) -> tuple:
 
 
 def _negative(dim) -> bool:
-    """Whether a saved dimension (or any of several) counts from the end: autograd keeps it as given, some nodes as
-    an unsigned 64-bit integer (``rules._axis``)."""
+    """Whether a saved dimension (or any of several) counts from the end (``rules._signed``)."""
     if isinstance(dim, tuple):
         return any(_negative(d) for d in dim)
-    return type(dim) is int and (dim < 0 or dim >= 1 << 63)
+    return type(dim) is int and _rules._signed(dim) < 0
 
 
 class ProofMemo:

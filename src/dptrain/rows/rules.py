@@ -62,13 +62,15 @@ def _input_shapes(node) -> list:
     return [None if nxt is None else _shape(nxt, nr) for nxt, nr in _next(node)]
 
 
+def _signed(dim: int) -> int:
+    """A dimension autograd saved, with its sign: some nodes save a negative one as an unsigned 64-bit integer
+    (``mean(-1)`` reads as 2**64 - 1), whose remainder would name another axis."""
+    return dim - (1 << 64) if dim >= 1 << 63 else dim
+
+
 def _axis(dim: int, rank: int) -> int:
-    """A dimension autograd saved, as a non-negative axis of a tensor of ``rank`` dimensions. Some nodes save a
-    negative dimension as an unsigned 64-bit integer (``mean(-1)`` reads as 2**64 - 1), whose remainder would name
-    another axis."""
-    if dim >= 1 << 63:
-        dim -= 1 << 64
-    return dim % max(1, rank)
+    """A dimension autograd saved, as a non-negative axis of a tensor of ``rank`` dimensions (``_signed``)."""
+    return _signed(dim) % max(1, rank)
 
 
 def _fits(rows: Rows, shape, batch: int) -> bool:

@@ -46,7 +46,7 @@ _MISSING = object()
 class _Reads:
     """What the key holds of one node type (made once per type name)."""
 
-    __slots__ = ("attributes", "dim_slots", "is_slice", "is_index", "is_view")
+    __slots__ = ("attributes", "dim_slots", "is_slice", "is_index", "is_view", "has_facts")
 
     def __init__(self, name: str):
         base = name[: name.find("Backward")] if "Backward" in name else name
@@ -56,17 +56,40 @@ class _Reads:
         self.is_slice = base in ("Slice", "Narrow")
         self.is_index = base == "Index"
         self.is_view = ruled and base in _rules._VIEWS
+        self.has_facts = bool(self.attributes) or self.is_slice or self.is_index
 
 
 _READS: dict[str, _Reads] = {}
+#: node type -> (its name, what the key reads of it), for the types whose every node has one name (each of autograd's
+#: node types, each ``autograd.Function``'s): a type's lookup saves making the name's string at every node of a walk
+_BY_TYPE: dict[type, tuple[str, _Reads]] = {}
+
+
+def _reads_of(node) -> tuple[str, _Reads]:
+    """A node's name and what the key reads of it."""
+    kind = type(node)
+    known = _BY_TYPE.get(kind)
+    if known is not None:
+        return known
+    name = node.name()
+    reads = _READS.get(name)
+    if reads is None:
+        reads = _READS[name] = _Reads(name)
+    if name.rpartition("::")[2] == kind.__name__:  # (a type that names its nodes: not a generic wrapper's)
+        _BY_TYPE[kind] = (name, reads)
+    return name, reads
 
 
 def _facts(node, reads: _Reads) -> tuple:
-    facts = [getattr(node, a, _MISSING) for a in reads.attributes]
-    facts = [None if f is _MISSING else tuple(f) if isinstance(f, list) else f for f in facts]
-    if any(_negative(facts[k]) for k in reads.dim_slots):  # -2 names the batch's axis at rank 2, not at rank 3
-        shape = _rules._shape(node, 0)
-        facts.append(None if shape is None else len(shape))
+    facts = []
+    for a in reads.attributes:
+        f = getattr(node, a, _MISSING)
+        facts.append(None if f is _MISSING else tuple(f) if type(f) is list else f)
+    for k in reads.dim_slots:
+        if _negative(facts[k]):  # -2 names the batch's axis at rank 2, not at rank 3
+            shape = _rules._shape(node, 0)
+            facts.append(None if shape is None else len(shape))
+            break
     if reads.is_slice:  # whether it keeps every row of its axis depends on its bounds and sizes
         dim = _rules._axis(node._saved_dim, len(_rules._shape(node, 0)))
         facts.append((dim, _rules._whole(node, dim)))
@@ -77,9 +100,9 @@ def _facts(node, reads: _Reads) -> tuple:
 
 def _negative(dim) -> bool:
     """Whether a saved dimension (or any of several) counts from the end (``rules._signed``)."""
-    if isinstance(dim, tuple):
-        return any(_negative(d) for d in dim)
-    return type(dim) is int and _rules._signed(dim) < 0
+    if type(dim) is int:
+        return dim < 0 or dim >= 1 << 63  # (``rules._signed``: some nodes save a negative one unsigned)
+    return isinstance(dim, tuple) and any(_negative(d) for d in dim)
 
 
 class ProofMemo:
@@ -205,18 +228,16 @@ def _structure(roots, batch: int, stop):
             stack.append((node, index[node]))
         key.extend((index.get(node), nr, rows))
     stack.reverse()
-    reads_of = _READS
+    by_type = _BY_TYPE
     while stack:
         node, at = stack.pop()
         following = node.next_functions
         nodes.append(node)
         nexts.append(following)
-        name = node.name()
-        reads = reads_of.get(name)
-        if reads is None:
-            reads = reads_of[name] = _Reads(name)
+        known = by_type.get(type(node))
+        name, reads = known if known is not None else _reads_of(node)
         key.extend((at, name, len(following), CALL_EDGE in node.metadata,
-                    _facts(node, reads) if reads.attributes or reads.is_slice or reads.is_index else None))
+                    _facts(node, reads) if reads.has_facts else None))
         for nxt, nr in following:
             if nxt is None:
                 key.append(None)

@@ -375,6 +375,38 @@ def test_non_finite_losses_that_the_loss_check_reads_first_are_refused_by_positi
         engine.detach()
 
 
+@pytest.mark.parametrize("bad_at", [0, 1, 2], ids=["first", "middle", "last"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_micro_batch_with_non_finite_norms_leaves_the_others_sums_whole(float64, mode, bad_at):
+    """Gradient accumulation over three micro-batches, one of them with a NaN per-sample gradient: its backward is
+    refused and nothing of it is accumulated, whether it is the step's first backward (whose finiteness is read after
+    its sums are queued, and undone) or a later one (read before adding to the earlier sums); the step then equals a
+    twin's that never saw it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    twin = copy.deepcopy(model)
+    batches = [(torch.randn(5, 4), torch.randint(0, 3, (5,))) for _ in range(3)]
+    engines = [dptrain.testing.attached_engine(m, mode=mode, max_grad_norm=0.5, lr=0.1, batch_size=10)
+               for m in (model, twin)]
+    try:
+        (engine, optimizer), (twin_engine, twin_optimizer) = engines
+        for k, batch in enumerate(batches):
+            if k == bad_at:
+                with pytest.raises(FloatingPointError, match="inf or NaN"):
+                    engine.backward(_nan_gradient_losses(model, *batch))
+                continue
+            engine.backward(_flipped_losses(model, *batch))
+            twin_engine.backward(_flipped_losses(twin, *batch))
+        optimizer.step()
+        twin_optimizer.step()
+        for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+            assert torch.isfinite(p).all(), name
+            torch.testing.assert_close(p, q, rtol=0, atol=0, msg=f"{mode}: {name} after a refused micro-batch")
+    finally:
+        for engine, _ in engines:
+            engine.detach()
+
+
 @pytest.mark.parametrize("mode", SINGLE_BACKWARD_MODES)
 def test_non_finite_scalar_loss_through_loss_backward_is_refused(mode):
     model = small_mlp()

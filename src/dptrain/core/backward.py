@@ -443,14 +443,24 @@ class Backward:
             factors, finite = clipping_factors_by_group([summed(sq) for sq in parts], batch, scale,
                                                         self.trainable.threshold, self.setup.clipping_fn,
                                                         self.setup.clipping_gamma)
-            if not finite:
+            # Reading the finiteness waits for the device: where this backward's additions can be undone exactly (the
+            # step's first backward, a single one), it is read after they are queued, so that the host stays ahead of
+            # the device through them; else (the second pass needs the factors, or sums of an earlier micro-batch
+            # would be added to in place) before.
+            sums = self.setup.sums
+            read_late = not self.recipe.two_pass and not sums.sums
+            if not read_late and not finite:
                 raise self._non_finite()
             self.decisions = [self._decisions[id(s)] for s in self.trainable.layers if id(s) in self._decisions]
             if not self.recipe.two_pass:
                 scaled = [f * scale if scale != 1.0 else f for f in factors]  # (once per group, not per parameter)
                 for p, work in self._works.items():
-                    add_clipped_gradient(self.setup.sums, p, work, scaled[work.group])
-                small.add_clipped(self.setup.sums, scaled)
+                    add_clipped_gradient(sums, p, work, scaled[work.group])
+                small.add_clipped(sums, scaled)
+            if read_late and not finite:
+                assert sums.undoable  # (nothing of an earlier backward was there to add to)
+                sums.rollback()  # (nothing of this batch is accumulated)
+                raise self._non_finite()
             return factors
         finally:
             self._clear()

@@ -40,17 +40,18 @@ class Overflow(Exception):
 
 
 def clipping_factors_by_group(sq_norms: list[torch.Tensor | None], batch: int, scale: float, threshold: float,
-                              fn: str, gamma: float) -> tuple[list[torch.Tensor], bool]:
-    """(clipping factors per group, all norms finite) from each group's summed squared norms [B].
+                              fn: str, gamma: float) -> tuple[list[torch.Tensor], torch.Tensor | bool]:
+    """(clipping factors per group, whether all norms are finite) from each group's summed squared norms [B].
 
     ``scale`` multiplies the norms (it removes a loss scale, or the 1/B of a mean loss); a group that no
-    layer reached this backward has norm 0. One host-device synchronisation for the finiteness check.
+    layer reached this backward has norm 0. The finiteness is a boolean tensor on the norms' device (True for an
+    empty batch): reading it waits for the device, which the caller does as late as it can (``Backward._finish``).
     """
     like = next((sq for sq in sq_norms if sq is not None), None)
     filled = [sq if sq is not None else (like.new_zeros(batch) if like is not None else torch.zeros(batch))
               for sq in sq_norms]
     norms = [torch.sqrt(sq) * scale for sq in filled]
-    finite = not batch or not norms or bool(torch.stack([torch.isfinite(n).all() for n in norms]).all())
+    finite = True if not batch or not norms else torch.stack([torch.isfinite(n).all() for n in norms]).all()
     factors = [clipping_factors(n, threshold, fn, gamma) for n in norms] or [torch.ones(batch)]
     return factors, finite
 
@@ -84,15 +85,15 @@ class StepSums:
 
     def __init__(self) -> None:
         self.sums: dict[nn.Parameter, torch.Tensor] = {}
-        self._created: list[nn.Parameter] = []
+        self._created: set[nn.Parameter] = set()
         self._added = False
 
     def begin(self) -> None:
-        self._created, self._added = [], False
+        self._created, self._added = set(), False
 
     def commit(self) -> None:
         """The backward completed: what it added stays, whatever happens to a later one."""
-        self._created, self._added = [], False
+        self._created, self._added = set(), False
 
     def add(self, p: nn.Parameter, g: torch.Tensor) -> None:
         # Kept in float32 or wider whatever the parameter's dtype: a bf16 sum would round one sample's
@@ -104,10 +105,17 @@ class StepSums:
         summed = self.sums.get(p)
         if summed is None:
             self.sums[p] = g  # always a fresh tensor from the rules or autograd.grad
-            self._created.append(p)
+            self._created.add(p)
         else:
-            self._added = True
+            if p not in self._created:  # (a sum of an earlier backward, changed in place: not undone exactly)
+                self._added = True
             summed.add_(g)
+
+    @property
+    def undoable(self) -> bool:
+        """Whether ``rollback`` would undo this backward's additions exactly (it added to no earlier backward's
+        sum)."""
+        return not self._added
 
     def rollback(self) -> None:
         if self._added:

@@ -75,8 +75,14 @@ def read_sketches(real: torch.Tensor, tagged: list[torch.Tensor], tags: list[tor
     g = real
     gg = g.square().sum(1)
     scale = gg.max().sqrt() if rows else gg.new_zeros(())
-    # A row whose gradient is rounding noise next to the call's largest row says nothing about its sample.
+    # A row whose gradient is rounding noise next to the call's largest row says nothing about its sample, if its tagged
+    # gradients are as quiet: a row of one sample is its tag times the real row. A row whose real gradient is nothing
+    # and a tagged one is not holds gradients of several samples that cancel in their sum (one sample's loss minus
+    # another's output): its samples' own gradients there are not nothing, and it is read as mixed.
     empty = gg.sqrt() <= 64 * eps * scale
+    for t in tagged:
+        tt = t.square().sum(1)
+        empty &= tt.sqrt() <= 64 * eps * torch.maximum(scale, tt.max().sqrt())
     ids = torch.zeros(rows, dtype=torch.long, device=g.device)
     ok = torch.ones(rows, dtype=torch.bool, device=g.device)
     for k, t in enumerate(tagged):

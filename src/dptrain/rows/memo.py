@@ -7,11 +7,16 @@ keyed by the structure, read in one walk:
 
 - every node's type, which edges lead where (by position in the walk), where the walk stopped (the model's outputs, for
   the loss check), and whether a layer call reads its gradient there;
-- for each node whose rule reads attributes (reductions, softmaxes, slices, transposes, indexing, ...), those
+- every tensor's rank: each node's outputs' ranks, but where they are its first input's whatever its arguments
+  (``_KEEPS_RANK``). Broadcasting aligns shapes from the right, so a rank says which axis meets the batch's:
+  ``g [B, 1, D]`` expanded to ``[B, B, D]`` keeps each row one sample, ``g [B, D]`` puts every sample in each row;
+- for each node whose rule reads attributes (reductions, softmaxes, slices, transposes, indexing, padding, ...), those
   attributes (a slice's bounds as whether it keeps its whole axis, an index as which dimensions it picks). Element-wise
   operations, convolutions, poolings and per-sample normalisations read only where the batch sits: their key is their
   type;
 - whether the batch has one sample (every size of 1 is then the batch's).
+
+A user's ``autograd.Function`` has no rule, whatever its name (``rules.ruled``): its key is its name alone.
 
 A key seen before gives the proof made on it (which layer calls and input readings were proven, in which layout), once
 each of its views is proven again, alone, from the rows the proof gave its output (``_views_hold``): where a reshape
@@ -39,27 +44,43 @@ _ATTRIBUTES: dict[str, tuple[str, ...]] = {
     **{name: ("_saved_reduction",) for name in (*_rules._POINTWISE_LOSSES, "NllLoss", "NllLoss2D", "NllLoss2d")},
     "Permute": ("_saved_dims",), "Transpose": ("_saved_dim0", "_saved_dim1"),
     "NativeLayerNorm": ("_saved_normalized_shape",),
+    "ConstantPadNd": ("_saved_pad",),
+}
+# Node types whose outputs have the rank of their first input, whatever their arguments: functions of one tensor alone,
+# transposes, softmaxes, normalisations, products of fixed ranks. The key holds every other node's output ranks, so
+# every tensor's rank is in it (the rank decides where broadcasting, a reduction or a view puts the batch). A function
+# of a tensor and another that needs no gradient may broadcast the first to a higher rank (`x.masked_fill(mask, 0)`
+# with a mask of three dimensions, `x * dropout_mask`): not one of these.
+_KEEPS_RANK = {
+    "Neg", "Exp", "Exp2", "Expm1", "Log", "Log1p", "Log2", "Log10", "Sqrt", "Rsqrt", "Abs", "Sign", "Sgn", "Tanh",
+    "Sigmoid", "Relu", "Gelu", "Silu", "Mish", "Elu", "Selu", "Celu", "LeakyRelu", "Hardtanh", "Hardswish",
+    "Hardsigmoid", "Softplus", "Softshrink", "Hardshrink", "Reciprocal", "Sin", "Cos", "Tan", "Atan", "Asin", "Acos",
+    "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Erf", "Erfc", "Erfinv", "Square", "Logit", "LogSigmoid", "Sinc",
+    "Clone", "ToCopy", "Alias", "Transpose", "Permute", "T", "Softmax", "LogSoftmax", "SafeSoftmax", "Cumsum",
+    "Cumprod", "Logcumsumexp", "NativeLayerNorm", "Mm", "Addmm", "Bmm", "Cat", "Split", "SplitWithSizes", "Chunk",
 }
 _MISSING = object()
 
 
 class _Reads:
-    """What the key holds of one node type (made once per type name)."""
+    """What the key holds of one node type (made once per type)."""
 
-    __slots__ = ("attributes", "dim_slots", "is_slice", "is_index", "is_view", "has_facts")
+    __slots__ = ("attributes", "dim_slots", "is_slice", "is_index", "is_view", "has_facts", "keeps_rank")
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, ruled: bool):
         base = name[: name.find("Backward")] if "Backward" in name else name
-        ruled = _rules.rule_of_name(name) is not None
+        rule = _rules.rule_of_name(name) if ruled else None
+        ruled = rule is not None
         self.attributes = _ATTRIBUTES.get(base, ()) if ruled else ()
         self.dim_slots = tuple(k for k, a in enumerate(self.attributes) if a.startswith("_saved_dim"))
-        self.is_slice = base in ("Slice", "Narrow")
-        self.is_index = base == "Index"
+        self.is_slice = ruled and base in ("Slice", "Narrow")
+        self.is_index = ruled and base == "Index"
         self.is_view = ruled and base in _rules._VIEWS
         self.has_facts = bool(self.attributes) or self.is_slice or self.is_index
+        self.keeps_rank = ruled and base in _KEEPS_RANK
 
 
-_READS: dict[str, _Reads] = {}
+_READS: dict[tuple[str, bool], _Reads] = {}
 #: node type -> (its name, what the key reads of it), for the types whose every node has one name (each of autograd's
 #: node types, each ``autograd.Function``'s): a type's lookup saves making the name's string at every node of a walk
 _BY_TYPE: dict[type, tuple[str, _Reads]] = {}
@@ -72,9 +93,10 @@ def _reads_of(node) -> tuple[str, _Reads]:
     if known is not None:
         return known
     name = node.name()
-    reads = _READS.get(name)
+    ruled = _rules.ruled(node)
+    reads = _READS.get((name, ruled))
     if reads is None:
-        reads = _READS[name] = _Reads(name)
+        reads = _READS[(name, ruled)] = _Reads(name, ruled)
     if name.rpartition("::")[2] == kind.__name__:  # (a type that names its nodes: not a generic wrapper's)
         _BY_TYPE[kind] = (name, reads)
     return name, reads
@@ -121,10 +143,6 @@ class ProofMemo:
             return Proof({}, set(), set(), "an empty batch")
         try:
             nodes, nexts, key = _structure(roots, batch, stop)
-        finally:
-            _rules._SHAPES.clear()
-            _rules._NEXT.clear()
-        try:
             return self._proof(key, roots, batch, stop, nodes, nexts)
         finally:
             _rules._SHAPES.clear()
@@ -188,7 +206,7 @@ _LEADING = ((0, "identity"), (0, "blocks"))
 
 def _view_shapes(node) -> tuple:
     """A view's output and input shapes."""
-    return node._input_metadata[0].shape, getattr(node, "_saved_self_sym_sizes", None) or _rules._input_shapes(node)[0]
+    return _rules._shape(node, 0), getattr(node, "_saved_self_sym_sizes", None) or _rules._input_shapes(node)[0]
 
 
 class _Key(tuple):
@@ -228,7 +246,7 @@ def _structure(roots, batch: int, stop):
             stack.append((node, index[node]))
         key.extend((index.get(node), nr, rows))
     stack.reverse()
-    by_type = _BY_TYPE
+    by_type, shapes_of = _BY_TYPE, _rules._SHAPES  # (the shapes read here serve the proof of this graph too)
     while stack:
         node, at = stack.pop()
         following = node.next_functions
@@ -236,7 +254,13 @@ def _structure(roots, batch: int, stop):
         nexts.append(following)
         known = by_type.get(type(node))
         name, reads = known if known is not None else _reads_of(node)
-        key.extend((at, name, len(following), CALL_EDGE in node.metadata,
+        ranks = None
+        if not reads.keeps_rank:
+            shapes = shapes_of.get(node)
+            if shapes is None:
+                shapes = shapes_of[node] = tuple(m.shape for m in node._input_metadata)
+            ranks = tuple(map(len, shapes))
+        key.extend((at, name, len(following), CALL_EDGE in node.metadata, ranks,
                     _facts(node, reads) if reads.has_facts else None))
         for nxt, nr in following:
             if nxt is None:
@@ -259,7 +283,7 @@ def _remember(found: Proof, nodes: list, nexts: list) -> tuple:
     view that took the batch's rows, the rows at its output and at its input (``_views_hold``)."""
     views = []
     for at, node in enumerate(nodes):
-        if _READS[node.name()].is_view and nexts[at] and nexts[at][0][0] is not None:
+        if _reads_of(node)[1].is_view and nexts[at] and nexts[at][0][0] is not None:
             out, into = found.edges.get((node, 0)), found.edges.get(nexts[at][0])
             if isinstance(out, _rules.Rows) and isinstance(into, _rules.Rows):
                 oshape, ishape = _view_shapes(node)

@@ -349,6 +349,18 @@ def _leading_only(spatial: int):
 
 
 @_on_rows
+def _constant_pad(node, out, batch):
+    """``F.pad`` (constant): the pairs of ``_saved_pad`` pad (or, negative, crop) the last dimensions, the batch's too
+    where they reach it: ``F.pad(h, (0, 0, 1, -1))`` of ``[B, d]`` shifts every sample onto the next, its shape kept."""
+    rank = len(_shape(node, 0))
+    pad = [_signed(int(p)) for p in node._saved_pad]
+    k = rank - 1 - out.axis  # (the pair of the batch's axis, counted from the last)
+    if k < len(pad) // 2 and (pad[2 * k] or pad[2 * k + 1]):
+        return UNPROVEN
+    return [Rows(out.axis, out.inner, out.outer)] + [FREE] * (len(_next(node)) - 1)
+
+
+@_on_rows
 def _layer_norm(node, out, batch):
     oshape = _shape(node, 0)
     normalized = len(getattr(node, "_saved_normalized_shape", ()))
@@ -437,7 +449,7 @@ RULES.update({
     "MaxPool3DWithIndices": _leading_only(3), "AvgPool2D": _leading_only(2), "AvgPool1D": _leading_only(1),
     "AvgPool3D": _leading_only(3), "AdaptiveAvgPool2D": _leading_only(2), "AdaptiveAvgPool1D": _leading_only(1),
     "AdaptiveAvgPool3D": _leading_only(3), "AdaptiveMaxPool2D": _leading_only(2), "UpsampleNearest2D": _leading_only(2),
-    "UpsampleBilinear2D": _leading_only(2), "ConstantPadNd": _leading_only(0), "ReflectionPad2D": _leading_only(2),
+    "UpsampleBilinear2D": _leading_only(2), "ConstantPadNd": _constant_pad, "ReflectionPad2D": _leading_only(2),
     "ReflectionPad1D": _leading_only(1), "ReflectionPad3D": _leading_only(3), "ReplicationPad1D": _leading_only(1),
     "ReplicationPad2D": _leading_only(2), "ReplicationPad3D": _leading_only(3),
     "Cat": _cat, "Split": _split, "SplitWithSizes": _split, "Unbind": _split, "Chunk": _split,
@@ -450,8 +462,29 @@ _RULE_BY_NAME: dict[str, Callable | None] = {}
 
 
 def rule_of(node) -> Callable | None:
-    """The rule of a node's type: its name without the ``Backward<n>`` suffix."""
-    return rule_of_name(node.name())
+    """The rule of a node's type: its name without the ``Backward<n>`` suffix (``rule_of_name``), for autograd's own
+    nodes and the engine's Functions (``ruled``)."""
+    return rule_of_name(node.name()) if ruled(node) else None
+
+
+_PYTHON_NODE = torch.autograd.function.BackwardCFunction
+_RULED_BY_TYPE: dict[type, bool] = {}
+
+
+def ruled(node) -> bool:
+    """Whether a node's name says what it computes: one of autograd's (a C++ node), or one of the engine's own
+    Functions. A user's ``torch.autograd.Function`` is named after its class, and one called ``Clone`` or ``Expand``
+    is no clone: it gets no rule (its rows are read by tag passes)."""
+    kind = type(node)
+    known = _RULED_BY_TYPE.get(kind)
+    if known is None:
+        if isinstance(node, _PYTHON_NODE):
+            forward = getattr(node, "_forward_cls", None)
+            known = forward is not None and forward.__module__.startswith("dptrain.") and forward.__name__ in _OWN
+        else:
+            known = True
+        _RULED_BY_TYPE[kind] = known
+    return known
 
 
 def rule_of_name(name: str) -> Callable | None:
@@ -464,6 +497,7 @@ def rule_of_name(name: str) -> Callable | None:
         return rule
 
 
-# the engine's own Functions (capture, rows.outputs, rows.inputs), by name
-RULES.update({"_OutputLeaves": _shifted(1), "_TagRows": _shifted(0), "_InputRowsNode": _shifted(1),
-              "_GradientPenalty": _shifted(0), "_Origin": _stops})
+# the engine's own Functions (capture, rows.outputs, rows.inputs), by name (``ruled``)
+_OWN = {"_OutputLeaves": _shifted(1), "_TagRows": _shifted(0), "_InputRowsNode": _shifted(1),
+        "_GradientPenalty": _shifted(0), "_Origin": _stops}
+RULES.update(_OWN)

@@ -136,6 +136,31 @@ def test_a_user_split_over_two_backwards_of_a_step_is_refused(float64):
     engine.detach()
 
 
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_zero_grad_discards_a_backwards_users_with_it(float64, mode):
+    """``zero_grad()`` between a backward and the step discards that backward (docs/engine.md): its users too, so the
+    same users back-propagated again (a batch-size finder's retry) are this step's, once. The step is the twin's
+    that saw only the second backward; a user split over two backwards after it is still refused."""
+    ids, y = _batch(9, seed=5)
+    first = (ids[:5], y[:5], USERS[:5])
+    second = (ids[4:], y[4:], USERS[4:])  # (users 3, 7, 42, 11: 3, 7 and 11 were in the first)
+    model, twin = _model(), _model()
+    want, _ = _step(twin, mode, [second])
+    engine = _engine(model, mode)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    engine.attach(opt)
+    try:
+        engine.backward(_losses(model, first[0], first[1]), users=first[2])
+        opt.zero_grad()
+        engine.backward(_losses(model, second[0], second[1]), users=second[2])
+        with pytest.raises(ValueError, match=r"already had rows in an earlier engine.backward"):
+            engine.backward(_losses(model, first[0], first[1]), users=first[2])
+        opt.step()
+        assert_matches({n: p.grad for n, p in model.named_parameters()}, want, what=f"{mode}: after zero_grad()")
+    finally:
+        engine.detach()
+
+
 def test_users_are_required_with_user_level_privacy_and_refused_without(float64):
     model = _model()
     ids, y = _batch(3, seed=6)

@@ -136,6 +136,7 @@ class BackwardRunner:
         trained = B > 0 and losses.requires_grad and (forward_batch is None or B == forward_batch)
         units, step_users, proven = None, set(), True
         if trained:
+            self.before_backward()  # (a zero_grad() since the last backward discarded it, and its users: seen first)
             self._refuse_rows_beyond_loader(B, "engine.backward got", "per-sample losses")
             if real_rows is None:
                 self._refuse_unmasked_padding(B, "engine.backward(losses) without mask= got", "per-sample losses")
@@ -305,6 +306,11 @@ class BackwardRunner:
         """The optimizer stepped: model calls and users start afresh."""
         self.done_forwards.clear()
         self.users_in_step = set()
+
+    def discard_step(self) -> None:
+        """The backwards of this step so far were discarded (``zero_grad()``): their users and rows with them."""
+        self.users_in_step = set()
+        self.samples_per_step.discard_step()
 
     def _discarded_backwards(self, losses: torch.Tensor, passes: int) -> None:
         """FSDP2 gathers parameters inside each backward: a rank with an empty batch runs as many as the others."""

@@ -290,7 +290,7 @@ class PrivateStep:
             self.sums.clear()
             self._marker.forget()
             assert self.runner is not None  # (attached)
-            self.runner.samples_per_step.discard_step()
+            self.runner.discard_step()
 
     def after_backward(self, overflow: bool) -> None:
         """Show the marker: zero_grad() is seen, and with a GradScaler the scaler checks it (inf makes it skip).
@@ -368,7 +368,7 @@ class PrivateStep:
             return
         if self._marker.cleared():  # zero_grad() after the last backward: its batches are discarded
             self.sums.clear()
-            self.runner.samples_per_step.discard_step()
+            self.runner.discard_step()
         step_params = held_trainable(self.optimizer, trainable)  # refuses raw gradients it does not cover
         self._given.leave_frozen_untouched(self.optimizer, marker)
         if self.parallel is not None:

@@ -141,3 +141,33 @@ def test_losses_that_draw_random_numbers_are_refused_naming_the_draws(float64):
     assert report.refused is None and 0 < report.worst <= 1 + 1e-9, report
     drawn = neighbour_test(_WithDropout(0.5).double(), losses, (x, y), max_grad_norm=0.01, allow_random_draws=True)
     assert drawn.worst > 1.01, drawn  # (what the refusal spares: the draws, read as a distance)
+
+
+class _Checkpointed(nn.Module):
+    """A block under reentrant activation checkpointing, which ``torch.autograd.grad`` cannot go through."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.head = nn.Linear(6, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = torch.tanh(self.inp(x))
+        return self.head(checkpoint(lambda t: torch.tanh(self.block(t)), h, use_reentrant=True))
+
+
+def test_the_default_rs_are_read_through_reentrant_checkpointing(float64):
+    """The default R were read with ``torch.autograd.grad``, which reentrant checkpointing refuses: the test failed
+    on such a model before running any step (an outside probe). Read with ``backward()``, they clip what they say."""
+    torch.manual_seed(0)
+    model = _Checkpointed().double()
+    batch = (torch.randn(6, 6, dtype=torch.float64), torch.randint(0, 3, (6,)))
+    report = neighbour_test(model, honest, batch)
+    assert list(report.thresholds.values()) == [CLIPS_EVERY, CLIPS_SOME, CLIPS_NONE]
+    grads = per_sample_gradients(model, honest, batch)
+    norms = torch.sqrt(sum(g.flatten(1).square().sum(1) for g in grads.values()))
+    every, _, none = report.thresholds
+    assert every < float(norms.min()) and float(norms.max()) < none
+    assert report.refused is None and report.worst <= 1.0 + 1e-9, report
+    assert all(p.grad is None for p in model.parameters()), "the model is never changed"

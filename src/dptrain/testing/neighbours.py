@@ -36,7 +36,7 @@ from torch import nn
 from ..core.algorithms import DEFAULT_CLIPPING_MODE
 from ..rows import RowsMixSamples
 from .engine_step import attached_engine
-from .oracle import _groups, _threshold_between, trainable_named_parameters
+from .oracle import _groups, _threshold_between, gradients, trainable_named_parameters
 
 # How far the default R sit from the nearest per-sample norm: far beyond the rounding of the engine's norms (float32),
 # close enough that the norm-sized differences of a coupled loss are not divided away by a much larger R.
@@ -236,8 +236,7 @@ def _unit_gradients(model: nn.Module, losses_fn: Callable, batch, ids: torch.Ten
     losses = losses.reshape(len(ids), -1).sum(1)
     rows = []
     for unit in sorted(set(ids.tolist())):
-        grads = torch.autograd.grad(losses[ids.to(losses.device) == unit].sum(), params, retain_graph=True,
-                                    allow_unused=True)
+        grads = gradients(losses[ids.to(losses.device) == unit].sum(), params, retain_graph=True)
         rows.append([torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)])
     return {name: torch.stack([row[k] for row in rows]) for k, name in enumerate(named)}
 

@@ -41,6 +41,25 @@ def trainable_named_parameters(model: nn.Module) -> dict[str, tuple[str, nn.Para
     return out
 
 
+def gradients(loss: torch.Tensor, params: list, retain_graph: bool = False) -> list:
+    """``d loss / d params`` (None for a parameter it does not use). Reentrant activation checkpointing refuses
+    ``torch.autograd.grad``: there it is read with ``loss.backward()``, each parameter's ``.grad`` put back as it was."""
+    try:  # (the graph kept: where checkpointing refuses, it does so on the way, after freeing what it passed)
+        return list(torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True))
+    except RuntimeError as err:
+        if "use_reentrant=True" not in str(err):
+            raise
+    saved = [p.grad for p in params]
+    try:
+        for p in params:
+            p.grad = None
+        loss.backward(retain_graph=retain_graph)
+        return [None if p.grad is None else p.grad.detach() for p in params]
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+
+
 def per_sample_gradients(model: nn.Module, losses_fn: Callable, batch) -> dict[str, torch.Tensor]:
     """{name: [B, *shape]} gradients of each sample's loss, from one autograd call per sample."""
     from ..core.attached import is_attached
@@ -59,7 +78,7 @@ def per_sample_gradients(model: nn.Module, losses_fn: Callable, batch) -> dict[s
         raise ValueError("the batch holds no tensor with a batch dimension: the oracle cannot tell its samples")
     for i in range(samples):
         loss = _call(losses_fn, model, _take(batch, i, i + 1))
-        grads = torch.autograd.grad(loss.sum(), params, allow_unused=True)
+        grads = gradients(loss.sum(), params)
         rows.append([torch.zeros_like(p) if g is None else g for g, p in zip(grads, params)])
     return {
         name: torch.stack([r[k] for r in rows]) if rows else params[k].new_zeros(0, *params[k].shape)

@@ -161,6 +161,31 @@ def test_zero_grad_discards_a_backwards_users_with_it(float64, mode):
         engine.detach()
 
 
+def test_a_forward_that_mixes_one_users_examples_is_refused_saying_where_to_couple_them(float64):
+    """Rows are read per example at user level: a forward mixing the two examples of each user is refused, and the
+    message says to couple them in the loss (which the loss check reads per user)."""
+
+    class PairMix(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 3)
+
+        def forward(self, x):
+            h = torch.tanh(self.a(x))
+            return self.b(h + 0.7 * h.view(-1, 2, 6).flip(1).reshape(-1, 6))
+
+    torch.manual_seed(0)
+    model = PairMix().double()
+    engine = _engine(model, "bk-mixopt")
+    engine.attach(torch.optim.SGD(model.parameters(), lr=0.0))
+    try:
+        x, y = torch.randn(8, 5, dtype=torch.float64), torch.randint(0, 3, (8,))
+        with pytest.raises(ValueError, match=r"privacy_unit='user'.*Couple them in the loss"):
+            engine.backward(F.cross_entropy(model(x), y, reduction="none"), users=torch.arange(8) // 2)
+    finally:
+        engine.detach()
+
+
 def test_users_are_required_with_user_level_privacy_and_refused_without(float64):
     model = _model()
     ids, y = _batch(3, seed=6)

@@ -96,6 +96,7 @@ class Backward:
         #: the samples this backward brought to the step, on either path (set by ``finish``)
         self.batch = 0
         self.rows = BackwardRows(setup.rows)
+        self.rows.per_user = units is not None
         self._ready: dict[int, ReadyLayer] = {}
         self._works: dict[nn.Parameter, ParamWork] = {}
         self._decisions: dict[int, LayerDecision] = {}

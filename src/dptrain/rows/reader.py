@@ -105,6 +105,8 @@ class BackwardRows:
         #: the padded samples of a fixed-shape batch ([B] bool; None: none): rows that hold inf or NaN are read
         #: around where the layout puts them in padded samples
         self.padded: torch.Tensor | None = None
+        #: the backward clips users (privacy_unit="user"): its refusals say that rows are still read per example
+        self.per_user = False
 
     @property
     def projections(self) -> Projections:
@@ -262,6 +264,10 @@ class BackwardRows:
                       "from the forward (dropout with preserve_rng_state=False, a counter) reads as rows mixing "
                       "samples too; keep the RNG state, or checkpoint with use_reentrant=False."
                       if call.recomputed or self.reader.recomputes or self.reader.graph_recomputes else "")
+        if self.per_user:
+            recomputed += (" With privacy_unit='user' a layer's rows are read per example, then summed per user: a "
+                           "forward that mixes the examples of one user is refused too. Couple them in the loss "
+                           "instead: engine.backward(losses, users=...) takes a loss that couples one user's examples.")
         raise RowsMixSamples(
             f"{name}: {err} (output of shape {tuple(call.grad.shape)}, batch of {batch}): per-sample "
             "clipping cannot split such rows. Typical causes: an operation over the batch axis after this layer "

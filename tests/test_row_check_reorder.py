@@ -281,3 +281,26 @@ def test_a_time_major_output_at_b_equal_t_is_refused_naming_the_other_axis(float
                              max_grad_norm=1.0)
     assert refused.refused is not None and "also that of axis 1" in refused.refused, refused
     assert "out.transpose(0, 1)" in refused.refused
+
+
+class _Packed(nn.Module):
+    """Token ids [B, T] packed into one row inside the forward ([1, B * T]), embedded, and unpacked: nothing mixes,
+    but the engine does not follow a batch folded into one row of another size."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = nn.Embedding(11, 6), nn.Linear(6, 3)
+
+    def forward(self, ids):
+        B, T = ids.shape
+        h = torch.tanh(self.embed(ids.reshape(1, B * T))).reshape(B, T, 6)
+        return self.head(h).mean(1)
+
+
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_a_batch_packed_into_one_row_is_refused_naming_packing(float64, mode):
+    """A false refusal (failing safe), kept: the message names packing and what to do instead (an outside probe
+    found it blaming a reordering the forward did not make)."""
+    torch.manual_seed(0)
+    report = neighbour_test(_Packed().double(), _losses, _ids(4, 3, 0), mode=mode, max_grad_norm=0.1)
+    assert report.refused is not None and "packs the samples into rows of another size" in report.refused, report

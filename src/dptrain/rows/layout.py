@@ -300,7 +300,10 @@ def check_source_rows(rowmap: RowMap, grad: torch.Tensor | None, name: str, unit
         "reorders the samples after this layer (a roll, an index or argsort along the batch, a gather, a batch-major "
         "tensor folded and read as time-major: h.flatten(0, 1).unflatten(0, (T, B))) without "
         "undoing it, so one sample's features meet another sample's loss and per-sample clipping cannot keep them "
-        "apart. Undo the reordering before the losses, or reorder the inputs (and the targets) before the model"
+        "apart, or it packs the samples into rows of another size (the batch folded into one row, [1, B * T], as "
+        "packing does with a block-diagonal mask), which the engine does not follow. Undo the reordering before the "
+        "losses, or reorder the inputs (and the targets) before the model; rather than packing, keep each sample a "
+        "row of its own ([B, T], padded, with an attention mask)"
     )
 
 

@@ -156,3 +156,27 @@ def test_the_proof_of_a_model_with_a_users_function_is_remembered_and_reused():
         assert memo.made == 1 and memo.reused == 2, (memo.made, memo.reused)
     finally:
         engine.detach()
+
+
+class _MeanThenExpanded(nn.Module):
+    """A rank that changes before a mean and a slice (whose output ranks the key does not read: they follow from their
+    input's) and meets the broadcast after them: ``x [B, 1, 1, D]`` gives ``g [B, 1, D]``, per sample once expanded;
+    ``x [B, 1, D]`` gives ``g [B, D]``, every sample in each row."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.head = nn.LayerNorm(6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        g = self.norm(x).mean(1)[..., :6]
+        n = x.shape[0]
+        return self.head(g.expand(n, n, 6).mean(1))
+
+
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost", "per-sample"])
+def test_a_rank_change_carried_through_a_mean_and_a_slice_is_proven_again(mode):
+    torch.manual_seed(0)
+    model = _MeanThenExpanded().double()
+    warm_up = [_data(1, 1, 1, 6), _data(2, 1, 1, 6)]
+    _check(model, _data(3, 1, 6), mode, warm_up, mixes=True)
+    _check(model, _data(3, 1, 1, 6), mode, warm_up, mixes=False)

@@ -8,7 +8,7 @@ keyed by the structure, read in one walk:
 - every node's type, which edges lead where (by position in the walk), where the walk stopped (the model's outputs, for
   the loss check), and whether a layer call reads its gradient there;
 - every tensor's rank: each node's outputs' ranks, but where they are its first input's whatever its arguments
-  (``_KEEPS_RANK``). Broadcasting aligns shapes from the right, so a rank says which axis meets the batch's:
+  (``_KEEPS_RANK``, ``_FIXED_RANK``), or the largest of its inputs' (``_BROADCASTS_LISTED``). Broadcasting aligns shapes from the right, so a rank says which axis meets the batch's:
   ``g [B, 1, D]`` expanded to ``[B, B, D]`` keeps each row one sample, ``g [B, D]`` puts every sample in each row;
 - for each node whose rule reads attributes (reductions, softmaxes, slices, transposes, indexing, padding, ...), those
   attributes (a slice's bounds as whether it keeps its whole axis, an index as which dimensions it picks). Element-wise
@@ -46,18 +46,28 @@ _ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "NativeLayerNorm": ("_saved_normalized_shape",),
     "ConstantPadNd": ("_saved_pad",),
 }
-# Node types whose outputs have the rank of their first input, whatever their arguments: functions of one tensor alone,
-# transposes, softmaxes, normalisations, products of fixed ranks. The key holds every other node's output ranks, so
-# every tensor's rank is in it (the rank decides where broadcasting, a reduction or a view puts the batch). A function
-# of a tensor and another that needs no gradient may broadcast the first to a higher rank (`x.masked_fill(mask, 0)`
-# with a mask of three dimensions, `x * dropout_mask`): not one of these.
-_KEEPS_RANK = {
+# Node types whose outputs' ranks follow from their first input's and the attributes the key holds, whatever their
+# arguments: functions of one tensor alone, transposes, slices, softmaxes, normalisations, products of fixed ranks,
+# attention (the query's), reductions (their dimensions and keepdim are in the key). The key holds every other node's
+# output ranks, so every tensor's rank is in it (the rank decides where broadcasting, a reduction or a view puts the
+# batch). A function of a tensor and another that needs no gradient may broadcast the first to a higher rank
+# (`x.masked_fill(mask, 0)` with a mask of three dimensions, `x * dropout_mask`): not one of these.
+_KEEPS_RANK = {*_rules._REDUCTIONS, "Slice", "Narrow", "ScaledDotProductFlashAttentionForCpu",
+               "ScaledDotProductFlashAttention", "ScaledDotProductEfficientAttention", "ScaledDotProductCudnnAttention",
     "Neg", "Exp", "Exp2", "Expm1", "Log", "Log1p", "Log2", "Log10", "Sqrt", "Rsqrt", "Abs", "Sign", "Sgn", "Tanh",
     "Sigmoid", "Relu", "Gelu", "Silu", "Mish", "Elu", "Selu", "Celu", "LeakyRelu", "Hardtanh", "Hardswish",
     "Hardsigmoid", "Softplus", "Softshrink", "Hardshrink", "Reciprocal", "Sin", "Cos", "Tan", "Atan", "Asin", "Acos",
     "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Erf", "Erfc", "Erfinv", "Square", "Logit", "LogSigmoid", "Sinc",
     "Clone", "ToCopy", "Alias", "Transpose", "Permute", "T", "Softmax", "LogSoftmax", "SafeSoftmax", "Cumsum",
-    "Cumprod", "Logcumsumexp", "NativeLayerNorm", "Mm", "Addmm", "Bmm", "Cat", "Split", "SplitWithSizes", "Chunk",
+    "Cumprod", "Logcumsumexp", "NativeLayerNorm", "Cat", "Split", "SplitWithSizes", "Chunk",
+}
+_FIXED_RANK = {"Mm", "Addmm", "Bmm"}  # (whatever their inputs)
+# Element-wise functions whose every tensor argument is an input of the node (an edge, None where it needs no
+# gradient): where every edge is a tensor's with a history, the output's rank is the largest of theirs, which the key
+# holds. Not `where` nor `masked_fill`, whose condition or mask broadcasts without being an input.
+_BROADCASTS_LISTED = {
+    "Add", "Sub", "Rsub", "Mul", "Div", "Maximum", "Minimum", "Fmax", "Fmin", "Atan2", "Hypot", "Pow", "Lerp",
+    "Addcmul", "Addcdiv", "Xlogy",
 }
 _MISSING = object()
 
@@ -65,7 +75,8 @@ _MISSING = object()
 class _Reads:
     """What the key holds of one node type (made once per type)."""
 
-    __slots__ = ("attributes", "dim_slots", "is_slice", "is_index", "is_view", "has_facts", "keeps_rank")
+    __slots__ = ("attributes", "dim_slots", "is_slice", "is_index", "is_view", "has_facts", "keeps_rank",
+                 "fixed_rank", "broadcasts_listed")
 
     def __init__(self, name: str, ruled: bool):
         base = name[: name.find("Backward")] if "Backward" in name else name
@@ -78,6 +89,8 @@ class _Reads:
         self.is_view = ruled and base in _rules._VIEWS
         self.has_facts = bool(self.attributes) or self.is_slice or self.is_index
         self.keeps_rank = ruled and base in _KEEPS_RANK
+        self.fixed_rank = ruled and base in _FIXED_RANK
+        self.broadcasts_listed = ruled and base in _BROADCASTS_LISTED
 
 
 _READS: dict[tuple[str, bool], _Reads] = {}
@@ -255,7 +268,8 @@ def _structure(roots, batch: int, stop):
         known = by_type.get(type(node))
         name, reads = known if known is not None else _reads_of(node)
         ranks = None
-        if not reads.keeps_rank:
+        if not (reads.fixed_rank or reads.keeps_rank and following and following[0][0] is not None
+                or reads.broadcasts_listed and all(nxt is not None for nxt, _ in following)):
             shapes = shapes_of.get(node)
             if shapes is None:
                 shapes = shapes_of[node] = tuple(m.shape for m in node._input_metadata)

@@ -79,16 +79,23 @@ def read_sketches(real: torch.Tensor, tagged: list[torch.Tensor], tags: list[tor
     # gradients are as quiet: a row of one sample is its tag times the real row. A row whose real gradient is nothing
     # and a tagged one is not holds gradients of several samples that cancel in their sum (one sample's loss minus
     # another's output): its samples' own gradients there are not nothing, and it is read as mixed.
-    empty = gg.sqrt() <= 64 * eps * scale
+    #
+    # "Rounding noise" is float32's at most: a row of one sample is its tag times its real row to within its own
+    # rounding (scaling by a power of two commutes with rounding, in bf16 too), which ``rel`` allows for, relative to
+    # the row. The rounding unit of a bf16 forward times 64 is half the largest row: rows up to that size were taken for
+    # rows of no sample and given the sample their place in a layout says, mixed or not (1.3-1.5 R under bf16
+    # autocast, where the mixing rows were under half the largest; an outside probe).
+    noise = 64 * min(eps, torch.finfo(torch.float32).eps)
+    empty = gg.sqrt() <= noise * scale
     for t in tagged:
         tt = t.square().sum(1)
-        empty &= tt.sqrt() <= 64 * eps * torch.maximum(scale, tt.max().sqrt())
+        empty &= tt.sqrt() <= noise * torch.maximum(scale, tt.max().sqrt())
     ids = torch.zeros(rows, dtype=torch.long, device=g.device)
     ok = torch.ones(rows, dtype=torch.bool, device=g.device)
     for k, t in enumerate(tagged):
         ratio = torch.where(empty, torch.ones_like(gg), (g * t).sum(1) / gg.clamp_min(torch.finfo(torch.float64).tiny))
         residual = (t - ratio.unsqueeze(1) * g).square().sum(1)  # no cancellation, unlike tt - ratio * gt
-        fits = residual <= rel ** 2 * t.square().sum(1) + (64 * eps * scale) ** 2
+        fits = residual <= rel ** 2 * t.square().sum(1) + (noise * scale) ** 2
         digit = -torch.log2(ratio.clamp_min(2.0 ** -(DIGITS + 1)))
         nearest = digit.round()
         # A row of one sample has its tag to within the rounding of its computation (rel); so little slack

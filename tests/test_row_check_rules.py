@@ -180,3 +180,22 @@ def test_a_rank_change_carried_through_a_mean_and_a_slice_is_proven_again(mode):
     warm_up = [_data(1, 1, 1, 6), _data(2, 1, 1, 6)]
     _check(model, _data(3, 1, 6), mode, warm_up, mixes=True)
     _check(model, _data(3, 1, 1, 6), mode, warm_up, mixes=False)
+
+
+def test_a_double_backwards_node_gets_no_rule_of_the_operation_it_differentiates():
+    """A gradient penalty's graph holds nodes of the backward itself (``NativeLayerNormBackwardBackward0``): named after
+    the operation they differentiate, they took its rule (a select's maps the axes the other way). They get none."""
+    from dptrain.rows import rules
+
+    x = torch.randn(3, 4, requires_grad=True)
+    (g,) = torch.autograd.grad(F.layer_norm(x, (4,)).square().sum(), x, create_graph=True)
+    names = set()
+    stack = [g.grad_fn]
+    while stack:
+        node = stack.pop()
+        names.add(node.name())
+        stack.extend(n for n, _ in node.next_functions if n is not None)
+    doubles = [n for n in names if n.count("Backward") > 1]
+    assert doubles and all(rules.rule_of_name(n) is None for n in doubles), names
+    assert rules.rule_of_name("NativeLayerNormBackward0") is not None
+    assert rules.rule_of_name("SelectBackwardBackward0") is None

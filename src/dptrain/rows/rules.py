@@ -493,7 +493,8 @@ def rule_of_name(name: str) -> Callable | None:
         return _RULE_BY_NAME[name]
     except KeyError:
         base = name[: name.find("Backward")] if "Backward" in name else name
-        rule = _RULE_BY_NAME[name] = RULES.get(base)
+        # (a double backward's node, `NativeLayerNormBackwardBackward0`, computes no layer norm: no rule)
+        rule = _RULE_BY_NAME[name] = RULES.get(base) if name.count("Backward") <= 1 else None
         return rule
 
 

@@ -32,14 +32,13 @@ from .pipeline import (
     ReadyLayer,
     SmallGradients,
     StepSums,
-    add_clipped_gradient,
+    add_clipped_sums,
     add_second_pass_gradients,
-    clipping_factors_by_group,
+    group_factors,
     layer_decision,
     layer_norms,
     layer_operands,
     parameter_norm,
-    summed,
 )
 from .planning import LayerDecision
 from .precision import LossScaling
@@ -434,16 +433,9 @@ class Backward:
             batch = self.batch = self.reduce_all(expected_batch)
             self.rows.check_inputs(", ".join(f"{s.path} ({type(s.module).__name__})" for s in self.trainable.layers[:3])
                                    + (", ..." if len(self.trainable.layers) > 3 else ""))
-            parts: list[list[torch.Tensor]] = [[] for _ in range(self.trainable.num_groups)]
-            for work in self._works.values():
-                if work.sq_norm is not None:
-                    parts[work.group].append(work.sq_norm)
             small = SmallGradients(self._works)
-            for group, sq_norm in small.sq_norms():
-                parts[group].append(sq_norm)
-            factors, finite = clipping_factors_by_group([summed(sq) for sq in parts], batch, scale,
-                                                        self.trainable.threshold, self.setup.clipping_fn,
-                                                        self.setup.clipping_gamma)
+            factors, finite = group_factors(self._works, small, self.trainable.num_groups, batch, scale,
+                                            self.trainable.threshold, self.setup.clipping_fn, self.setup.clipping_gamma)
             # Reading the finiteness waits for the device: where this backward's additions can be undone exactly (the
             # step's first backward, a single one), it is read after they are queued, so that the host stays ahead of
             # the device through them; else (the second pass needs the factors, or sums of an earlier micro-batch
@@ -454,10 +446,7 @@ class Backward:
                 raise self._non_finite()
             self.decisions = [self._decisions[id(s)] for s in self.trainable.layers if id(s) in self._decisions]
             if not self.recipe.two_pass:
-                scaled = [f * scale if scale != 1.0 else f for f in factors]  # (once per group, not per parameter)
-                for p, work in self._works.items():
-                    add_clipped_gradient(sums, p, work, scaled[work.group])
-                small.add_clipped(sums, scaled)
+                add_clipped_sums(sums, self._works, small, factors, scale)
             if read_late and not finite:
                 assert sums.undoable  # (nothing of an earlier backward was there to add to)
                 sums.rollback()  # (nothing of this batch is accumulated)

@@ -305,7 +305,30 @@ class SmallGradients:
                 sums.add(p, part.view(g.shape[1:]))
 
 
+# ---------------------------------------------------------------------- stage 3: the factors
+def group_factors(works: dict[nn.Parameter, ParamWork], small: SmallGradients, groups: int, batch: int, scale: float,
+                  threshold: float, fn: str, gamma: float) -> tuple[list[torch.Tensor], torch.Tensor | bool]:
+    """``clipping_factors_by_group`` of a backward's parameters' per-sample squared norms, summed per group (the small
+    gradients' with them)."""
+    parts: list[list[torch.Tensor]] = [[] for _ in range(groups)]
+    for work in works.values():
+        if work.sq_norm is not None:
+            parts[work.group].append(work.sq_norm)
+    for group, sq_norm in small.sq_norms():
+        parts[group].append(sq_norm)
+    return clipping_factors_by_group([summed(sq) for sq in parts], batch, scale, threshold, fn, gamma)
+
+
 # ---------------------------------------------------------------------- stage 4: the clipped sum
+def add_clipped_sums(sums: StepSums, works: dict[nn.Parameter, ParamWork], small: SmallGradients,
+                     factors: list[torch.Tensor], scale: float) -> None:
+    """Module 5 or 2b(C) for every parameter of a backward of a single-backward mode."""
+    scaled = [f * scale if scale != 1.0 else f for f in factors]  # (once per group, not per parameter)
+    for p, work in works.items():
+        add_clipped_gradient(sums, p, work, scaled[work.group])
+    small.add_clipped(sums, scaled)
+
+
 def add_clipped_gradient(sums: StepSums, p: nn.Parameter, work: ParamWork, factor: torch.Tensor) -> None:
     """Module 5 (weighted sum of kept per-sample gradients) or 2b(C) (book-keeping) for one parameter; not for the
     small ones left to ``SmallGradients``."""

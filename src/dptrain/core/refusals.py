@@ -1,5 +1,6 @@
 """What a backward is refused for, as the exception to raise: per-sample losses that are not finite, a backward
-compiled by torch.compile that cannot run twice, and a plain backward of a mean loss rounded in low precision.
+compiled by torch.compile that cannot run twice, a plain backward of a mean loss rounded in low precision, and more
+rows than the attached loader's batch had samples.
 (``runner`` raises them; nothing of the backward is kept.)"""
 from __future__ import annotations
 
@@ -42,4 +43,17 @@ def rounded_mean_refusal(loss_reduction: str, fixed_shape: bool, precision: torc
         "would change with the batch size, and one sample could move the step by more than max_grad_norm. Call "
         "engine.backward(per_sample_losses), or back-propagate loss.sum() with loss_reduction='sum', or use "
         "fixed-shape batches (max_batch_size=...), whose mean divides by the same number at every step"
+    )
+
+
+def rows_beyond_loader(what: str, rows: int, unit: str, limit: int) -> ValueError:
+    """The refusal of a backward over more rows than the attached loader's batch had samples."""
+    return ValueError(
+        f"{what} {rows} {unit}, but the attached loader's batch had {limit} samples: the engine clips each "
+        "row as a sample, so rows that belong to one sample (views concatenated with torch.cat([x, x_aug])) "
+        "would each be clipped alone and move the model by up to (rows per sample) x R. Call the model once "
+        "per view and give engine.backward one loss per sample (the sum of its views' losses). If the batch "
+        "comes from another loader than the attached one, attach that loader instead (engine.detach(), then "
+        "engine.attach(optimizer, data_loader=...); the epsilon assumes dptrain.data.poisson_loader batches). "
+        "Nothing of this backward was accumulated"
     )

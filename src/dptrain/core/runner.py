@@ -27,7 +27,7 @@ from .config import EngineConfig
 from .pipeline import Overflow
 from .planning import LayerDecision
 from .precision import LossScaling
-from .refusals import compiled_backward_refusal, non_finite_losses, rounded_mean_refusal
+from .refusals import compiled_backward_refusal, non_finite_losses, rounded_mean_refusal, rows_beyond_loader
 from .trainable import TrainableSet
 
 
@@ -266,15 +266,7 @@ class BackwardRunner:
         if rows is None or limit is None or rows <= limit:
             return
         self.forget_calls()
-        raise ValueError(
-            f"{what} {rows} {unit}, but the attached loader's batch had {limit} samples: the engine clips each "
-            "row as a sample, so rows that belong to one sample (views concatenated with torch.cat([x, x_aug])) "
-            "would each be clipped alone and move the model by up to (rows per sample) x R. Call the model once "
-            "per view and give engine.backward one loss per sample (the sum of its views' losses). If the batch "
-            "comes from another loader than the attached one, attach that loader instead (engine.detach(), then "
-            "engine.attach(optimizer, data_loader=...); the epsilon assumes dptrain.data.poisson_loader batches). "
-            "Nothing of this backward was accumulated"
-        )
+        raise rows_beyond_loader(what, rows, unit, limit)
 
     def _refuse_unmasked_padding(self, rows: int | None, what: str, unit: str) -> None:
         """A backward without a fixed-shape mask over more rows than the attached loader's batch has real ones: the

@@ -352,9 +352,8 @@ def _leading_only(spatial: int):
 def _constant_pad(node, out, batch):
     """``F.pad`` (constant): the pairs of ``_saved_pad`` pad (or, negative, crop) the last dimensions, the batch's too
     where they reach it: ``F.pad(h, (0, 0, 1, -1))`` of ``[B, d]`` shifts every sample onto the next, its shape kept."""
-    rank = len(_shape(node, 0))
     pad = [_signed(int(p)) for p in node._saved_pad]
-    k = rank - 1 - out.axis  # (the pair of the batch's axis, counted from the last)
+    k = len(_shape(node, 0)) - 1 - out.axis  # (the pair of the batch's axis, counted from the last)
     if k < len(pad) // 2 and (pad[2 * k] or pad[2 * k + 1]):
         return UNPROVEN
     return [Rows(out.axis, out.inner, out.outer)] + [FREE] * (len(_next(node)) - 1)
@@ -478,12 +477,9 @@ def ruled(node) -> bool:
     kind = type(node)
     known = _RULED_BY_TYPE.get(kind)
     if known is None:
-        if isinstance(node, _PYTHON_NODE):
-            forward = getattr(node, "_forward_cls", None)
-            known = forward is not None and forward.__module__.startswith("dptrain.") and forward.__name__ in _OWN
-        else:
-            known = True
-        _RULED_BY_TYPE[kind] = known
+        forward = getattr(node, "_forward_cls", None)
+        known = _RULED_BY_TYPE[kind] = not isinstance(node, _PYTHON_NODE) or (
+            forward is not None and forward.__module__.startswith("dptrain.") and forward.__name__ in _OWN)
     return known
 
 

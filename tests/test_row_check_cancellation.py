@@ -170,3 +170,75 @@ def test_under_bf16_rows_under_half_the_largest_are_read_not_taken_for_rows_of_n
         assert report.worst <= 1.0 + 2.0 ** -6, report
     else:
         assert report.refused is None and report.worst <= 1.0 + 2.0 ** -6, report
+
+
+class _Identity(torch.autograd.Function):
+    """No rule (a user's Function): the rows below it are read by tag passes."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class _Read(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.mid, self.head = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(_Identity.apply(torch.tanh(self.mid(torch.tanh(self.inp(x))))))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_a_bert_read_by_tag_passes_under_mixed_precision_is_not_refused(dtype):
+    """A tiny BERT classifier under autocast, its per-sample losses weighted from 1e-3 to 1e3, every layer below the
+    pooler read by tag passes: nothing mixes. In fp16 the small rows' elements are subnormal, where a tag's power of
+    two rounds them and a row of one sample misses its fit: 64 of fp16's units stay noise (the float32 floor refused
+    this model, an outside probe); bf16 has float32's range, and its floor is float32's."""
+    transformers = pytest.importorskip("transformers")
+    from dptrain.testing import attached_engine
+
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0, num_labels=3, attn_implementation="eager")
+    model = transformers.BertForSequenceClassification(config).eval()
+    model.bert.pooler.register_forward_hook(lambda m, i, o: _Identity.apply(o))
+    g = torch.Generator().manual_seed(0)
+    ids, y = torch.randint(1, 64, (8, 10), generator=g), torch.randint(0, 3, (8,), generator=g)
+    w = torch.logspace(-3, 3, 8)[torch.randperm(8, generator=g)]
+    engine, optimizer = attached_engine(model, mode="per-sample", max_grad_norm=0.5, batch_size=8, sample_size=1000)
+    try:
+        for _ in range(2):
+            with torch.autocast("cpu", dtype):
+                losses = F.cross_entropy(model(input_ids=ids).logits, y, reduction="none") * w
+            engine.backward(losses)
+            optimizer.step()
+            optimizer.zero_grad()
+    finally:
+        engine.detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost"])
+def test_rows_of_samples_weighted_apart_are_read_under_mixed_precision(mode, dtype):
+    """Per-sample losses weighted from 1e-3 to 1e3, read by tag passes under autocast: no sample mixes, none refused.
+    In fp16 the small rows' elements are subnormal, where a tag's power of two rounds them: 64 of fp16's units stay
+    noise there (the float32 floor refused such models, an outside probe); bf16 has float32's range."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+    w = torch.logspace(-3, 3, 8)[torch.randperm(8, generator=g)]
+
+    def losses(m, x, y, w):
+        with torch.autocast("cpu", dtype):
+            out = m(x)
+        return w * F.cross_entropy(out.float(), y, reduction="none")
+
+    report = neighbour_test(_Read(), losses, (x, y, w), mode=mode, max_grad_norm=[1e-3, 1.0], remove=[0, 3])
+    assert report.refused is None, report
+    assert report.worst <= 1.0 + 2.0 ** -5, report

@@ -80,12 +80,16 @@ def read_sketches(real: torch.Tensor, tagged: list[torch.Tensor], tags: list[tor
     # and a tagged one is not holds gradients of several samples that cancel in their sum (one sample's loss minus
     # another's output): its samples' own gradients there are not nothing, and it is read as mixed.
     #
-    # "Rounding noise" is float32's at most: a row of one sample is its tag times its real row to within its own
-    # rounding (scaling by a power of two commutes with rounding, in bf16 too), which ``rel`` allows for, relative to
-    # the row. The rounding unit of a bf16 forward times 64 is half the largest row: rows up to that size were taken for
-    # rows of no sample and given the sample their place in a layout says, mixed or not (1.3-1.5 R under bf16
-    # autocast, where the mixing rows were under half the largest; an outside probe).
-    noise = 64 * min(eps, torch.finfo(torch.float32).eps)
+    # "Rounding noise" is float32's at most, but in fp16: a row of one sample is its tag times its real row to within
+    # its own rounding (scaling by a power of two commutes with rounding, in bf16 too), which ``rel`` allows for,
+    # relative to the row. The rounding unit of a bf16 forward times 64 is half the largest row: rows up to that size
+    # were taken for rows of no sample and given the sample their place in a layout says, mixed or not (1.3-1.5 R under
+    # bf16 autocast, where the mixing rows were under half the largest; an outside probe). fp16's range is narrow: a
+    # small row's elements are subnormal there, where a tag's power of two rounds them, and a row of one sample misses
+    # its fit (rows of samples whose losses weigh 1e-3 next to others' 1e3, or under a GradScaler): 64 of its units
+    # (6 % of the largest row) stay noise.
+    low_range = eps == torch.finfo(torch.float16).eps
+    noise = 64 * (eps if low_range else min(eps, torch.finfo(torch.float32).eps))
     empty = gg.sqrt() <= noise * scale
     for t in tagged:
         tt = t.square().sum(1)

@@ -7,9 +7,10 @@ keyed by the structure, read in one walk:
 
 - every node's type, which edges lead where (by position in the walk), where the walk stopped (the model's outputs, for
   the loss check), and whether a layer call reads its gradient there;
-- every tensor's rank: each node's outputs' ranks, but where they are its first input's whatever its arguments
-  (``_KEEPS_RANK``, ``_FIXED_RANK``), or the largest of its inputs' (``_BROADCASTS_LISTED``). Broadcasting aligns shapes from the right, so a rank says which axis meets the batch's:
-  ``g [B, 1, D]`` expanded to ``[B, B, D]`` keeps each row one sample, ``g [B, D]`` puts every sample in each row;
+- every tensor's rank: each node's outputs' ranks, but where the key already determines them (``_KEEPS_RANK``,
+  ``_FIXED_RANK``, ``_BROADCASTS_LISTED``). Broadcasting aligns shapes from the right, so a rank says which axis meets
+  the batch's: ``g [B, 1, D]`` expanded to ``[B, B, D]`` keeps each row one sample, ``g [B, D]`` puts every sample in
+  each row;
 - for each node whose rule reads attributes (reductions, softmaxes, slices, transposes, indexing, padding, ...), those
   attributes (a slice's bounds as whether it keeps its whole axis, an index as which dimensions it picks). Element-wise
   operations, convolutions, poolings and per-sample normalisations read only where the batch sits: their key is their
@@ -52,8 +53,9 @@ _ATTRIBUTES: dict[str, tuple[str, ...]] = {
 # output ranks, so every tensor's rank is in it (the rank decides where broadcasting, a reduction or a view puts the
 # batch). A function of a tensor and another that needs no gradient may broadcast the first to a higher rank
 # (`x.masked_fill(mask, 0)` with a mask of three dimensions, `x * dropout_mask`): not one of these.
-_KEEPS_RANK = {*_rules._REDUCTIONS, "Slice", "Narrow", "ScaledDotProductFlashAttentionForCpu",
-               "ScaledDotProductFlashAttention", "ScaledDotProductEfficientAttention", "ScaledDotProductCudnnAttention",
+_KEEPS_RANK = {
+    *_rules._REDUCTIONS, "Slice", "Narrow", "ScaledDotProductFlashAttentionForCpu", "ScaledDotProductFlashAttention",
+    "ScaledDotProductEfficientAttention", "ScaledDotProductCudnnAttention",
     "Neg", "Exp", "Exp2", "Expm1", "Log", "Log1p", "Log2", "Log10", "Sqrt", "Rsqrt", "Abs", "Sign", "Sgn", "Tanh",
     "Sigmoid", "Relu", "Gelu", "Silu", "Mish", "Elu", "Selu", "Celu", "LeakyRelu", "Hardtanh", "Hardswish",
     "Hardsigmoid", "Softplus", "Softshrink", "Hardshrink", "Reciprocal", "Sin", "Cos", "Tan", "Atan", "Asin", "Acos",

@@ -242,3 +242,22 @@ def test_rows_of_samples_weighted_apart_are_read_under_mixed_precision(mode, dty
     report = neighbour_test(_Read(), losses, (x, y, w), mode=mode, max_grad_norm=[1e-3, 1.0], remove=[0, 3])
     assert report.refused is None, report
     assert report.worst <= 1.0 + 2.0 ** -5, report
+
+
+def test_a_refusal_under_fp16_names_the_grad_scaler_and_bf16():
+    """Under fp16, small rows' elements are subnormal and their reading rounds: a refusal there says what keeps them
+    readable (a model that does mix is refused all the same)."""
+    from dptrain.testing import attached_engine
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 6, generator=g), torch.randint(0, 3, (6,), generator=g)
+    model = _SmallRowsMixed(True)
+    engine, _ = attached_engine(model, mode="bk-mixopt", max_grad_norm=0.1, batch_size=6, sample_size=100)
+    try:
+        with torch.autocast("cpu", torch.float16):
+            out = model(x)
+        with pytest.raises(RowsMixSamples, match="Under fp16 .* GradScaler .* bf16"):
+            engine.backward(F.cross_entropy(out.float(), y, reduction="none"))
+    finally:
+        engine.detach()

@@ -264,6 +264,9 @@ class BackwardRows:
                       "from the forward (dropout with preserve_rng_state=False, a counter) reads as rows mixing "
                       "samples too; keep the RNG state, or checkpoint with use_reentrant=False."
                       if call.recomputed or self.reader.recomputes or self.reader.graph_recomputes else "")
+        if call.precision == torch.float16:
+            recomputed += (" Under fp16 a row of small gradients is subnormal, where its reading rounds: a GradScaler "
+                           "(given to attach) or bf16 keeps it readable, if the model mixes nothing.")
         if self.per_user:
             recomputed += (" With privacy_unit='user' a layer's rows are read per example, then summed per user: a "
                            "forward that mixes the examples of one user is refused too. Couple them in the loss "

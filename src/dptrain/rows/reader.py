@@ -265,8 +265,8 @@ class BackwardRows:
                       "samples too; keep the RNG state, or checkpoint with use_reentrant=False."
                       if call.recomputed or self.reader.recomputes or self.reader.graph_recomputes else "")
         if call.precision == torch.float16:
-            recomputed += (" Under fp16 a row of small gradients is subnormal, where its reading rounds: a GradScaler "
-                           "(given to attach) or bf16 keeps it readable, if the model mixes nothing.")
+            recomputed += (" Under fp16 a row of small gradients is subnormal, where its reading rounds: if the model "
+                           "mixes nothing, a GradScaler (given to attach) helps, and bf16 keeps every row readable.")
         if self.per_user:
             recomputed += (" With privacy_unit='user' a layer's rows are read per example, then summed per user: a "
                            "forward that mixes the examples of one user is refused too. Couple them in the loss "

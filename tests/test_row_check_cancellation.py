@@ -15,7 +15,7 @@ from torch import nn
 from dptrain.rows.errors import RowsMixSamples
 from dptrain.rows.reading import make_tags, read_sketches
 from dptrain.testing import neighbour_test
-from helpers import MODES
+from helpers import MODES, Opaque
 
 B = 5
 
@@ -172,25 +172,13 @@ def test_under_bf16_rows_under_half_the_largest_are_read_not_taken_for_rows_of_n
         assert report.refused is None and report.worst <= 1.0 + 2.0 ** -6, report
 
 
-class _Identity(torch.autograd.Function):
-    """No rule (a user's Function): the rows below it are read by tag passes."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        return g
-
-
 class _Read(nn.Module):
     def __init__(self):
         super().__init__()
         self.inp, self.mid, self.head = nn.Linear(6, 16), nn.Linear(16, 16), nn.Linear(16, 3)
 
     def forward(self, x):
-        return self.head(_Identity.apply(torch.tanh(self.mid(torch.tanh(self.inp(x))))))
+        return self.head(Opaque.apply(torch.tanh(self.mid(torch.tanh(self.inp(x))))))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -207,7 +195,7 @@ def test_a_bert_read_by_tag_passes_under_mixed_precision_is_not_refused(dtype):
                                      intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
                                      attention_probs_dropout_prob=0.0, num_labels=3, attn_implementation="eager")
     model = transformers.BertForSequenceClassification(config).eval()
-    model.bert.pooler.register_forward_hook(lambda m, i, o: _Identity.apply(o))
+    model.bert.pooler.register_forward_hook(lambda m, i, o: Opaque.apply(o))
     g = torch.Generator().manual_seed(0)
     ids, y = torch.randint(1, 64, (8, 10), generator=g), torch.randint(0, 3, (8,), generator=g)
     w = torch.logspace(-3, 3, 8)[torch.randperm(8, generator=g)]

@@ -137,6 +137,7 @@ class BackwardRunner:
         units, step_users, proven = None, set(), True
         if trained:
             self.before_backward()  # (a zero_grad() since the last backward discarded it, and its users: seen first)
+            # (every backward that adds to the step gets here: one that is not trained returns before adding)
             self._refuse_rows_beyond_loader(B, "engine.backward got", "per-sample losses")
             if real_rows is None:
                 self._refuse_unmasked_padding(B, "engine.backward(losses) without mask= got", "per-sample losses")
@@ -182,7 +183,6 @@ class BackwardRunner:
                 raise ValueError("the losses do not depend on any trainable parameter (did the forward run under no_grad?)")
             self.after_backward(False)
             return  # an empty batch contributes nothing; the step still adds noise and counts
-        self.before_backward()
         backward = self.current = Backward(self.setup, self.trainable(), Phase.SINGLE, samples=B, units=units,
                                            tag_losses=tag_losses, padded=padded)
         can_retry = scaling is not None and scaling.can_retry(scaling.scale(), self.recipe.two_pass,

@@ -11,6 +11,12 @@ from .protocol import LayerDims, LayerRule, expand_input_rows
 from .registry import register_layer
 
 
+def token_products(g: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``sum_t g_t^T a_t`` per sample, ``[B, p, d]`` from ``g [B, T, p]`` and ``a [B, T, d]``: a linear layer's
+    per-sample weight gradients. One ``bmm`` (``einsum`` reaches the same kernel after a few times its host time)."""
+    return torch.bmm(g.transpose(1, 2), a)
+
+
 def gram_inner(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """sum_{t,s} (a_t . a_s)(g_t . g_s) per sample, for a [B, T, d] and g [B, T, p].
 
@@ -48,7 +54,7 @@ class LinearRule(LayerRule):
         a, g = ops
         out = {}
         if "weight" in names:
-            out["weight"] = torch.einsum("btp,btd->bpd", g, a.to(g.dtype))
+            out["weight"] = token_products(g, a.to(g.dtype))
         if "bias" in names:
             out["bias"] = g.sum(1, dtype=accumulation_dtype(g.dtype))
         return out

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .hf import TokenParamsRule, _check_positions
+from .linear import token_products
 from .norms import AffineNormRule, GroupNormRule, LayerNormRule, _TrailingDimsNorm
 from .numerics import accumulation_dtype
 from .protocol import CaptureSite, LayerDims, LayerRule
@@ -384,7 +385,7 @@ class BeitAttentionRule(LayerRule):
         A = module.qkv.out_features // 3
         for x, dqkv, dscores in ops:
             if "qkv.weight" in names:
-                add("qkv.weight", torch.einsum("btp,btd->bpd", dqkv, x.to(dqkv.dtype)))
+                add("qkv.weight", token_products(dqkv, x.to(dqkv.dtype)))
             if "q_bias" in names:
                 add("q_bias", dqkv[..., :A].sum(1))
             if "v_bias" in names:

@@ -17,6 +17,7 @@ from torch import nn
 
 import dptrain
 from dptrain import plan, rows
+from dptrain.rows.reading import tolerance
 from dptrain.testing import clipped_gradient, reference_clipped_gradient
 from helpers import MODES, SINGLE_BACKWARD_MODES, Opaque, assert_matches, one_sample_update, tag_passes_counted
 from test_engine import RUN, R, _backward, _engine
@@ -526,23 +527,34 @@ def test_the_forward_precision_is_the_lowest_of_autocast_and_the_parameters():
     assert rows.computing_precision(torch.device("meta"), [torch.float32]) is torch.float32  # no autocast there
 
 
-def test_rows_computed_in_bf16_are_read_with_bf16_rounding():
-    """One sample's rows whose tagged gradient carries bf16-sized rounding: refused by float32 rounding, read at
-    the forward's precision; rows that mix two samples are refused at either."""
+def test_rows_computed_in_bf16_are_read_with_bf16_rounding_where_passes_may_round_apart():
+    """One sample's rows whose tagged gradient carries bf16-sized rounding, as passes that round apart give them (a
+    GPU's non-deterministic kernels): refused by float32 rounding, read at the forward's precision; rows that mix two
+    samples are refused at either. Where every pass is exact (the CPU), such a row is refused at any precision: a row
+    of one sample is then exactly its tag times the real row."""
     torch.manual_seed(0)
     batch, width = 4, 16
     g = torch.randn(batch, width)
     tags = rows.make_tags(batch, torch.Generator().manual_seed(1), 1)
     noisy = [(tags[0].float().unsqueeze(1) * g) * (1 + 3e-3 * torch.randn(batch, width))]  # bf16-sized error
+
+    def read(real, tagged, precision, device=None):
+        eps, rel = tolerance(torch.float32, precision, device)
+        return rows.read_sketches(real.double(), [t.double() for t in tagged], tags, batch, (batch, width), 1, eps, rel)
+
     with pytest.raises(rows.RowsMixSamples):
-        rows.read_rows(g, noisy, tags, batch, two_axes=False)
-    assert rows.read_rows(g, noisy, tags, batch, two_axes=False, precision=torch.bfloat16).identity
+        read(g, noisy, None)
+    assert read(g, noisy, torch.bfloat16).identity
+    with pytest.raises(rows.RowsMixSamples):
+        read(g, noisy, torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(rows.RowsMixSamples):
+        rows.read_rows(g, noisy, tags, batch, two_axes=False, precision=torch.bfloat16)
     mixed = [noisy[0].clone()]
     mixed[0][1] = tags[0][1] * g[1] + tags[0][2] * g[2]  # row 1 carries sample 2's gradient too
     mixed_g = g.clone()
     mixed_g[1] = g[1] + g[2]
     with pytest.raises(rows.RowsMixSamples):
-        rows.read_rows(mixed_g, mixed, tags, batch, two_axes=False, precision=torch.bfloat16)
+        read(mixed_g, mixed, torch.bfloat16)
 
 
 @pytest.mark.parametrize("width", [1, 7, 300, 70_001])

@@ -59,7 +59,7 @@ def _one_sample_per_row(reading: InputRows, axis: int, tags: list[torch.Tensor],
     shape = list(reading.shape)
     shape.insert(0, shape.pop(axis))
     assert reading.dtype is not None  # (set with its sketches)
-    eps, rel = tolerance(reading.dtype, reading.precision)
+    eps, rel = tolerance(reading.dtype, reading.precision, real[axis].device)
     sketches = [real[axis], *(t[axis] for t in tagged)]
     bad = torch.zeros(sketches[0].shape[0], dtype=torch.bool, device=sketches[0].device)
     for s in sketches:

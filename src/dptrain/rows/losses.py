@@ -271,7 +271,7 @@ def _tag_check(losses, sources: dict, units, generator, passes, stopped_at) -> N
         what = sources[edge]
         if real[k] is None:
             continue
-        eps, rel = tolerance(real[k][1], what.precision)
+        eps, rel = tolerance(real[k][1], what.precision, real[k][0].device)
         try:
             rowmap = read_sketches(real[k][0], [t[k][0] for t in tagged], tags, count, real[k][2], 1, eps, rel)
         except RowsMixSamples as err:

@@ -240,7 +240,7 @@ class BackwardRows:
                 unreadable[axes] = unreadable[axes] | ~torch.isfinite(sketch).all(1)
         if any(bool(rows.any()) for rows in unreadable.values()) and self.padded is None:
             raise NonFiniteRows("a layer's output gradient is inf or NaN")
-        eps, rel = tolerance(call.grad.dtype, call.precision)
+        eps, rel = tolerance(call.grad.dtype, call.precision, call.grad.device)
         err = None
         for axes in sorted(real):
             try:

@@ -55,12 +55,37 @@ def finite(grad: torch.Tensor) -> bool:
     return bool(torch.isfinite(grad).all())
 
 
-def tolerance(dtype: torch.dtype, precision: torch.dtype | None) -> tuple[float, float]:
+#: the relative misfit a row of one sample may show where every pass is computed alike (``reproducible``): none but
+#: the float64 rounding of its sketch's fit, as a tag's power of two commutes with rounding
+EXACT_REL = 2.0 ** -30
+
+
+def reproducible(device: torch.device | None, precision: torch.dtype | None) -> bool:
+    """Whether the backward gives a row of one sample exactly its tag times the real row: every pass runs the same
+    deterministic kernels on the same values scaled by a power of two, which commutes with rounding (the CPU's
+    kernels, or CUDA's with ``torch.use_deterministic_algorithms(True)``), in a format whose range keeps small
+    gradients normal (not fp16, where they are subnormal and a tag rounds them)."""
+    if device is None or precision == torch.float16:
+        return False
+    return device.type == "cpu" or (device.type == "cuda" and torch.are_deterministic_algorithms_enabled())
+
+
+def tolerance(dtype: torch.dtype, precision: torch.dtype | None,
+              device: torch.device | None = None) -> tuple[float, float]:
     """(eps, rel) of a reading: the gradient's rounding unit (or the forward's lower one), and the relative misfit a
-    row of one sample may show. The gradient's dtype does not tell the precision it was computed in (a float64 model
-    may normalise in float32): float32's is the floor, or the forward's lower one (bf16 autocast allows 5 %, so a
-    row mixing a few percent of another sample's gradient passes there). A row that mixes samples misses by far
-    more than rounding."""
+    row of one sample may show.
+
+    Where the passes are ``reproducible``, a row of one sample is exactly its tag times the real row: eps is 0 and
+    rel ``EXACT_REL``, so a row that holds any other sample's gradient is read as mixed, however small that part is
+    next to the row. A tolerance of rounding there let a sample whose gradient is 1e-4 of another's pass its share
+    into that one's rows as rounding, while clipping gives the small sample's gradient, formed from the other's
+    values, the full weight R: 1.2-2.1 R, silent, every mode, at an R that clips both (an outside probe).
+
+    Elsewhere (a GPU's non-deterministic kernels, fp16) rounding differs from pass to pass: eps is the gradient's
+    dtype's unit (or the forward's lower one; float32's is the floor, as a float64 model may normalise in float32)
+    and rel a thousand of them, at most 5 % (bf16 autocast). A mixture below rel of its row passes there."""
+    if reproducible(device, precision):
+        return 0.0, EXACT_REL
     eps = torch.finfo(dtype).eps if dtype.is_floating_point else 1e-12
     if precision is not None:
         eps = max(eps, torch.finfo(precision).eps)
@@ -74,44 +99,56 @@ def read_sketches(real: torch.Tensor, tagged: list[torch.Tensor], tags: list[tor
     rows = real.shape[0]
     g = real
     gg = g.square().sum(1)
-    scale = gg.max().sqrt() if rows else gg.new_zeros(())
-    # A row whose gradient is rounding noise next to the call's largest row says nothing about its sample, if its tagged
-    # gradients are as quiet: a row of one sample is its tag times the real row. A row whose real gradient is nothing
-    # and a tagged one is not holds gradients of several samples that cancel in their sum (one sample's loss minus
-    # another's output): its samples' own gradients there are not nothing, and it is read as mixed.
+    # Each row's sample as its tags name it (its ratio in every pass, to the nearest tag), fitting or not: what a row
+    # may hold as rounding is measured against its own sample's rows (``floor``).
+    ratios, ids = [], torch.zeros(rows, dtype=torch.long, device=g.device)
+    named = torch.ones(rows, dtype=torch.bool, device=g.device)
+    for k, t in enumerate(tagged):
+        ratio = (g * t).sum(1) / gg.clamp_min(torch.finfo(torch.float64).tiny)
+        nearest = (-torch.log2(ratio.clamp_min(2.0 ** -(DIGITS + 1)))).round()
+        named &= (nearest >= 0) & (nearest < DIGITS)
+        ids += nearest.clamp(0, DIGITS - 1).long() * DIGITS ** k
+        ratios.append(ratio)
+    sample_of_id = torch.full((max(DIGITS ** len(tagged), batch),), -1, dtype=torch.long, device=g.device)
+    tag_ids = sum((-torch.log2(v.to(g.device))).round().long() * DIGITS ** k for k, v in enumerate(tags))
+    sample_of_id[tag_ids] = torch.arange(batch, device=g.device)
+    samples = torch.where(named, sample_of_id[ids.clamp(max=sample_of_id.numel() - 1)], -1)
+    # Rounding is relative to the magnitudes of a row's own computation, which are its sample's: a row may hold
+    # ``noise`` times its sample's largest row of rounding, and a row of no sample (a padded one, a head the loss
+    # leaves out) is one whose real and tagged gradients are that quiet. The floor was the call's largest row, any
+    # sample's: one sample of a large gradient (a loss weighed 1e9 next to 1e-4, an input 1e5 times the others') put
+    # every other sample's rows under it, mixed or not, and they were taken for rows of no sample or fitted within
+    # it (1.04-2.1 R, silent, every mode; an outside probe). A row whose tags name no sample has no floor.
     #
     # "Rounding noise" is float32's at most, but in fp16: a row of one sample is its tag times its real row to within
     # its own rounding (scaling by a power of two commutes with rounding, in bf16 too), which ``rel`` allows for,
     # relative to the row. The rounding unit of a bf16 forward times 64 is half the largest row: rows up to that size
     # were taken for rows of no sample and given the sample their place in a layout says, mixed or not (1.3-1.5 R under
-    # bf16 autocast, where the mixing rows were under half the largest; an outside probe). fp16's range is narrow: a
-    # small row's elements are subnormal there, where a tag's power of two rounds them, and a row of one sample misses
-    # its fit (rows of samples whose losses weigh 1e-3 next to others' 1e3, or under a GradScaler): 64 of its units
-    # (6 % of the largest row) stay noise.
+    # bf16 autocast; an outside probe). fp16's range is narrow: a small row's elements are subnormal there, where a
+    # tag's power of two rounds them absolutely, so rows whose elements are within 64 of fp16's smallest steps are
+    # noise whatever their sample (``subnormal``), and 64 of its units relative to the sample's largest row.
     low_range = eps == torch.finfo(torch.float16).eps
-    noise = 64 * (eps if low_range else min(eps, torch.finfo(torch.float32).eps))
-    empty = gg.sqrt() <= noise * scale
+    noise = 64 * (eps if low_range else min(eps, torch.finfo(torch.float32).eps))  # (0 where the passes are exact)
+    norm = gg.sqrt()
+    largest = torch.zeros(batch + 1, dtype=norm.dtype, device=g.device)
+    largest = largest.scatter_reduce(0, samples + 1, norm, "amax", include_self=True)
+    largest[0] = 0.0  # (rows whose tags name no sample)
+    floor = noise * largest[samples + 1]
+    # rows within 64 steps of the subnormal range (fp16's, else float32's: bf16 has its range) round absolutely
+    width = math.prod(shape[axes:]) * real.shape[1]  # (a sketch's squared norm is k times its row's, on average)
+    floor = floor.clamp_min(64 * (2.0 ** -24 if low_range else 2.0 ** -149) * math.sqrt(width))
+    empty = norm <= floor
     for t in tagged:
-        tt = t.square().sum(1)
-        empty &= tt.sqrt() <= noise * torch.maximum(scale, tt.max().sqrt())
-    ids = torch.zeros(rows, dtype=torch.long, device=g.device)
-    ok = torch.ones(rows, dtype=torch.bool, device=g.device)
-    for k, t in enumerate(tagged):
-        ratio = torch.where(empty, torch.ones_like(gg), (g * t).sum(1) / gg.clamp_min(torch.finfo(torch.float64).tiny))
+        empty &= t.square().sum(1).sqrt() <= floor
+    ok = named | empty
+    for t, ratio in zip(tagged, ratios):
         residual = (t - ratio.unsqueeze(1) * g).square().sum(1)  # no cancellation, unlike tt - ratio * gt
-        fits = residual <= rel ** 2 * t.square().sum(1) + (noise * scale) ** 2
+        fits = residual <= rel ** 2 * t.square().sum(1) + floor ** 2
         digit = -torch.log2(ratio.clamp_min(2.0 ** -(DIGITS + 1)))
-        nearest = digit.round()
         # A row of one sample has its tag to within the rounding of its computation (rel); so little slack
         # also keeps a mixture of rows of a single value each from passing for a tag by chance.
-        ok &= (fits & ((digit - nearest).abs() <= 2 * rel) & (nearest >= 0) & (nearest < DIGITS)) | empty
-        ids += nearest.clamp(0, DIGITS - 1).long() * DIGITS ** k
-    ids, ok, empty = ids.cpu(), ok.cpu(), empty.cpu()
-    sample_of_id = torch.full((max(DIGITS ** len(tagged), batch),), -1, dtype=torch.long)
-    tag_ids = sum((-torch.log2(v.cpu())).round().long() * DIGITS ** k for k, v in enumerate(tags))
-    sample_of_id[tag_ids] = torch.arange(batch)
-    samples = sample_of_id[ids.clamp(max=sample_of_id.numel() - 1)]
-    ok &= (samples >= 0) | empty
+        ok &= (fits & ((digit - digit.round()).abs() <= 2 * rel)) | empty
+    samples, ok, empty = samples.cpu(), (ok & ((samples >= 0) | empty)).cpu(), empty.cpu()
     if not bool(ok.all()):
         bad = int((~ok).sum())
         raise RowsMixSamples(f"{bad} of {rows} rows along the {'first' if axes == 1 else 'first two'} "
@@ -127,7 +164,7 @@ def read_rows(grad: torch.Tensor, tagged: list[torch.Tensor], tags: list[torch.T
     from .sketch import Projections, sketch_rows
 
     projections = projections or Projections(0)
-    eps, rel = tolerance(grad.dtype, precision)
+    eps, rel = tolerance(grad.dtype, precision, grad.device)
     err = None
     for axes in ((1, 2) if two_axes and grad.dim() >= 3 else (1,)):
         try:

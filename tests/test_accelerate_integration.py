@@ -196,6 +196,28 @@ def test_a_step_without_padding_works_without_the_mask(path):
     assert len(refusals) == 1 and "batch has 7 real samples" in refusals[0]
 
 
+@pytest.mark.parametrize("path", ["accelerator.backward(loss)", "private.backward(losses)"])
+def test_a_backward_without_the_mask_of_a_prepared_private_loader_is_refused(path):
+    """``accelerator.prepare(private.loader)`` builds another DataLoader on the same sampler: the engine never saw its
+    batches, so a backward without the mask clipped the padding rows as samples (1.7 R, silent; an outside probe).
+    Such a backward is refused before anything is accumulated, naming what to do; iterating the loader itself then
+    trains as documented."""
+    accelerator, prepared, optimizer, private = _setup(build_model(), columns(N), max_batch_size=12, accumulation=1)
+    for batch in accelerator.prepare(private.loader):
+        (x, y), mask = batch
+        with accelerator.accumulate(prepared), pytest.raises(ValueError, match="drawn through another DataLoader .* "
+                                                                              "Give the mask: private.backward"):
+            if path == "accelerator.backward(loss)":
+                accelerator.backward(losses_fn(prepared, x, y).mean())
+            else:
+                private.backward(losses_fn(prepared, x, y))
+        break
+    assert all(p.grad is None or not p.grad.any() for p in prepared.parameters())
+    assert private.engine.steps_taken == 0
+    _train(accelerator, prepared, optimizer, private, 1)
+    assert private.engine.steps_taken == 1
+
+
 def test_save_and_load_state_continue_epsilon_steps_and_batches_with_fresh_noise(tmp_path):
     def run(resume=None, save=None):
         model = build_model()

@@ -283,6 +283,39 @@ def test_padded_rows_are_not_counted_as_samples(float64):
         assert torch.allclose(padded[name], alone[name], rtol=1e-12, atol=0)
 
 
+def test_batches_drawn_through_another_loader_need_their_mask():
+    """A DataLoader built on the attached loader's sampler (as ``accelerator.prepare`` builds one) draws batches the
+    attached loader never handed out: the engine cannot tell their padding rows without the mask, and clipped them as
+    samples (1.7 R, silent; an outside probe). A backward without the mask is refused, as is the same through the
+    attached loader; with the mask the step is taken; after the attached loader draws again, its own record counts."""
+    torch.manual_seed(0)
+    n, K = 12, 10
+    data = TensorDataset(torch.randn(n, 3), torch.randint(0, 2, (n,)))
+    loader = poisson_loader(data, sample_rate=0.5, max_batch_size=K, generator=torch.Generator().manual_seed(1))
+    model = nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = PrivacyEngine(model, batch_size=6, sample_size=n, noise_multiplier=1.0, max_grad_norm=1.0,
+                           max_batch_size=K).attach(optimizer, data_loader=loader)
+    try:
+        (x, y), mask = next(iter(torch.utils.data.DataLoader(data, batch_sampler=loader.batch_sampler,
+                                                             collate_fn=loader.collate_fn)))
+        assert not mask.all()  # (padding rows: K exceeds every draw of 12 examples at q = 0.5 in this seed)
+        with pytest.raises(ValueError, match="drawn through another DataLoader .* Give the mask: engine.backward"):
+            engine.backward(classify(model, x, y))
+        with pytest.raises(ValueError, match="drawn through another DataLoader"):
+            F.cross_entropy(model(x), y).backward()
+        assert model.weight.grad is None
+        engine.backward(masked_losses(classify(model, x, y), mask), mask=mask)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert engine.steps_taken == 1
+        (x, y), mask = next(iter(loader))
+        with pytest.raises(ValueError, match=f"batch has {int(mask.sum())} real samples"):
+            engine.backward(classify(model, x, y))
+    finally:
+        engine.detach()
+
+
 # ---------------------------------------------------------------------------- torch.compile
 
 

@@ -38,7 +38,7 @@ from .privacy.ledger import Ledger
 from .privacy.loader_checks import (
     check_cyclic_step,
     check_loader,
-    loader_padding,
+    loader_watch,
     no_cyclic_loader_warning,
     not_poisson_warning,
 )
@@ -289,8 +289,7 @@ class PrivacyEngine:
         self._sync_grad_hooks()
         if data.is_poisson_loader(data_loader):
             loader = weakref.ref(data_loader)
-            runner.loader_rows = lambda: getattr(loader(), "recent_batch_rows", None)
-            runner.loader_padding = lambda: loader_padding(loader())
+            runner.loader_rows, runner.loader_padding, runner.loader_drawn_elsewhere = loader_watch(loader)
             self._cyclic_loader = loader if self.cyclic_groups > 1 else None
         self._step.attach(optimizer, self._scaling, runner, self._prepare_step)
         attached.add(self.model, self._step)

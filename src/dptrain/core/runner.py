@@ -61,6 +61,7 @@ class BackwardRunner:
         #: the attached loader's padding: (batches handed out, the fewest real rows of its last batches with padding
         #: or None, the call that gives the engine their masks), or None (no loader that records it)
         self.loader_padding: Callable[[], tuple[int, int | None, str] | None] = lambda: None
+        self.loader_drawn_elsewhere: Callable[[], str | None] = lambda: None  # (loader_checks.drawn_elsewhere_refusal)
         # rows back-propagated from the loader's last batch (physical batches of one batch add up), and the rows
         # the running backward adds once it is done
         self._batch_mark: int | None = None
@@ -273,6 +274,10 @@ class BackwardRunner:
         padding rows would be clipped as samples, and since their number is K minus the real ones, removing one
         sample would move the step by up to 2R. (A loop may fetch the next batch before this backward: the fewest
         real rows of the last two batches count. Physical batches of one batch add up.)"""
+        refusal = self.loader_drawn_elsewhere()  # (another loader drew the attached one's batches)
+        if refusal is not None:
+            self.forget_calls()
+            raise ValueError(refusal)
         padding = self._loader_batch()
         if rows is None or padding is None or padding[1] is None or self._rows_of_batch + rows <= padding[1]:
             return

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import contextlib
 from typing import Any, Callable, Iterator, cast
 
 import torch
@@ -22,6 +23,17 @@ from .distributed import DistributedPoissonSampler, DistributedUserPoissonSample
 from .fixed_shape import _FixedShapeCollate
 from .poisson import PoissonSampler
 from .users import UserPoissonSampler, _ExamplesWithUsers, _FixedShapeUserCollate, _user_ids, _UserCollate
+
+
+@contextlib.contextmanager
+def drawing(sampler: PoissonSampler):
+    """The ``DPDataLoader`` of ``sampler`` draws from it (its iterator starts drawing inside, at the first batch): the
+    batches another loader drew before are behind."""
+    sampler.drawn_by_owner, sampler.drawn_elsewhere = True, False
+    try:
+        yield
+    finally:
+        sampler.drawn_by_owner = False
 
 
 class DPDataLoader(DataLoader):
@@ -51,6 +63,7 @@ class DPDataLoader(DataLoader):
 
     def __init__(self, dataset: Dataset, sampler: PoissonSampler, **kwargs: Any):
         super().__init__(dataset, batch_sampler=sampler, **kwargs)
+        sampler.owned = True
         self.sample_rate = sampler.sample_rate
         #: g of cyclic Poisson sampling (dptrain.data.cyclic; 1: plain Poisson sampling): q is then the rate within a group
         self.cyclic_groups = getattr(sampler, "cyclic_groups", 1)
@@ -81,13 +94,14 @@ class DPDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # (a generator over DataLoader's iterator)
         sampler = self.poisson_sampler
         self._consumed = sampler._position if sampler._resume_pending else 0
-        for batch in super().__iter__():
-            self._consumed += 1
-            self._note_batch(batch)
-            if self.cyclic_groups > 1:
-                assert isinstance(sampler, cyclic._CyclicGroups)  # (only a cyclic sampler has groups)
-                self.last_batch_step = sampler.step_of(self._consumed - 1)
-            yield batch
+        with drawing(sampler):
+            for batch in super().__iter__():
+                self._consumed += 1
+                self._note_batch(batch)
+                if self.cyclic_groups > 1:
+                    assert isinstance(sampler, cyclic._CyclicGroups)  # (only a cyclic sampler has groups)
+                    self.last_batch_step = sampler.step_of(self._consumed - 1)
+                yield batch
         self._consumed = None
 
     def _note_batch(self, batch: Any) -> None:

@@ -69,6 +69,12 @@ class PoissonSampler(Sampler[list[int]]):
         self._epoch_start_state: torch.Tensor | None = None
         self._position = 0
         self._resume_pending = False
+        #: set by the ``DPDataLoader`` built on this sampler: whether it is drawing now, and whether another loader
+        #: drew batches of it (``accelerator.prepare(loader)`` builds one on the same sampler), whose batches the
+        #: engine, reading the ``DPDataLoader``'s record of them, would not see
+        self.owned = False
+        self.drawn_by_owner = False
+        self.drawn_elsewhere = False
 
     def __len__(self) -> int:
         return self.steps
@@ -87,6 +93,8 @@ class PoissonSampler(Sampler[list[int]]):
         return drawn[keep[: self.max_batch_size].sort().values.to(drawn.device)]
 
     def __iter__(self) -> Iterator[list[int]]:
+        if self.owned and not self.drawn_by_owner:
+            self.drawn_elsewhere = True
         if self._resume_pending:
             self._resume_pending = False
             assert self._epoch_start_state is not None  # (load_state_dict sets both)

@@ -35,6 +35,7 @@ from .. import _checks, accounting
 from ..data import DPDataLoader, FixedShapeBatch, PoissonSampler
 from ..data.batches import _EmptyBatchCollate
 from ..data.fixed_shape import _FixedShapeCollate
+from ..data.loaders import drawing
 
 __all__ = ["MASK_KEY", "ShardedPoissonLoader", "ShardedPoissonSampler", "fixed_shape_rows", "sharded_poisson_loader"]
 
@@ -170,10 +171,11 @@ class ShardedPoissonLoader(DPDataLoader):
         sampler.resolve()  # before workers copy the collate function, which needs the rows of a piece
         start = sampler._position * self.micro_batches if sampler._resume_pending else 0
         self._consumed = start
-        for batch in super(DPDataLoader, self).__iter__():
-            self._consumed += 1
-            self._note_batch(batch)
-            yield batch
+        with drawing(sampler):
+            for batch in super(DPDataLoader, self).__iter__():
+                self._consumed += 1
+                self._note_batch(batch)
+                yield batch
         self._consumed = None
 
     def set_max_batch_size(self, max_batch_size: int) -> None:

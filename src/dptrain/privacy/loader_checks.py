@@ -5,7 +5,7 @@ loader's batch of that step; the padding of its fixed-shape batches is read at e
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 from .. import data
 from ..data.cyclic import cyclic_groups_of
@@ -83,6 +83,43 @@ def check_cyclic_step(loader: Any, step: int, groups: int) -> None:
 def loader_padding(loader: Any) -> tuple[int, int | None, str] | None:
     """(batches handed out, the fewest real rows of the last ones that carry padding or None, the call that gives the
     engine their masks) of a loader that records them (``DPDataLoader``); None for one that does not (or is gone)."""
-    if not hasattr(loader, "recent_real_rows"):
+    if not hasattr(loader, "recent_real_rows") or drawn_elsewhere(loader):
         return None
     return loader.batches_handed_out, loader.recent_real_rows, loader.mask_call
+
+
+def loader_rows(loader: Any) -> int | None:
+    """The most rows of the last batches a loader that records them handed out (``DPDataLoader``), else None (also
+    where another loader drew them: ``drawn_elsewhere``)."""
+    if not hasattr(loader, "recent_batch_rows") or drawn_elsewhere(loader):
+        return None
+    return loader.recent_batch_rows
+
+
+def drawn_elsewhere(loader: Any) -> bool:
+    """Whether another ``DataLoader`` built on the attached loader's sampler drew its batches now
+    (``accelerator.prepare(loader)``, ``DataLoader(..., batch_sampler=loader.batch_sampler)``, the Trainer's batches
+    skipped on resuming): the attached loader handed out none of them, and its record of their rows says nothing."""
+    return bool(getattr(getattr(loader, "batch_sampler", None), "drawn_elsewhere", False))
+
+
+def loader_watch(loader: Callable[[], Any]):
+    """What the engine reads of the attached loader (a weak reference) at each backward: ``loader_rows``,
+    ``loader_padding`` and ``drawn_elsewhere_refusal``."""
+    return (lambda: loader_rows(loader()), lambda: loader_padding(loader()),
+            lambda: drawn_elsewhere_refusal(loader()))
+
+
+def drawn_elsewhere_refusal(loader: Any) -> str | None:
+    """The refusal of a backward without the batch's mask where another loader drew the batches (``drawn_elsewhere``):
+    the engine cannot tell which rows are padding, and clipped them as samples: 1.7 R, silent (an outside probe, with
+    ``accelerator.prepare(private.loader)``). With the mask it knows them; batches of varying size have none."""
+    if drawn_elsewhere(loader) and getattr(loader, "max_batch_size", None) is not None:
+        return (
+            "the batches of the loader attached to the engine were drawn through another DataLoader built on its "
+            "sampler (accelerator.prepare(loader), or DataLoader(..., batch_sampler=loader.batch_sampler)), so the "
+            "engine cannot tell which rows of a backward without the batch's mask are padding: it would clip them "
+            f"as samples. Give the mask: {loader.mask_call}; or iterate the attached loader itself (for batch in "
+            "loader: ...; with Accelerate, do not prepare private.loader: move each batch with "
+            "accelerate.utils.send_to_device). Nothing of this backward was accumulated")
+    return None

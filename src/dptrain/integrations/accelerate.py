@@ -28,6 +28,8 @@ What goes where::
   logical batch (expected ``batch_size`` examples over all processes and micro-batches, cut to K and padded to
   K rows with ``max_batch_size``, ``"auto"`` by default) and gives every process its share of each of the
   ``gradient_accumulation_steps`` micro-batches (``loaders.sharded_poisson_loader``). Batches come on the CPU.
+  Do not prepare ``private.loader`` either: a backward without the mask of a batch a prepared loader drew is
+  refused (the engine saw none of its batches, so it cannot tell their padding rows).
 * **The backward** is ``private.backward(losses, mask)``: per-sample losses, not divided by the accumulation
   steps (the engine divides the noisy sum by the expected batch size), through the loss scaler when there is
   one. ``accelerator.accumulate(model)`` decides when ``optimizer.step()`` steps, as usual; a step that does

@@ -344,12 +344,40 @@ def test_shuffled_batches_are_an_opt_in_recorded_as_unproven(tmp_path):
     (dict(train_sampling_strategy="group_by_length"), {}, "train_sampling_strategy"),
     ({}, {"batch_size": 4}, r"engine_kwargs must not repeat .*batch_size"),
     ({}, {"max_batch_size": 12}, r"engine_kwargs must not repeat .*max_batch_size"),
+    ({}, {"privacy_unit": "user"}, r"privacy_unit='user': DPTrainer samples examples; .*poisson_loader"),
 ])
 def test_settings_that_cannot_be_private_are_refused(tmp_path, setting, engine_kwargs, message):
     ids, mask, labels = _lm_data()
     with pytest.raises(ValueError, match=message):
         DPTrainer(model=_gpt2(), args=_args(tmp_path, **setting), noise_multiplier=1.0, engine_kwargs=engine_kwargs,
                   train_dataset=_dataset((ids, mask, labels)))
+
+
+class _BatchLossTrainer(DPTrainer):
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        return model(**inputs).loss * 0  # (an objective of the user's)
+
+
+def test_a_batch_loss_of_the_users_is_refused_where_training_would_not_use_it(tmp_path):
+    """DPTrainer trains on per-sample losses: a compute_loss override, or compute_loss_func=, was never called in
+    training, and the default loss silently replaced the user's objective (an outside probe). Refused at construction,
+    naming compute_per_sample_losses and per_sample_loss; with per_sample_loss given, compute_loss (the evaluation's)
+    may stay."""
+    data = _dataset(_lm_data())
+    with pytest.raises(ValueError, match="compute_loss is overridden.* compute_per_sample_losses"):
+        _trainer(_BatchLossTrainer, model=_gpt2(), args=_args(tmp_path), train_dataset=data, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="compute_loss_func= .* per_sample_loss="):
+        _trainer(model=_gpt2(), args=_args(tmp_path), train_dataset=data, noise_multiplier=1.0,
+                 compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss)
+
+    def losses(model, inputs):
+        return _lm_losses(model, inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
+
+    calls = []
+    trainer = _trainer(_BatchLossTrainer, model=_gpt2(), args=_args(tmp_path), train_dataset=data,
+                       noise_multiplier=1.0, per_sample_loss=lambda m, i: calls.append(1) or losses(m, i))
+    trainer.train()
+    assert calls and trainer.privacy_engine.steps_taken == 1
 
 
 def test_a_max_batch_size_that_does_not_split_is_refused(tmp_path):

@@ -217,8 +217,8 @@ class DPTrainer(Trainer):
         if poisson_sampling and max_batch_size is None:
             raise ValueError("max_batch_size must be an int or 'auto' (the Trainer's batches have fixed shapes: a "
                              "micro-batch may not be empty), got None")
-        self._check_arguments(poisson_sampling)
         self.per_sample_loss = per_sample_loss
+        self._check_arguments(poisson_sampling, engine_kwargs or {})
         self.token_loss_reduction = token_loss_reduction
         self.poisson_sampling = poisson_sampling
 
@@ -276,9 +276,24 @@ class DPTrainer(Trainer):
                 self.privacy_engine = self._new_engine()
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
-    def _check_arguments(self, poisson_sampling: bool) -> None:
+    def _check_arguments(self, poisson_sampling: bool, engine_kwargs: Mapping[str, Any]) -> None:
         args = self.args
         problems = []
+        own_loss = type(self).compute_per_sample_losses is not DPTrainer.compute_per_sample_losses
+        if self.per_sample_loss is None and not own_loss:
+            # (the Trainer's batch loss is what per-sample clipping cannot use: training would silently take the
+            # default per-sample loss instead)
+            if type(self).compute_loss is not DPTrainer.compute_loss:
+                problems.append("compute_loss is overridden, but DPTrainer trains on per-sample losses and never calls "
+                                "it in training: override compute_per_sample_losses(model, inputs) -> [B] instead, or "
+                                "pass per_sample_loss=fn(model, inputs)")
+            if getattr(self, "compute_loss_func", None) is not None:
+                problems.append("compute_loss_func= gives a batch loss, which DPTrainer never calls in training: pass "
+                                "per_sample_loss=fn(model, inputs) -> [B] instead")
+        if engine_kwargs.get("privacy_unit", "example") != "example":
+            problems.append(f"privacy_unit={engine_kwargs['privacy_unit']!r}: DPTrainer samples examples; for "
+                            "user-level privacy use PrivacyEngine(privacy_unit='user') with "
+                            "dptrain.data.poisson_loader(..., users=...) in your own loop (docs/user-level.md)")
         if args.torch_compile:
             problems.append("torch_compile=True: compiled models bypass the per-layer hooks the engine relies on")
         if getattr(self, "is_deepspeed_enabled", False):

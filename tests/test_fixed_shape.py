@@ -73,6 +73,36 @@ def test_every_batch_has_k_rows_real_rows_first_then_zero_padding():
     assert max(real_counts) == 8 and min(real_counts) < 8  # some draws were cut, some padded
 
 
+def test_a_collator_that_pads_to_the_batchs_longest_example_gets_padding_rows_of_its_shape():
+    """Dynamic padding (Hugging Face's DataCollatorWithPadding pads to the batch's longest example): each batch has its
+    own sequence length, and the padding rows take it. Refused mid-run before, when a batch's length differed from
+    dataset[0]'s, after steps (and privacy) were spent (an outside probe). K rows whatever the draw; a padded step
+    is exact against the same step on the real rows alone."""
+    lengths = [3, 7, 5, 2, 6, 4, 7, 3, 5, 6]
+    examples = [torch.arange(1, n + 1) for n in lengths]
+
+    def pad_to_longest(items):
+        longest = max(len(x) for x in items)
+        return torch.stack([torch.cat([x, x.new_zeros(longest - len(x))]) for x in items])
+
+    loader = poisson_loader(examples, sample_rate=0.4, max_batch_size=6, steps=30, collate_fn=pad_to_longest,
+                            generator=_seeded(3))
+    widths = set()
+    for ids, mask in loader:
+        n = int(mask.sum())
+        assert ids.shape[0] == 6 and not ids[n:].any()
+        widths.add(ids.shape[1])
+    assert len(widths) > 1  # (the batches' lengths differ)
+    embedding = nn.EmbeddingBag(8, 2, mode="sum")
+    x = torch.tensor([[1, 2, 0], [3, 0, 0]])
+    losses = lambda m, ids: m(ids).square().sum(1)  # noqa: E731
+    kwargs = dict(mode="bk-mixopt", max_grad_norm=0.5, batch_size=4)
+    alone = clipped_gradient(embedding, losses, (x,), **kwargs)
+    padded = clipped_gradient(embedding, lambda m, ids, mask: masked_losses(losses(m, ids), mask),
+                              (torch.cat([x, x.new_zeros(2, 3)]), torch.arange(4) < 2), **kwargs)
+    assert torch.allclose(padded["weight"], alone["weight"], rtol=1e-12, atol=0)
+
+
 def test_an_empty_draw_is_all_padding():
     loader = poisson_loader(Records(5), sample_rate=1e-9, max_batch_size=3, steps=2, generator=_seeded())
     for (x, _label, name), mask in loader:

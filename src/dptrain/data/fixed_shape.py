@@ -98,13 +98,15 @@ def _append_rows(leaf: Any, pad: Any, count: int) -> Any:
     if count == 0:
         return leaf
     if isinstance(leaf, torch.Tensor):
-        if leaf.shape[1:] != pad.shape[1:] or leaf.dtype != pad.dtype:
+        if leaf.dim() != pad.dim() or leaf.dtype != pad.dtype:
             raise ValueError(
-                f"fixed-shape batches need every example to collate to the same shapes: a batch tensor of "
-                f"{leaf.dtype} with trailing shape {list(leaf.shape[1:])} differs from dataset[0]'s "
-                f"({pad.dtype}, {list(pad.shape[1:])}); pad or crop the examples to one shape in the dataset"
+                f"fixed-shape batches need every example to collate to tensors of one dtype and rank: a batch tensor "
+                f"of {leaf.dtype} with trailing shape {list(leaf.shape[1:])} differs from dataset[0]'s "
+                f"({pad.dtype}, {list(pad.shape[1:])}); make the examples' fields one dtype and rank in the dataset"
             )
-        return torch.cat([leaf, pad.to(leaf.device).expand(count, *pad.shape[1:])])
+        # A collator that pads to the batch's longest example (DataCollatorWithPadding) gives each batch its own
+        # trailing sizes: the padding rows (zeros, masked) take the batch's. The rows are K whatever the draw.
+        return torch.cat([leaf, leaf.new_zeros(count, *leaf.shape[1:])])
     return type(leaf)(list(leaf) + list(pad) * count)
 
 

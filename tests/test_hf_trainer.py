@@ -214,8 +214,8 @@ def _resumable_run(tmp_path, seen, resume=None, **overrides):
         seen.append(inputs["input_ids"].clone())
         return _lm_losses(model, inputs["input_ids"], inputs["attention_mask"], inputs["labels"])
 
-    args = _args(tmp_path / "run", per_device_train_batch_size=2, max_steps=6, learning_rate=1e-2,
-                 save_strategy="steps", save_steps=2, **overrides)
+    settings = dict(per_device_train_batch_size=2, max_steps=6, learning_rate=1e-2, save_strategy="steps", save_steps=2)
+    args = _args(tmp_path / "run", **{**settings, **overrides})
     trainer = _trainer(model=_gpt2(), args=args, train_dataset=_dataset(_lm_data(n=16)), noise_multiplier=1.0,
                        per_sample_loss=losses, engine_kwargs={"seed": 0})
     trainer.train(resume_from_checkpoint=resume)
@@ -252,6 +252,15 @@ def test_resuming_continues_epsilon_steps_and_batches_with_fresh_noise(tmp_path,
     assert any(not torch.equal(p, final[n]) for n, p in full.model.named_parameters())
     logged = [e for e in resumed.state.log_history if "epsilon" in e and "loss" in e]
     assert logged[-1]["epsilon"] == pytest.approx(full.privacy_engine.get_epsilon())
+
+
+def test_resuming_with_another_batch_size_is_refused_naming_the_trainers_settings(tmp_path, uninterrupted):
+    """A checkpoint's batches come from its sampling (q = B / n): a resume with another per_device_train_batch_size is
+    refused before training, naming the Trainer's arguments rather than the sampler's internals (an outside probe)."""
+    _, _, folder = uninterrupted
+    with pytest.raises(ValueError, match=r"trained on batches of another sampling: 16 training examples at a sample "
+                                         r"rate of 0.25 .*per_device_train_batch_size"):
+        _resumable_run(tmp_path, [], resume=str(folder / "run" / "checkpoint-2"), per_device_train_batch_size=4)
 
 
 class _StopAt(T.TrainerCallback):

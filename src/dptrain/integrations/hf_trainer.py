@@ -387,7 +387,16 @@ class DPTrainer(Trainer):
             sampler_state = dict(sampler_state)
             if not self.args.ignore_data_skip:
                 sampler_state["position"] = 0  # the Trainer itself skips the batches of this epoch already trained
-            self._train_loader.load_state_dict(sampler_state)
+            try:
+                self._train_loader.load_state_dict(sampler_state)
+            except ValueError as err:
+                saved = sampler_state.get("num_samples"), sampler_state.get("sample_rate")
+                raise ValueError(
+                    f"{checkpoint} was trained on batches of another sampling: {saved[0]} training examples at a "
+                    f"sample rate of {saved[1]} (expected batch size per_device_train_batch_size x "
+                    "gradient_accumulation_steps x world_size over len(train_dataset)), its epochs and max_batch_size; "
+                    "this run's differ, so the saved batches and the privacy accounting cannot continue. Resume with "
+                    f"the checkpoint's train_dataset and batch settings, or start a new run ({err})") from None
         elif sampler_state is not None:
             raise ValueError(f"{path} was saved with Poisson sampling: resume with poisson_sampling=True")
 

@@ -170,6 +170,8 @@ def _view(node, out, batch):
 
 def _regroup(rows: Rows, oshape, ishape, batch: int) -> Rows | None:
     """Where the batch of a tensor of shape ``oshape`` (``rows``) sits in the same elements shaped ``ishape``."""
+    if 0 in ishape or 0 in oshape:
+        return None  # (no element: no flattened order to follow; a loss over no token, logits[:, :-1] at T = 1)
     stride = rows.stride(oshape)
     span = stride * batch  # the batch digit covers [stride, stride * batch) of the flattened index
     inner_size = 1

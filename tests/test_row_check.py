@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from dptrain.rows import RowsMixSamples
-from dptrain.testing import attached_engine, reference_clipped_gradient
+from dptrain.testing import attached_engine, neighbour_test, reference_clipped_gradient
 from helpers import MODES, SINGLE_BACKWARD_MODES, Opaque, assert_matches, default_dtype, tag_passes_counted
 
 R_CLIPS_ALL = 1e-4  # below every per-sample gradient norm of these models
@@ -309,6 +309,24 @@ def test_a_backward_split_at_a_detached_activation_is_refused(float64, mode, ins
                 engine.backward((h * detached.grad).sum(1))
     finally:
         engine.detach()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_layers_called_outside_the_model_after_a_step_of_another_batch_size_are_a_group_of_their_own(mode):
+    """A step through model(x) of 4 samples, then the layers called directly on 3: the last model call's batch was
+    taken for theirs and the losses refused as not one per sample of it (a false refusal an outside probe found; cold,
+    the same step passed). After a backward, layer calls outside a model call are their own group (row-check.md 5)."""
+    torch.manual_seed(0)
+    model = BackboneHead().double()
+
+    def direct(m, x, y):
+        return F.cross_entropy(m.head(torch.tanh(m.backbone(x))), y, reduction="none")
+
+    report = neighbour_test(model, direct, _data(3, seed=3), mode=mode, max_grad_norm=[1e-3, 1e3],
+                            warm_up=[_data(4, seed=4)], warm_up_losses=lambda m, x, y: F.cross_entropy(m(x), y,
+                                                                                                     reduction="none"))
+    assert report.refused is None, report
+    assert report.worst <= 1.0 + 1e-9, report
 
 
 # ------------------------------------------------------------------------------------------ sequences of steps

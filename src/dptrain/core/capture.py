@@ -368,8 +368,10 @@ class Capture(LayerHooks):
         return self._last_forward
 
     def backward_ended(self) -> None:
-        """A backward completed: layer calls made outside a model call from now on are another forward's."""
+        """A backward completed: layer calls made outside a model call from now on are another forward's, of no model
+        call's batch (the last model call's was taken for theirs: refused where the sizes differed)."""
         self._last_forward = None
+        self.forward_batch = None
         self._eval_run = False
         self.deferred_calls = 0
 

@@ -76,8 +76,8 @@ def tolerance(dtype: torch.dtype, precision: torch.dtype | None,
     row of one sample may show.
 
     Where the passes are ``reproducible``, a row of one sample is exactly its tag times the real row: eps is 0 and
-    rel ``EXACT_REL``, so a row that holds any other sample's gradient is read as mixed, however small that part is
-    next to the row. A tolerance of rounding there let a sample whose gradient is 1e-4 of another's pass its share
+    rel ``EXACT_REL``, so a row that holds another sample's gradient is read as mixed down to about 1e-8 of the row
+    (docs/row-check.md). A tolerance of rounding there let a sample whose gradient is 1e-4 of another's pass its share
     into that one's rows as rounding, while clipping gives the small sample's gradient, formed from the other's
     values, the full weight R: 1.2-2.1 R, silent, every mode, at an R that clips both (an outside probe).
 

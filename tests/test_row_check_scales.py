@@ -9,10 +9,13 @@ its tag times its real row where every pass runs the same kernels (a power of tw
 Where the passes may round differently (fp16, a GPU's non-deterministic kernels) the slack stays."""
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
+from dptrain.rows import reading
 from dptrain.rows.reading import EXACT_REL, make_tags, read_sketches, reproducible, tolerance
 from dptrain.testing import neighbour_test
 from helpers import MODES
@@ -132,6 +135,12 @@ def test_where_the_passes_are_exact():
     try:
         torch.use_deterministic_algorithms(False)
         assert not reproducible(cuda, None)
+        reading._WARNED.clear()
+        with pytest.warns(UserWarning, match="without deterministic algorithms.*use_deterministic_algorithms"):
+            assert tolerance(torch.float32, None, cuda)[1] == 1e3 * torch.finfo(torch.float32).eps
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # (said once a process)
+            tolerance(torch.float32, None, cuda)
         torch.use_deterministic_algorithms(True)
         assert reproducible(cuda, None)
     finally:

@@ -10,6 +10,7 @@ samples. The fit is taken on the rows' sketches, which keep both (``sketch.py``)
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -58,6 +59,7 @@ def finite(grad: torch.Tensor) -> bool:
 #: the relative misfit a row of one sample may show where every pass is computed alike (``reproducible``): none but
 #: the float64 rounding of its sketch's fit, as a tag's power of two commutes with rounding
 EXACT_REL = 2.0 ** -30
+_WARNED: list[str] = []  # (the loose reading on CUDA is said once a process)
 
 
 def reproducible(device: torch.device | None, precision: torch.dtype | None) -> bool:
@@ -86,6 +88,13 @@ def tolerance(dtype: torch.dtype, precision: torch.dtype | None,
     and rel a thousand of them, at most 5 % (bf16 autocast). A mixture below rel of its row passes there."""
     if reproducible(device, precision):
         return 0.0, EXACT_REL
+    if device is not None and device.type == "cuda" and precision != torch.float16 and not _WARNED:
+        _WARNED.append(device.type)
+        warnings.warn(
+            "the row check reads rows by tag passes on CUDA without deterministic algorithms, so it allows each row "
+            "a thousand rounding units of misfit: a sample whose gradient is less than about 1e-4 of another's could "
+            "couple with it unseen. torch.use_deterministic_algorithms(True) makes the reading exact "
+            "(docs/row-check.md, section 4)", stacklevel=2)
     eps = torch.finfo(dtype).eps if dtype.is_floating_point else 1e-12
     if precision is not None:
         eps = max(eps, torch.finfo(precision).eps)

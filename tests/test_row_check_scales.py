@@ -13,12 +13,13 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dptrain.rows import reading
 from dptrain.rows.reading import EXACT_REL, make_tags, read_sketches, reproducible, tolerance
 from dptrain.testing import neighbour_test
-from helpers import MODES
+from helpers import MODES, Opaque
 
 B, D = 4, 4
 MIXED = "mix the gradients of several samples"
@@ -163,3 +164,30 @@ def test_the_reading_of_a_part_of_another_sample():
         read_sketches(real, tagged, tags, 3, (3, 16), 1, 0.0, EXACT_REL)
     assert read_sketches(real, tagged, tags, 3, (3, 16), 1, *tolerance(torch.float32, None, None)).identity
     assert read_sketches(own, [v[:, None] * own for v in tags], tags, 3, (3, 16), 1, 0.0, EXACT_REL).identity
+
+
+class _FrozenHalfMiddle(nn.Module):
+    """float32 trainable layers around a frozen fp16 one, no autocast; ``Opaque`` leaves the rows to the tag passes."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 5)
+        self.mid = nn.Linear(32, 32).half().requires_grad_(False)
+
+    def forward(self, x):
+        h = self.mid(Opaque.apply(torch.tanh(self.l1(x))).half()).float()
+        return self.l3(Opaque.apply(torch.relu(self.l2(h))))
+
+
+@pytest.mark.parametrize("mode", ["per-sample", "ghost", "bk-mixopt"])
+def test_a_frozen_fp16_part_keeps_the_reading_loose(mode):
+    """A gradient through a frozen fp16 part is rounded in fp16, where a tag's power of two rounds small values: the
+    forward's precision counts every parameter, frozen ones too (the trainable ones alone read float32, and the exact
+    reading refused this model, which mixes nothing; an outside probe)."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    batch = torch.randn(6, 16, generator=g), torch.randint(0, 5, (6,), generator=g)
+    report = neighbour_test(_FrozenHalfMiddle(), lambda m, x, y: F.cross_entropy(m(x), y, reduction="none"), batch,
+                            mode=mode, max_grad_norm=[1e-3, 1e3], remove=[0, 3])
+    assert report.refused is None, report
+    assert report.worst <= 1.0 + 1e-2, report  # (fp16 rounding in the frozen part)

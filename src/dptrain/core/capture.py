@@ -21,6 +21,7 @@ parameter of the model is refused (``StateWrites``: version counters). The hooks
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -128,7 +129,6 @@ class Capture(LayerHooks):
         self.forward_batch: int | None = None
         #: the lowest precision the open model call computes in (``rows.computing_precision``), for reading rows
         self.forward_precision: torch.dtype | None = None
-        self._param_dtypes: tuple[torch.dtype, ...] = ()
         self._forward_count = 0
         self._open_forward: int | None = None  # id of a model call that has not returned yet
         #: the open model call, deferred (an evaluation in eval() mode with gradients enabled: deferred.py)
@@ -172,7 +172,6 @@ class Capture(LayerHooks):
 
     def set_layers(self, layers: list[LayerState]) -> None:
         self.layers = layers
-        self._param_dtypes = tuple({p.dtype for s in layers for p in s.params.values()})
         self._state_of = {id(s.module): s for s in layers}
         for state in layers:
             if self._hooked.get(id(state.module)) is state.module:
@@ -250,8 +249,8 @@ class Capture(LayerHooks):
         self._end_carrying()
         self._handles_at, self._own_handles = RemovableHandle.next_id, 0
         device = next((t.device for t in tensors_in((args, kwargs))), None)
-        self.forward_precision = (computing_precision(device, self._param_dtypes)
-                                  if device is not None and not self.dry else None)
+        dtypes = {t.dtype for t in itertools.chain(self.model.parameters(), self.model.buffers())}  # (frozen ones too)
+        self.forward_precision = (computing_precision(device, dtypes) if device is not None and not self.dry else None)
         self._passthrough = None if self.dry else _outside_parameters((args, kwargs), self.model)
         if torch.is_grad_enabled() and not self.dry:
             self.state_writes.before()
@@ -368,8 +367,7 @@ class Capture(LayerHooks):
         return self._last_forward
 
     def backward_ended(self) -> None:
-        """A backward completed: layer calls made outside a model call from now on are another forward's, of no model
-        call's batch (the last model call's was taken for theirs: refused where the sizes differed)."""
+        """A backward completed: layer calls outside a model call are now another forward's, of its own batch."""
         self._last_forward = None
         self.forward_batch = None
         self._eval_run = False

@@ -42,7 +42,8 @@ def make_tags(batch: int, generator: torch.Generator, passes: int | None = None)
 
 def computing_precision(device: torch.device, params) -> torch.dtype | None:
     """The lowest floating-point precision the forward computes in now: autocast's dtype where autocast is on for
-    ``device``, and the (trainable) parameters' dtypes. A gradient's own dtype does not show it: a float32 input
+    ``device``, and the model's parameters' and buffers' dtypes (``params``, frozen ones too: a gradient through a
+    frozen fp16 part is rounded in fp16). A gradient's own dtype does not show it: a float32 input
     of a bf16 model, or a LayerNorm's float32 output under autocast, gets a float32 gradient computed in bf16."""
     lowest = None
     _, on, dtype = autocast_state(device.type)
@@ -78,8 +79,8 @@ def tolerance(dtype: torch.dtype, precision: torch.dtype | None,
     row of one sample may show.
 
     Where the passes are ``reproducible``, a row of one sample is exactly its tag times the real row: eps is 0 and
-    rel ``EXACT_REL``, so a row that holds another sample's gradient is read as mixed down to about 1e-8 of the row
-    (docs/row-check.md). A tolerance of rounding there let a sample whose gradient is 1e-4 of another's pass its share
+    rel ``EXACT_REL``, so a row that holds another sample's gradient is read as mixed down to what the backward keeps
+    of it (its own rounding: docs/row-check.md). A tolerance of rounding there let a sample whose gradient is 1e-4 of another's pass its share
     into that one's rows as rounding, while clipping gives the small sample's gradient, formed from the other's
     values, the full weight R: 1.2-2.1 R, silent, every mode, at an R that clips both (an outside probe).
 

@@ -16,8 +16,7 @@ import torch
 
 class Rows(NamedTuple):
     """Where the batch sits in a tensor: along ``axis``, of ``outer * B * inner`` rows, row ``r`` of sample
-    ``(r // inner) % B`` (``inner``: a sample's rows in consecutive blocks; ``outer``: the batch repeated). (A named
-    tuple: a walk makes one per edge.)"""
+    ``(r // inner) % B`` (``inner``: a sample's rows in blocks; ``outer``: the batch repeated; one an edge)."""
 
     axis: int
     inner: int = 1
@@ -28,9 +27,7 @@ class Rows(NamedTuple):
         return self.inner * math.prod(shape[self.axis + 1:])
 
 
-#: a tensor without a batch axis (broadcast over the batch): its gradient is a sum over samples
-FREE = "free"
-UNPROVEN = None
+FREE, UNPROVEN = "free", None  # (FREE: a tensor without a batch axis, broadcast over it: its gradient sums samples)
 
 
 # What one walk reads of each node, read once: reading a node's metadata makes new Python objects each time, and the

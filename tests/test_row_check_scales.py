@@ -5,8 +5,9 @@ own: the part is 1e-4 of the row, and the tag reading took it for rounding (its 
 float32's units), so the row was read as sample 1's while sample 0's gradient, formed from sample 1's values, kept its
 full weight: 1.04-2.1 R, silent, every mode, at an R that clips both (an outside probe). A row of one sample is exactly
 its tag times its real row where every pass runs the same kernels (a power of two commutes with rounding): on the CPU
-(and on CUDA with deterministic algorithms) a row must now fit exactly, so any part of another sample is read as mixing.
-Where the passes may round differently (fp16, a GPU's non-deterministic kernels) the slack stays."""
+(and on CUDA with deterministic algorithms) a row must now fit exactly, so a part of another sample is read as mixing
+down to what the backward itself keeps of it (its own rounding of the row: docs/row-check.md). Where the passes may
+round differently (fp16, a GPU's non-deterministic kernels) the slack stays."""
 from __future__ import annotations
 
 import warnings

@@ -192,3 +192,45 @@ def test_a_frozen_fp16_part_keeps_the_reading_loose(mode):
                             mode=mode, max_grad_norm=[1e-3, 1e3], remove=[0, 3])
     assert report.refused is None, report
     assert report.worst <= 1.0 + 1e-2, report  # (fp16 rounding in the frozen part)
+
+
+def _weighted_bf16(m, x, w, c):
+    with torch.autocast("cpu", torch.bfloat16):
+        return (w * m(x, c).pow(2).sum(1)).float()
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+@pytest.mark.parametrize("precision", ["bf16 autocast", "float32 at 3e-9"])
+@pytest.mark.parametrize("mode", MODES)
+def test_a_part_below_the_backwards_own_rounding_is_read_at_the_others_scale(mode, precision, start):
+    """Sample 0's part of row 1 below the backward's own rounding of that row (bf16: a loss weighted 1e-4; float32:
+    3e-9) is rounded away in every pass alike, so no reading of the real gradient shows it: 1.1-1.4 R, silent (an
+    outside probe). The tag passes and a reference pass weigh sample 0's loss up to the others' scale
+    (``reading.even_scales``): its part is as large as sample 1's there, and the row reads as mixed."""
+    bf16 = precision == "bf16 autocast"
+    losses = _weighted_bf16 if bf16 else _weighted
+    x, w, _ = _batch(0, [1e-4 if bf16 else 3e-9, 1.0, 1.0, 1.0])
+    batch = x, w, torch.tensor([1.0, 0.0, 0.0, 0.0])  # (sample 0 carries the coefficient: without it nothing mixes)
+    warm_up = [_batch(1, [1e-4, 1.0, 1.0, 1.0], coefficient=0.0)] if start == "warm" else []
+    report = neighbour_test(_model(), losses, batch, mode=mode, max_grad_norm=[1e-9, 1e3], warm_up=warm_up)
+    assert report.refused is not None and MIXED in report.refused, report
+
+
+@pytest.mark.parametrize("mode", ["bk-mixopt", "ghost", "per-sample"])
+def test_samples_of_scales_far_apart_are_read_exactly_under_bf16(mode):
+    """The control under bf16 autocast: nothing mixed, losses weighted from 1e-6 to 1e6, read by tag passes weighted
+    to even the scales out: not refused, within the bound (bf16's rounding of the sums)."""
+    report = neighbour_test(_model(), _weighted_bf16, _batch(0, [1e-6, 1.0, 1e6, 1e-3], coefficient=0.0), mode=mode,
+                            max_grad_norm=[1e-9, 1e9], warm_up=[_batch(1, [1.0] * B, coefficient=0.0)])
+    assert report.refused is None, report
+    assert report.worst <= 1.0 + 2.0 ** -6, report
+
+
+def test_the_scales_that_even_out_the_losses():
+    """Powers of two that bring each loss up towards the largest, at least 1 and at most 2^40; None where none would
+    be 8 or more, under fp16, or with a non-finite loss."""
+    losses = torch.tensor([1.0, 1e-3, -2.0, 0.0, 1e-30])
+    assert reading.even_scales(losses, None).tolist() == [2.0, 2.0 ** 10, 1.0, 2.0 ** 40, 2.0 ** 40]
+    assert reading.even_scales(torch.tensor([1.0, 0.5, 3.0]), None) is None
+    assert reading.even_scales(losses, torch.float16) is None
+    assert reading.even_scales(torch.tensor([1.0, float("nan")]), None) is None

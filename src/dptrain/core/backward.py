@@ -23,6 +23,7 @@ from ..layers.numerics import outside_autocast
 from ..layers.protocol import LayerDims
 from ..rows import BackwardRows, NonFiniteRows, RowMap, RowReader, describe_layouts, tag_passes
 from ..rows.layout import check_source_rows
+from ..rows.reading import even_scales
 from .algorithms import Grad, Norm, Recipe
 from .calls import Call, LayerState, outside_model_call
 from .capture import Capture
@@ -209,16 +210,21 @@ class Backward:
         (``rows.read_rows``). Nothing is reduced."""
         dtype = torch.promote_types(losses.dtype, torch.float32)
         tags = self.setup.rows.new_tags(losses.shape[0], passes)
-        if self.tag_losses is not None:  # a reference pass of the unmasked losses: padded rows show their layout
+        scales = even_scales(losses, self.setup.capture.forward_precision)
+        if self.tag_losses is not None or scales is not None:
+            # a reference pass, weighted as the tag passes are: padded rows (the unmasked losses) show their layout,
+            # and samples of small losses are read at the others' scale (rows.reading.even_scales)
             tags, self.rows.reference_pass = [*tags, torch.ones_like(tags[0])], True
         self.rows.begin_tags(tags)
         assert self.rows.tags is not None  # (begun just above)
         for k, pass_tags in enumerate(self.rows.tags):
             self.rows.tagging, self.rows.tag_pass = True, k
             self.setup.capture.new_pass()
+            seeds = pass_tags.to(losses.device) * factor
+            if scales is not None:
+                seeds = seeds * scales
             try:
-                torch.autograd.backward((losses * (pass_tags * factor).to(losses.device, dtype)).sum(),
-                                        retain_graph=True)
+                torch.autograd.backward((losses * seeds.to(dtype)).sum(), retain_graph=True)
             finally:
                 self.rows.tagging = False
 

@@ -24,7 +24,7 @@ from .errors import NonFiniteRows, RowsMixSamples
 from .layout import IDENTITY
 from .outputs import tensors_in
 from .proof import Rows, marked_edge, prove
-from .reading import make_tags, read_sketches, tolerance
+from .reading import even_scales, make_tags, read_sketches, tolerance
 from .sketch import Projections, sketch_rows
 
 #: the key of the model's output marks in an autograd node's ``metadata``
@@ -263,10 +263,13 @@ def _tag_check(losses, sources: dict, units, generator, passes, stopped_at) -> N
             del g
         return out
 
-    real = sketches(None)
+    # the reference and the tag passes weigh samples of small losses up to the others' scale (reading.even_scales)
+    half = any(getattr(what, "precision", None) == torch.float16 for what in sources.values())
+    scales = even_scales(losses, torch.float16 if half else None)
+    real = sketches(scales)
     if not all(r is None or bool(torch.isfinite(r[0]).all()) for r in real):
         raise NonFiniteRows("the per-sample losses' gradient is inf or NaN where the loss check reads it")
-    tagged = [sketches(per_loss(v)) for v in tags]
+    tagged = [sketches(per_loss(v) if scales is None else per_loss(v).to(scales.device) * scales) for v in tags]
     for k, edge in enumerate(edges):
         what = sources[edge]
         if real[k] is None:

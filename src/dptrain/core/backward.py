@@ -205,24 +205,18 @@ class Backward:
             self._drop_recomputed()
 
     def _tag_pass(self, losses: torch.Tensor, factor: float, passes: int) -> None:
-        """Back-propagate ``factor * sum_i v_i L_i`` once per set of per-sample tags ``v`` (``rows.make_tags``):
-        each call's tagged output gradients show which sample each of its rows belongs to
-        (``rows.read_rows``). Nothing is reduced."""
-        dtype = torch.promote_types(losses.dtype, torch.float32)
-        tags = self.setup.rows.new_tags(losses.shape[0], passes)
+        """Back-propagate ``factor * sum_i v_i s_i L_i`` per set of per-sample tags ``v`` (``rows.make_tags``; ``s``:
+        ``rows.reading.even_scales``): each call's tagged output gradients show its rows' samples; nothing reduced."""
+        dtype, tags = torch.promote_types(losses.dtype, torch.float32), self.setup.rows.new_tags(len(losses), passes)
         scales = even_scales(losses, self.setup.capture.forward_precision)
-        if self.tag_losses is not None or scales is not None:
-            # a reference pass, weighted as the tag passes are: padded rows (the unmasked losses) show their layout,
-            # and samples of small losses are read at the others' scale (rows.reading.even_scales)
+        if self.tag_losses is not None or scales is not None:  # a reference pass weighted alike (padded rows' layout)
             tags, self.rows.reference_pass = [*tags, torch.ones_like(tags[0])], True
         self.rows.begin_tags(tags)
         assert self.rows.tags is not None  # (begun just above)
         for k, pass_tags in enumerate(self.rows.tags):
             self.rows.tagging, self.rows.tag_pass = True, k
             self.setup.capture.new_pass()
-            seeds = pass_tags.to(losses.device) * factor
-            if scales is not None:
-                seeds = seeds * scales
+            seeds = pass_tags.to(losses.device) * factor * (1.0 if scales is None else scales)
             try:
                 torch.autograd.backward((losses * seeds.to(dtype)).sum(), retain_graph=True)
             finally:

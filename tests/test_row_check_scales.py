@@ -234,3 +234,14 @@ def test_the_scales_that_even_out_the_losses():
     assert reading.even_scales(torch.tensor([1.0, 0.5, 3.0]), None) is None
     assert reading.even_scales(losses, torch.float16) is None
     assert reading.even_scales(torch.tensor([1.0, float("nan")]), None) is None
+
+
+def test_the_scales_are_not_applied_under_data_parallelism(monkeypatch):
+    """Every rank runs the backwards all ranks agreed on (FSDP2 gathers parameters in each): a reference pass that only
+    some ranks' losses asked for hung the others (the FSDP2 example under torchrun). Several processes: no weighting."""
+    losses = torch.tensor([1.0, 1e-6])
+    assert reading.even_scales(losses, None) is not None
+    monkeypatch.setattr(torch.distributed, "is_available", lambda: True)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *args: 2)
+    assert reading.even_scales(losses, None) is None

@@ -59,8 +59,8 @@ EVEN_UP_TO = 40
 
 def even_scales(losses: torch.Tensor, precision: torch.dtype | None) -> torch.Tensor | None:
     """Per-sample powers of two, at least 1 and at most 2^40, that bring each loss up towards the largest
-    (``floor(log2(max |L| / |L_i|))``), or None where none would be 8 or more (or under fp16, or with a non-finite
-    loss).
+    (``floor(log2(max |L| / |L_i|))``), or None where none would be 8 or more (or under fp16, with a non-finite loss,
+    or under data parallelism: ``_data_parallel``).
 
     The tag passes, and a reference pass that then stands for the real gradient, weigh the losses by them (the tags'
     ratios are unchanged). A part of a small sample's gradient in another's row below the backward's own rounding of
@@ -68,7 +68,7 @@ def even_scales(losses: torch.Tensor, precision: torch.dtype | None) -> torch.Te
     into another's row under bf16: 1.2-1.3 R, silent; an outside probe). Weighted, the small sample's gradient is as
     large as the others' in the passes that read the rows, wherever its loss tells its scale (a loss weighted small,
     a sample the model already fits)."""
-    if precision == torch.float16 or losses.dim() != 1 or losses.numel() < 2:
+    if precision == torch.float16 or losses.dim() != 1 or losses.numel() < 2 or _data_parallel():
         return None
     size = losses.detach().abs().to(torch.float64)
     if not bool(torch.isfinite(size).all()):
@@ -78,6 +78,13 @@ def even_scales(losses: torch.Tensor, precision: torch.dtype | None) -> torch.Te
     if not bool((exponent >= 3).any()):
         return None
     return torch.pow(2.0, exponent)
+
+
+def _data_parallel() -> bool:
+    """Several processes: each rank runs the backwards every rank agreed on (FSDP2 gathers parameters in each), and a
+    reference pass only some ranks' losses asked for would hang the others; the passes are not weighted there."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def finite(grad: torch.Tensor) -> bool:

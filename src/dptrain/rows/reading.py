@@ -71,11 +71,8 @@ def even_scales(losses: torch.Tensor, precision: torch.dtype | None) -> torch.Te
     if precision == torch.float16 or losses.dim() != 1 or losses.numel() < 2 or _data_parallel():
         return None
     size = losses.detach().abs().to(torch.float64)
-    if not bool(torch.isfinite(size).all()):
-        return None
-    ratio = size.max() / size.clamp_min(torch.finfo(torch.float64).tiny)
-    exponent = torch.log2(ratio).floor().clamp(0, EVEN_UP_TO)
-    if not bool((exponent >= 3).any()):
+    exponent = torch.log2(size.max() / size.clamp_min(torch.finfo(torch.float64).tiny)).floor().clamp(0, EVEN_UP_TO)
+    if not bool(torch.isfinite(size).all() & (exponent >= 3).any()):  # (one read on the host)
         return None
     return torch.pow(2.0, exponent)
 
@@ -145,14 +142,15 @@ def read_sketches(real: torch.Tensor, tagged: list[torch.Tensor], tags: list[tor
     gg = g.square().sum(1)
     # Each row's sample as its tags name it (its ratio in every pass, to the nearest tag), fitting or not: what a row
     # may hold as rounding is measured against its own sample's rows (``floor``).
-    ratios, ids = [], torch.zeros(rows, dtype=torch.long, device=g.device)
+    fits_of, ids = [], torch.zeros(rows, dtype=torch.long, device=g.device)
     named = torch.ones(rows, dtype=torch.bool, device=g.device)
     for k, t in enumerate(tagged):
         ratio = (g * t).sum(1) / gg.clamp_min(torch.finfo(torch.float64).tiny)
-        nearest = (-torch.log2(ratio.clamp_min(2.0 ** -(DIGITS + 1)))).round()
+        digit = -torch.log2(ratio.clamp_min(2.0 ** -(DIGITS + 1)))
+        nearest = digit.round()
         named &= (nearest >= 0) & (nearest < DIGITS)
         ids += nearest.clamp(0, DIGITS - 1).long() * DIGITS ** k
-        ratios.append(ratio)
+        fits_of.append((t, ratio, (digit - nearest).abs()))
     sample_of_id = torch.full((max(DIGITS ** len(tagged), batch),), -1, dtype=torch.long, device=g.device)
     tag_ids = sum((-torch.log2(v.to(g.device))).round().long() * DIGITS ** k for k, v in enumerate(tags))
     sample_of_id[tag_ids] = torch.arange(batch, device=g.device)
@@ -185,13 +183,12 @@ def read_sketches(real: torch.Tensor, tagged: list[torch.Tensor], tags: list[tor
     for t in tagged:
         empty &= t.square().sum(1).sqrt() <= floor
     ok = named | empty
-    for t, ratio in zip(tagged, ratios):
+    for t, ratio, off_tag in fits_of:
         residual = (t - ratio.unsqueeze(1) * g).square().sum(1)  # no cancellation, unlike tt - ratio * gt
         fits = residual <= rel ** 2 * t.square().sum(1) + floor ** 2
-        digit = -torch.log2(ratio.clamp_min(2.0 ** -(DIGITS + 1)))
         # A row of one sample has its tag to within the rounding of its computation (rel); so little slack
         # also keeps a mixture of rows of a single value each from passing for a tag by chance.
-        ok &= (fits & ((digit - digit.round()).abs() <= 2 * rel)) | empty
+        ok &= (fits & (off_tag <= 2 * rel)) | empty
     samples, ok, empty = samples.cpu(), (ok & ((samples >= 0) | empty)).cpu(), empty.cpu()
     if not bool(ok.all()):
         bad = int((~ok).sum())
